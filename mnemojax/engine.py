@@ -1,0 +1,221 @@
+"""The engine: requests in, outputs out. Each `step()` is: schedule, execute, update."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from mnemojax.executor import Executor, RowResult
+from mnemojax.kv_manager import PageManager
+from mnemojax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mnemojax.request import Request, RequestStatus
+from mnemojax.sampling_params import SamplingParams
+from mnemojax.scheduler import Scheduler, SchedulerConfig
+from models import checkpoint
+from models.config import PRESETS, LlamaConfig, preset
+from models.llama import ModelSpec
+from models.params import init_params
+from models.tokenizer import load_tokenizer
+from shardings.mesh import make_mesh
+from shardings.specs import ShardingTable
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes an engine. `LLM(...)` keyword arguments map onto these fields."""
+
+    model: str = "tiny"  # a preset name (see models.config.PRESETS) or a Hugging Face Llama directory
+    dtype: str = "float32"  # parameters, activations and KV cache: "float32" or "bfloat16"
+    max_model_len: int | None = None  # prompt + generated tokens of one request; default min(model's, 8192)
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # KV pages per device (page 0 reserved); default: 4 full-length requests
+    chunk_size: int = 256  # most prefill tokens of one request per step
+    max_num_batched_tokens: int = 512  # token budget of a step
+    max_num_seqs: int = 16  # requests per step
+    seed: int = 0  # random weights of presets, and sampling seeds of requests that give none
+    block_pages: int = 8  # KV pages per block of the reference attention
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("page_size", "chunk_size", "max_num_batched_tokens", "max_num_seqs", "block_pages"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        is_preset = config.model in PRESETS
+        self.model_config: LlamaConfig = preset(config.model) if is_preset else \
+            LlamaConfig.from_pretrained(config.model)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({mc.max_position_embeddings})")
+        pages_per_seq = -(-self.max_model_len // config.page_size)
+        num_pages = config.num_pages or 1 + 4 * pages_per_seq
+        self.mesh = make_mesh(1, 1, 1)
+        table = ShardingTable()
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), table.params(mc.tie_word_embeddings))
+        dtype = jnp.dtype(config.dtype)
+        if is_preset:
+            params = init_params(mc, dtype=dtype, seed=config.seed, shardings=shardings)
+        else:
+            params = checkpoint.load_hf_params(config.model, mc, dtype, shardings)
+        self.tokenizer = load_tokenizer(config.model) if (config.model == "tiny" or not is_preset) else None
+        spec = ModelSpec(mc, config.dtype, config.block_pages)
+        self.executor = Executor(spec, params, self.mesh, num_pages=num_pages, page_size=config.page_size,
+                                 max_num_seqs=config.max_num_seqs, max_pages_per_seq=pages_per_seq,
+                                 table=table)
+        self.pages = PageManager(num_pages, config.page_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                                                   config.chunk_size), self.pages)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+        self.eos_token_ids = set(mc.eos_token_ids)
+
+    # ---------------------------------------------------------------- requests in
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.config.model!r} has no tokenizer: give prompts as token ids")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming the field and the limit; changes nothing."""
+        vocab = self.model_config.vocab_size
+        params.validate(vocab_size=vocab)
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        for i, t in enumerate(prompt_ids):
+            if not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t} at index {i} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds max_model_len ({self.max_model_len})")
+        need = self.pages.pages_for(total)
+        if need > self.pages.num_usable:
+            raise ValueError(f"prompt + max_tokens = {total} tokens needs {need} KV pages of "
+                             f"{self.pages.page_size} tokens; num_pages allows only {self.pages.num_usable}")
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
+        req = Request(rid, prompt_ids, params, time.perf_counter(), seed,
+                      prompt=prompt if isinstance(prompt, str) else None)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update. Returns the outputs of requests that made progress this step."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        now = time.perf_counter()
+        for ch in plan.chunks:
+            if ch.request.first_scheduled_time is None:
+                ch.request.first_scheduled_time = now
+        results = self.executor.execute(plan)
+        now = time.perf_counter()
+        for ch in plan.chunks:
+            ch.request.num_computed += ch.num_tokens
+        for ref, res in results:
+            req = plan.chunks[ref.chunk].request
+            if ref.is_sample:
+                self._append_token(req, res, now)
+            else:
+                req.prompt_logprobs.append(
+                    self._logprob_dict(res.top_ids, res.top_logprobs, req.params.prompt_logprobs,
+                                       req.prompt_token_ids[ref.token_index], res.target_logprob))
+        return [self.output(ch.request) for ch in plan.chunks]
+
+    @staticmethod
+    def _logprob_dict(top_ids, top_lps, k: int, token: int, token_lp: float) -> dict[int, float]:
+        d = {int(i): float(lp) for i, lp in zip(top_ids[:k], top_lps[:k])}
+        d[token] = token_lp
+        return d
+
+    def _append_token(self, req: Request, res: RowResult, now: float) -> None:
+        p = req.params
+        req.output_token_ids.append(res.token)
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.logprobs is not None:
+            req.logprobs.append(self._logprob_dict(res.top_ids, res.top_logprobs, p.logprobs, res.token,
+                                                   res.token_logprob))
+        if self.tokenizer is not None:
+            prev = len(req.output_text)
+            req.output_text = self.tokenizer.decode(req.output_token_ids,
+                                                    skip_special_tokens=p.skip_special_tokens)
+            for s in p.stop:
+                at = req.output_text.find(s, max(0, prev - len(s) + 1))
+                if at >= 0:
+                    req.output_text = req.output_text[:at + len(s) if p.include_stop_str_in_output else at]
+                    return self._finish(req, "stop", s)
+        if res.token in self.eos_token_ids and not p.ignore_eos:
+            return self._finish(req, "stop")
+        if res.token in p.stop_token_ids:
+            return self._finish(req, "stop", res.token)
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str, stop_reason=None) -> None:
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        req.status = RequestStatus.FINISHED
+        req.finished_time = time.perf_counter()
+        self.scheduler.remove(req)
+
+    # ---------------------------------------------------------------- outputs out
+    def output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids),
+                                      None if req.logprobs is None else list(req.logprobs),
+                                      req.finish_reason, req.stop_reason)],
+            finished=req.is_finished,
+            metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                   req.finished_time, list(req.token_times)),
+            num_preemptions=req.num_preemptions)
+
+    def pop_finished(self, request_id: str) -> RequestOutput:
+        """The final output of a finished request, forgetting it."""
+        req = self.requests.pop(request_id)
+        return self.output(req)

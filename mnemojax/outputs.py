@@ -1,0 +1,50 @@
+"""What `LLM.generate` returns, in vLLM's shapes."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock times (seconds, `time.perf_counter`) of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    token_times: list[float]  # when each generated token became known
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tbt(self) -> list[float]:
+        """Time between consecutive generated tokens."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # per generated token; always contains the sampled token
+    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, float] | None] | None  # aligned with the prompt; first entry None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_preemptions: int = 0

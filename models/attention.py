@@ -1,0 +1,97 @@
+"""Paged attention: the reference implementation of the attention contract (DESIGN.md).
+
+`paged_attention(q, cache, ...) -> (out, lse)`: every query token attends to the keys of its own sequence that
+sit in the paged cache at absolute positions <= its own (bottom-right causal: a step's query tokens are the
+last tokens of their sequence), grouped-query, accumulated in float32, log-sum-exp in natural log.
+
+The work is blockwise over KV pages with an online softmax, so memory is (query tokens x block), never
+(query tokens x context); the loop runs only as many blocks as the longest sequence of the step needs. The
+step is ragged: every token carries its sequence id, so a decode token is one row next to a 2048-token
+prefill chunk, never padded to the chunk's length.
+
+A token whose sequence has no visible key (an empty KVP shard, a padding row) gets out = 0 and lse = NEG_INF,
+i.e. weight 0 in a log-sum-exp merge.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Large finite negative instead of -inf: a block with no valid key gives weight 0, not NaN (JAX_NOTES.md).
+NEG_INF = -1e30
+
+
+def paged_attention(q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start, seq_ids, positions,
+                    block_pages: int, precision=None):
+    """Reference paged attention over one layer of the cache.
+
+    Args:
+      q: [T, N, H] query tokens (RoPE applied), N query heads, H head dim.
+      k_cache, v_cache: [L, P, S, K, H] paged cache (L local layers, P pages of S slots, K kv heads); this
+        step's own K/V must already be written.
+      layer: scalar index of the layer in the cache.
+      page_table: i32[B, M] local page ids of each sequence, in token order; unused columns may hold any id.
+      kv_lens: i32[B] number of keys of each sequence held in this cache (this step's tokens included).
+      kv_start: i32[B] absolute position of each sequence's first key held here (0 unless KV-parallel).
+      seq_ids: i32[T] row of `page_table` each query token belongs to.
+      positions: i32[T] absolute position of each query token.
+      block_pages: pages per block of the online softmax (static).
+      precision: matmul precision for the two einsums.
+
+    Returns:
+      out [T, N, H] float32 and lse [T, N] float32 (natural log).
+    """
+    T, N, H = q.shape
+    _, _, S, K, _ = k_cache.shape
+    G = N // K
+    M = page_table.shape[1]
+    bp = min(block_pages, M)
+    C = bp * S  # keys per block
+
+    qg = (q.astype(jnp.float32) * (H ** -0.5)).reshape(T, K, G, H)
+    tok_len = kv_lens[seq_ids]  # [T]
+    tok_rel = positions - kv_start[seq_ids]  # [T] a key at local index i is visible iff i <= tok_rel
+    tok_table = page_table[seq_ids]  # [T, M]
+    num_blocks = (jnp.max(kv_lens) + C - 1) // C  # only the blocks the longest sequence needs
+
+    def body(j, carry):
+        m, l, acc = carry
+        cols = jnp.minimum(j * bp + jnp.arange(bp), M - 1)
+        pages = tok_table[:, cols]  # [T, bp]
+        kb = k_cache[layer, pages].reshape(T, C, K, H).astype(jnp.float32)
+        vb = v_cache[layer, pages].reshape(T, C, K, H).astype(jnp.float32)
+        s = jnp.einsum("tkgh,tckh->tkgc", qg, kb, precision=precision)
+        idx = j * C + jnp.arange(C)
+        valid = (idx[None, :] < tok_len[:, None]) & (idx[None, :] <= tok_rel[:, None])  # [T, C]
+        valid = valid[:, None, None, :]
+        s = jnp.where(valid, s, NEG_INF)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
+        scale = jnp.exp(m - m_new)
+        l = l * scale + p.sum(-1)
+        acc = acc * scale[..., None] + jnp.einsum("tkgc,tckh->tkgh", p, vb, precision=precision)
+        return m_new, l, acc
+
+    init = (jnp.full((T, K, G), NEG_INF, jnp.float32), jnp.zeros((T, K, G), jnp.float32),
+            jnp.zeros((T, K, G, H), jnp.float32))
+    m, l, acc = lax.fori_loop(0, num_blocks, body, init)
+    empty = l == 0.0
+    safe_l = jnp.where(empty, 1.0, l)
+    out = jnp.where(empty[..., None], 0.0, acc / safe_l[..., None])
+    lse = jnp.where(empty, NEG_INF, m + jnp.log(safe_l))
+    return out.reshape(T, N, H), lse.reshape(T, N)
+
+
+def dense_attention_reference(q, k, v, q_positions, k_positions):
+    """Plain softmax attention for tests: q [T, N, H], k/v [C, K, H], causal on absolute positions."""
+    T, N, H = q.shape
+    K = k.shape[1]
+    qg = q.astype(jnp.float32).reshape(T, K, N // K, H) * (H ** -0.5)
+    s = jnp.einsum("tkgh,ckh->tkgc", qg, k.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    mask = (k_positions[None, :] <= q_positions[:, None])[:, None, None, :]
+    s = jnp.where(mask, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - lse[..., None])
+    out = jnp.einsum("tkgc,ckh->tkgh", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return out.reshape(T, N, H), lse.reshape(T, N)

@@ -1,0 +1,115 @@
+"""The Llama-3 forward step, written as per-device code.
+
+`forward` runs inside `jax.shard_map` over the (kvp, spp, tp) mesh: every array it sees is the local shard
+(its stage's layers, its share of heads and MLP columns, its KVP rank's pages and rows), and the collectives
+are explicit. On the 1x1x1 mesh the collectives are identities and this is plain single-device code.
+
+Letters: T step tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab, R logits rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from models import rope
+from models.attention import paged_attention
+from models.config import LlamaConfig
+from shardings.mesh import TP
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step's ragged batch (device arrays; built by the executor from the scheduler's plan).
+
+    Tokens of all sequences are laid end to end; padding tokens write to the reserved dummy page 0 and belong
+    to a sequence row whose outputs are never read.
+    """
+
+    token_ids: jax.Array  # i32[T] input token of each row
+    positions: jax.Array  # i32[T] absolute position of each token in its sequence
+    seq_ids: jax.Array  # i32[T] row of page_table each token belongs to
+    write_pages: jax.Array  # i32[T] page that receives the token's K/V (0 = dummy page: drop)
+    write_slots: jax.Array  # i32[T] slot within that page
+    page_table: jax.Array  # i32[B, M] pages of each sequence, in token order
+    kv_lens: jax.Array  # i32[B] keys of each sequence in this cache after this step's writes
+    kv_start: jax.Array  # i32[B] absolute position of each sequence's first key in this cache
+    logits_rows: jax.Array  # i32[R] token rows whose next-token logits are wanted
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Static facts the forward needs besides the arrays: hashable, so it can be a jit static argument."""
+
+    config: LlamaConfig
+    dtype: str = "float32"  # parameter, activation and KV-cache dtype
+    block_pages: int = 8  # KV pages per block of the attention's online softmax
+
+    @property
+    def precision(self):
+        # float32 means float32: no TF32 / bf16 passes on accelerators.
+        return lax.Precision.HIGHEST if self.dtype == "float32" else lax.Precision.DEFAULT
+
+    @property
+    def inv_freq(self) -> np.ndarray:
+        return np.asarray(rope.inv_freq(self.config), np.float32)
+
+
+def rms_norm(x, weight, eps):
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _layer(spec: ModelSpec, batch: StepBatch, carry, layer):
+    x, k_cache, v_cache = carry
+    p, idx = layer
+    dt, prec, eps = jnp.dtype(spec.dtype), spec.precision, spec.config.rms_norm_eps
+    inv_freq = jnp.asarray(spec.inv_freq)
+
+    h = rms_norm(x, p["attn_norm"], eps)
+    q = jnp.einsum("td,dnh->tnh", h, p["wq"], precision=prec)
+    k = jnp.einsum("td,dkh->tkh", h, p["wk"], precision=prec)
+    v = jnp.einsum("td,dkh->tkh", h, p["wv"], precision=prec)
+    q = rope.apply_rope(q, batch.positions, inv_freq)
+    k = rope.apply_rope(k, batch.positions, inv_freq)
+    k_cache = k_cache.at[idx, batch.write_pages, batch.write_slots].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[idx, batch.write_pages, batch.write_slots].set(v.astype(v_cache.dtype))
+    o, _ = paged_attention(q, k_cache, v_cache, idx, page_table=batch.page_table, kv_lens=batch.kv_lens,
+                           kv_start=batch.kv_start, seq_ids=batch.seq_ids, positions=batch.positions,
+                           block_pages=spec.block_pages, precision=prec)
+    attn = jnp.einsum("tnh,nhd->td", o.astype(dt), p["wo"], precision=prec)
+    x = x + lax.psum(attn, TP)
+
+    h = rms_norm(x, p["mlp_norm"], eps)
+    gate = jnp.einsum("td,df->tf", h, p["w_gate"], precision=prec)
+    up = jnp.einsum("td,df->tf", h, p["w_up"], precision=prec)
+    down = jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, p["w_down"], precision=prec)
+    x = x + lax.psum(down, TP)
+    return (x, k_cache, v_cache), None
+
+
+def forward(spec: ModelSpec, params: dict, k_cache, v_cache, batch: StepBatch):
+    """Runs all local layers on the step's tokens.
+
+    Returns (logits f32[R, V] of the wanted rows, k_cache, v_cache) with this step's K/V written.
+    """
+    x = params["embed"][batch.token_ids]  # [T, D]
+    layers = params["layers"]
+    num_layers = layers["wq"].shape[0]
+    (x, k_cache, v_cache), _ = lax.scan(
+        lambda c, l: _layer(spec, batch, c, l), (x, k_cache, v_cache),
+        (layers, jnp.arange(num_layers, dtype=jnp.int32)))
+    h = rms_norm(x[batch.logits_rows], params["final_norm"], spec.config.rms_norm_eps)
+    if "lm_head" in params:
+        logits = jnp.einsum("rd,dv->rv", h, params["lm_head"], precision=spec.precision,
+                            preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("rd,vd->rv", h, params["embed"], precision=spec.precision,
+                            preferred_element_type=jnp.float32)
+    return logits, k_cache, v_cache

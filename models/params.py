@@ -1,0 +1,76 @@
+"""Llama-3 parameters: a Flax NNX module that owns them, and the plain pytree the step function reads.
+
+Layer weights are stacked over layers so one `lax.scan` runs them and `spp` can split them into stages.
+Letters: L layers, D hidden, H heads, K kv heads, Dh head dim, F MLP width, V vocab.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import LlamaConfig
+
+
+def param_shapes(config: LlamaConfig) -> dict:
+    """Shapes of the parameter pytree, the same structure as `LlamaParams.pure()`."""
+    c = config
+    L, D, H, K, Dh, F, V = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                            c.intermediate_size, c.vocab_size)
+    shapes = {
+        "embed": (V, D),
+        "layers": {
+            "attn_norm": (L, D),
+            "wq": (L, D, H, Dh),
+            "wk": (L, D, K, Dh),
+            "wv": (L, D, K, Dh),
+            "wo": (L, H, Dh, D),
+            "mlp_norm": (L, D),
+            "w_gate": (L, D, F),
+            "w_up": (L, D, F),
+            "w_down": (L, F, D),
+        },
+        "final_norm": (D,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+class LlamaParams(nnx.Module):
+    """All weights of a Llama-3 model, randomly initialised (normal, std `init_std`; norms 1).
+
+    The step function does not call this module: it reads `pure()`, a plain dict, inside `jax.jit`.
+    """
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, init_std: float = 0.02, rngs: nnx.Rngs):
+        shapes = param_shapes(config)
+
+        def normal(shape):
+            return nnx.Param((init_std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+        def ones(shape):
+            return nnx.Param(jnp.ones(shape, dtype))
+
+        self.embed = normal(shapes["embed"])
+        self.layers = nnx.Dict({
+            name: (ones(shape) if name.endswith("norm") else normal(shape))
+            for name, shape in shapes["layers"].items()
+        })
+        self.final_norm = ones(shapes["final_norm"])
+        if "lm_head" in shapes:
+            self.lm_head = normal(shapes["lm_head"])
+
+    def pure(self) -> dict:
+        """The parameters as a plain nested dict of arrays (the structure of `param_shapes`)."""
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+
+
+def init_params(config: LlamaConfig, *, dtype=jnp.float32, seed: int = 0, init_std: float = 0.02,
+                shardings=None) -> dict:
+    """Random parameters, created directly on `shardings` (a pytree like `param_shapes`) when given."""
+
+    def make():
+        return LlamaParams(config, dtype=dtype, init_std=init_std, rngs=nnx.Rngs(seed)).pure()
+
+    return jax.jit(make, out_shardings=shardings)()
