@@ -1,0 +1,106 @@
+"""Tokenizers: the built-in byte tokenizer of the tiny model, and Hugging Face tokenizers of real checkpoints.
+
+The engine uses the subset both kinds share: `encode(text, add_special_tokens=...)`,
+`decode(ids, skip_special_tokens=...)`, `bos_token_id`, `eos_token_id` and
+`apply_chat_template(messages, add_generation_prompt=..., tokenize=...)`. As with Llama-3's own tokenizer,
+the chat template writes the BOS token into its text, so encode a templated conversation with
+`add_special_tokens=False` (or ask for `tokenize=True`).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""Any of these in a checkpoint directory means it carries a Hugging Face tokenizer."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0..255 are the bytes, then special tokens up to `vocab_size`.
+
+    Special tokens: 256 `<|begin_of_text|>` (BOS), 257 `<|end_of_text|>` (EOS), 258.. `<|reserved_N|>` (N is the
+    id). Like a Hugging Face tokenizer, `encode` turns the text of a special token into its id, so a chat
+    template can write BOS as text. `tests/hf_utils.make_hf_tokenizer` builds the same tokenizer as an HF one.
+
+    Chat template (the same as that HF twin's), for messages `[{"role": r, "content": c}, ...]`:
+        <|begin_of_text|><|r|>\\nc\\n ... <|r|>\\nc\\n
+    followed by `<|assistant|>\\n` when `add_generation_prompt`. The role markers are plain text (bytes).
+    """
+
+    bos_token = "<|begin_of_text|>"
+    eos_token = "<|end_of_text|>"
+    bos_token_id = 256
+    eos_token_id = 257
+
+    def __init__(self, vocab_size: int = 320):
+        if vocab_size < 258:
+            raise ValueError(f"ByteTokenizer needs vocab_size >= 258 (256 bytes + BOS + EOS), got {vocab_size}")
+        self.vocab_size = vocab_size
+        self._special_ids = {self.bos_token: self.bos_token_id, self.eos_token: self.eos_token_id}
+        self._special_ids.update({f"<|reserved_{i}|>": i for i in range(258, vocab_size)})
+        self._special_texts = {i: s for s, i in self._special_ids.items()}
+        self._special_re = re.compile("|".join(re.escape(s) for s in self._special_ids))
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(range(256, self.vocab_size))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`: its UTF-8 bytes, special-token texts as their ids, BOS first if asked."""
+        ids = [self.bos_token_id] if add_special_tokens else []
+        pos = 0
+        for m in self._special_re.finditer(text):
+            ids.extend(text[pos:m.start()].encode("utf-8"))
+            ids.append(self._special_ids[m.group()])
+            pos = m.end()
+        ids.extend(text[pos:].encode("utf-8"))
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Text of `ids`: bytes decoded as UTF-8 (invalid sequences become U+FFFD); special tokens dropped, or
+        written as their text when `skip_special_tokens` is False."""
+        parts: list[str] = []
+        run = bytearray()
+        for i in (int(i) for i in ids):
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            if i not in self._special_texts:
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+            if not skip_special_tokens:
+                parts.append(run.decode("utf-8", errors="replace"))
+                run.clear()
+                parts.append(self._special_texts[i])
+        parts.append(run.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False,
+                            return_dict: bool = False):
+        """The conversation as text (`tokenize=False`), or as token ids; `return_dict=True` wraps the ids as
+        `{"input_ids": ids}` like a Hugging Face tokenizer. The text starts with BOS (see the class docstring)."""
+        text = self.bos_token + "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "<|assistant|>\n"
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)
+        return {"input_ids": ids} if return_dict else ids
+
+
+def load_tokenizer(path_or_preset: str | os.PathLike):
+    """The tokenizer for a model: `"tiny"` -> `ByteTokenizer()`; a checkpoint directory with tokenizer files
+    (`TOKENIZER_FILES`) -> `transformers.AutoTokenizer.from_pretrained(path)`; a directory without them ->
+    None (the engine then takes token-id prompts only)."""
+    if path_or_preset == "tiny":
+        return ByteTokenizer()
+    path = os.fspath(path_or_preset)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no model preset or checkpoint directory named {path!r}")
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path)
