@@ -73,8 +73,8 @@ def paged_attention(q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start
         acc = acc * scale[..., None] + jnp.einsum("tkgc,tckh->tkgh", p, vb, precision=precision)
         return m_new, l, acc
 
-    init = (jnp.full((T, K, G), NEG_INF, jnp.float32), jnp.zeros((T, K, G), jnp.float32),
-            jnp.zeros((T, K, G, H), jnp.float32))
+    # `full_like` keeps q's varying-axes type, which the loop carry must have inside shard_map.
+    init = (jnp.full_like(qg[..., 0], NEG_INF), jnp.zeros_like(qg[..., 0]), jnp.zeros_like(qg))
     m, l, acc = lax.fori_loop(0, num_blocks, body, init)
     empty = l == 0.0
     safe_l = jnp.where(empty, 1.0, l)

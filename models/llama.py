@@ -18,7 +18,8 @@ from jax import lax
 from models import rope
 from models.attention import paged_attention
 from models.config import LlamaConfig
-from shardings.mesh import TP
+from shardings.collectives import from_last_stage, vary_over
+from shardings.mesh import SPP, TP
 
 
 @jax.tree_util.register_dataclass
@@ -99,13 +100,13 @@ def forward(spec: ModelSpec, params: dict, k_cache, v_cache, batch: StepBatch):
 
     Returns (logits f32[R, V] of the wanted rows, k_cache, v_cache) with this step's K/V written.
     """
-    x = params["embed"][batch.token_ids]  # [T, D]
+    x = vary_over(params["embed"][batch.token_ids], (SPP,))  # [T, D]; each stage has its own activations
     layers = params["layers"]
     num_layers = layers["wq"].shape[0]
     (x, k_cache, v_cache), _ = lax.scan(
         lambda c, l: _layer(spec, batch, c, l), (x, k_cache, v_cache),
         (layers, jnp.arange(num_layers, dtype=jnp.int32)))
-    h = rms_norm(x[batch.logits_rows], params["final_norm"], spec.config.rms_norm_eps)
+    h = from_last_stage(rms_norm(x[batch.logits_rows], params["final_norm"], spec.config.rms_norm_eps))
     if "lm_head" in params:
         logits = jnp.einsum("rd,dv->rv", h, params["lm_head"], precision=spec.precision,
                             preferred_element_type=jnp.float32)
