@@ -1,0 +1,1 @@
+"""The Flax Llama-3 model: config, RoPE, attention, layers and checkpoint loading."""
