@@ -185,7 +185,9 @@ class LLMEngine:
             req.output_text = self.tokenizer.decode(req.output_token_ids,
                                                     skip_special_tokens=p.skip_special_tokens)
             for s in p.stop:
-                at = req.output_text.find(s, max(0, prev - len(s) + 1))
+                # The last few characters of the previous text may change: an incomplete UTF-8 sequence
+                # decodes to replacement characters until its last byte arrives (at most 3 of them).
+                at = req.output_text.find(s, max(0, prev - len(s) - 3))
                 if at >= 0:
                     req.output_text = req.output_text[:at + len(s) if p.include_stop_str_in_output else at]
                     return self._finish(req, "stop", s)

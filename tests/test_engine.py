@@ -1,0 +1,238 @@
+"""Engine invariances on one device: chunked == one-shot, batched == alone, preempted == not, long contexts
+against HF, sampling by seed, stop conditions, log-prob shapes, bad input, bfloat16."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from mnemojax import LLM, SamplingParams
+from tests.hf_utils import EOS_ID, load_hf_model, make_hf_checkpoint
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("engine") / "gqa", weight_scale=8.0, seed=2,
+                              num_heads=4, num_kv_heads=2, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(model=ckpt, page_size=4, chunk_size=16, max_model_len=256, max_num_batched_tokens=64)
+
+
+def _prompts(lens, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n).tolist() for n in lens]
+
+
+def _prompt_lps(out):
+    return np.array([d[t] for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])])
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    """Each prompt run alone with the default chunk size: the reference for the invariance tests."""
+    prompts = _prompts((5, 37, 70))
+    return prompts, [llm.generate([p], GREEDY)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 16, 64, 256])
+def test_chunk_size_does_not_change_results(ckpt, alone, chunk_size):
+    prompts, ref = alone
+    llm = LLM(model=ckpt, page_size=4, chunk_size=chunk_size, max_model_len=256, max_num_batched_tokens=256)
+    for p, r in zip(prompts, ref):
+        out = llm.generate([p], GREEDY)[0]
+        np.testing.assert_allclose(_prompt_lps(out), _prompt_lps(r), atol=1e-5, rtol=0)
+        assert out.outputs[0].token_ids == r.outputs[0].token_ids
+
+
+def test_batched_equals_alone(llm, alone):
+    prompts, ref = alone
+    outs = llm.generate(prompts, GREEDY)
+    for out, r in zip(outs, ref):
+        np.testing.assert_allclose(_prompt_lps(out), _prompt_lps(r), atol=1e-5, rtol=0)
+        assert out.outputs[0].token_ids == r.outputs[0].token_ids
+
+
+def test_preemption_by_recompute_gives_same_results(ckpt, alone, caplog):
+    """With pages for barely one request, requests preempt each other and recompute; results are unchanged."""
+    prompts, ref = alone
+    small = LLM(model=ckpt, page_size=4, chunk_size=16, max_model_len=96, num_pages=26,
+                max_num_batched_tokens=64)
+    with caplog.at_level("WARNING"):
+        outs = small.generate(prompts, GREEDY)
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert "preempted request" in caplog.text
+    for out, r in zip(outs, ref):
+        np.testing.assert_allclose(_prompt_lps(out), _prompt_lps(r), atol=1e-5, rtol=0)
+        assert out.outputs[0].token_ids == r.outputs[0].token_ids
+    assert small.engine.pages.num_used == 0
+
+
+def test_long_context_many_pages_matches_hf(ckpt):
+    """A 2000-token context over 125 pages of 16, prefilled in chunks of 256, against HF."""
+    llm = LLM(model=ckpt, page_size=16, chunk_size=256, max_model_len=2048, max_num_batched_tokens=256)
+    prompt = _prompts((2000,), seed=5)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0,
+                                                ignore_eos=True))[0]
+    hf = load_hf_model(ckpt)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(ids).logits[0].double(), -1)
+        hf_tokens = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    ref = lp[torch.arange(len(prompt) - 1), ids[0, 1:]].numpy()
+    np.testing.assert_allclose(_prompt_lps(out), ref, atol=1e-4, rtol=0)
+    assert out.outputs[0].token_ids == hf_tokens
+
+
+def test_seed_gives_same_sample_regardless_of_batch(llm):
+    prompts = _prompts((9, 30))
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
+    a = llm.generate([prompts[0]], params)[0].outputs[0].token_ids
+    b = llm.generate(prompts, [params, SamplingParams(max_tokens=5, temperature=0.7, seed=7)])[0]
+    assert b.outputs[0].token_ids == a
+    other = llm.generate([prompts[0]], SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9,
+                                                      seed=4321, ignore_eos=True))[0].outputs[0].token_ids
+    assert other != a
+
+
+def test_logprobs_shapes(llm):
+    prompt = _prompts((11,))[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.8, seed=3, logprobs=3,
+                                                prompt_logprobs=2, ignore_eos=True))[0]
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for d, t in zip(out.prompt_logprobs[1:], prompt[1:]):
+        assert t in d and len(d) in (2, 3)  # top-2, plus the actual token when it is not among them
+        assert all(v <= 0 for v in d.values())
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 4
+    for d, t in zip(c.logprobs, c.token_ids):
+        assert t in d and len(d) in (3, 4)
+        top = sorted(d.values(), reverse=True)
+        assert np.exp(top).sum() <= 1.0 + 1e-5
+
+
+def test_stop_conditions(llm):
+    prompt = _prompts((6,))[0]
+    base = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    toks = base.token_ids
+    assert base.finish_reason == "length" and len(toks) == 12
+    # A stop token id: generation ends at its first occurrence, the token included.
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                stop_token_ids=[toks[4]]))[0].outputs[0]
+    assert out.token_ids == toks[:toks.index(toks[4]) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == toks[4]
+    # A stop string: text is cut before it.
+    tok = llm.get_tokenizer()
+    full = tok.decode(toks, skip_special_tokens=True)  # as the engine does by default (vLLM's default)
+    stop = full[3:5]
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full[:full.index(stop)]
+
+
+def test_eos_stops_unless_ignored(ckpt, tmp_path):
+    """EOS ends generation (the token kept in token_ids) unless ignore_eos; EOS ids come from config.json."""
+    import json
+    import shutil
+    prompt = _prompts((6,))[0]
+    llm = LLM(model=ckpt, max_model_len=64)
+    toks = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0] \
+        .outputs[0].token_ids
+    eos = toks[3]
+    path = tmp_path / "eos"
+    shutil.copytree(ckpt, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eos_token_id"] = [EOS_ID, eos]
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "generation_config.json").unlink(missing_ok=True)
+    llm = LLM(model=str(path), max_model_len=64)
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+    assert out.token_ids == toks[:toks.index(eos) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == toks and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], SamplingParams(), "prompt must not be empty"),
+    ([1, 320, 2], SamplingParams(), r"token id 320 .* vocabulary \[0, 320\)"),
+    (list(range(200)), SamplingParams(max_tokens=100), r"max_model_len \(256\)"),
+])
+def test_bad_input_raises_and_engine_still_works(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[5, 6], prompt], params)
+    assert not llm.engine.has_unfinished() and llm.engine.pages.num_used == 0
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+])
+def test_bad_sampling_params_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_that_never_fits_in_pages(ckpt):
+    llm = LLM(model=ckpt, page_size=4, max_model_len=256, num_pages=11)  # 10 usable pages = 40 tokens
+    with pytest.raises(ValueError, match=r"num_pages allows only 10"):
+        llm.generate([list(range(30))], SamplingParams(max_tokens=20))
+    assert len(llm.generate([list(range(30))], SamplingParams(max_tokens=4))[0].outputs[0].token_ids) == 4
+
+
+def test_text_prompt_without_tokenizer(tmp_path):
+    path = make_hf_checkpoint(tmp_path / "notok", tokenizer=False)
+    llm = LLM(model=path, max_model_len=64)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["hello"])
+    assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+
+
+def test_bfloat16_end_to_end(ckpt, alone):
+    prompts, ref = alone
+    llm = LLM(model=ckpt, dtype="bfloat16", page_size=4, chunk_size=16, max_model_len=256)
+    assert llm.engine.executor.params["layers"]["wq"].dtype == jnp.bfloat16
+    assert llm.engine.executor.k_cache.dtype == jnp.bfloat16
+    outs = llm.generate(prompts, GREEDY)
+    for out, r in zip(outs, ref):
+        lps = _prompt_lps(out)
+        assert np.isfinite(lps).all()
+        # bf16 keeps ~3 significant digits: the same model, not the same bits.
+        np.testing.assert_allclose(lps, _prompt_lps(r), atol=0.15, rtol=0.05)
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_tiny_preset_text_round_trip():
+    llm = LLM(model="tiny", max_model_len=128)
+    out = llm.generate("Hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert out.prompt_token_ids == [256] + list(b"Hello")
+    assert len(out.outputs[0].token_ids) == 5 and isinstance(out.outputs[0].text, str)
+    m = out.metrics
+    assert m.ttft is not None and m.ttft > 0 and len(m.tbt) == 4
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "llama3.2-1b", "llama3.2-3b"])
+def test_full_size_presets_shapes(name):
+    from models.config import preset
+    from models.params import LlamaParams, param_shapes
+    from flax import nnx
+    cfg = preset(name)
+    abstract = jax.eval_shape(lambda: LlamaParams(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)).pure())
+    got = jax.tree.map(lambda a: a.shape, abstract)
+    assert got == param_shapes(cfg)
+    n = sum(int(np.prod(s)) for s in jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, tuple)))
+    published = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3.2-1b": 1_235_814_400,
+                 "llama3.2-3b": 3_212_749_824}[name]
+    assert n == published
