@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from mnemojax.executor import Executor, RowResult
-from mnemojax.kv_manager import PageManager
+from mnemojax.kv_manager import KVCacheManager
 from mnemojax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mnemojax.request import Request, RequestStatus
 from mnemojax.sampling_params import SamplingParams
@@ -21,7 +21,7 @@ from mnemojax.scheduler import Scheduler, SchedulerConfig
 from models import checkpoint
 from models.config import PRESETS, LlamaConfig, preset
 from models.llama import ModelSpec
-from models.params import init_params
+from models.params import init_params, mesh_layout, to_mesh_layout
 from models.tokenizer import load_tokenizer
 from shardings.mesh import make_mesh
 from shardings.specs import ShardingTable
@@ -45,11 +45,16 @@ class EngineConfig:
     max_num_seqs: int = 16  # requests per step
     seed: int = 0  # random weights of presets, and sampling seeds of requests that give none
     block_pages: int = 8  # KV pages per block of the reference attention
+    tp: int = 1  # tensor parallelism: attention heads and MLP columns split over this many devices
+    spp: int = 1  # sequence pipeline parallelism: layers split into this many pipeline stages
+    kvp: int = 1  # KV-cache parallelism: ranks, each with its own page pool and a full model replica
+    max_tokens_per_kvp_rank: int | None = None  # most tokens of one request on one KVP rank (None: no split)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("page_size", "chunk_size", "max_num_batched_tokens", "max_num_seqs", "block_pages"):
+        for name in ("page_size", "chunk_size", "max_num_batched_tokens", "max_num_seqs", "block_pages", "tp",
+                     "spp", "kvp"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -71,22 +76,34 @@ class LLMEngine:
                              f"max_position_embeddings ({mc.max_position_embeddings})")
         pages_per_seq = -(-self.max_model_len // config.page_size)
         num_pages = config.num_pages or 1 + 4 * pages_per_seq
-        self.mesh = make_mesh(1, 1, 1)
+        self.mesh = make_mesh(config.kvp, config.spp, config.tp)
         table = ShardingTable()
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), table.params(mc.tie_word_embeddings))
+        num_layers, kv_heads = mesh_layout(mc, tp=config.tp, spp=config.spp)
+
+        def named(specs):
+            return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+
+        # Load the checkpoint layout sharded as far as it divides, then pad / repeat into the mesh layout.
+        canonical = named(table.params(mc.tie_word_embeddings, split_layers=num_layers == mc.num_layers,
+                                       split_kv_heads=kv_heads == mc.num_kv_heads))
         dtype = jnp.dtype(config.dtype)
         if is_preset:
-            params = init_params(mc, dtype=dtype, seed=config.seed, shardings=shardings)
+            params = init_params(mc, dtype=dtype, seed=config.seed, shardings=canonical)
         else:
-            params = checkpoint.load_hf_params(config.model, mc, dtype, shardings)
+            params = checkpoint.load_hf_params(config.model, mc, dtype, canonical)
+        params = to_mesh_layout(params, mc, tp=config.tp, spp=config.spp,
+                                shardings=named(table.params(mc.tie_word_embeddings)))
         self.tokenizer = load_tokenizer(config.model) if (config.model == "tiny" or not is_preset) else None
         spec = ModelSpec(mc, config.dtype, config.block_pages)
+        self.kv = KVCacheManager(config.kvp, num_pages, config.page_size, config.max_tokens_per_kvp_rank)
+        if config.max_tokens_per_kvp_rank is not None:
+            pages_per_seq = min(pages_per_seq, config.max_tokens_per_kvp_rank // config.page_size)
         self.executor = Executor(spec, params, self.mesh, num_pages=num_pages, page_size=config.page_size,
                                  max_num_seqs=config.max_num_seqs, max_pages_per_seq=pages_per_seq,
-                                 table=table)
-        self.pages = PageManager(num_pages, config.page_size)
+                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                 max_tokens_per_rank=config.max_tokens_per_kvp_rank, table=table)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                                                   config.chunk_size), self.pages)
+                                                   config.chunk_size), self.kv)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -113,10 +130,9 @@ class LLMEngine:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds max_model_len ({self.max_model_len})")
-        need = self.pages.pages_for(total)
-        if need > self.pages.num_usable:
-            raise ValueError(f"prompt + max_tokens = {total} tokens needs {need} KV pages of "
-                             f"{self.pages.page_size} tokens; num_pages allows only {self.pages.num_usable}")
+        why = self.kv.capacity_error(total)
+        if why is not None:
+            raise ValueError(f"prompt + max_tokens: {why}")
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -139,31 +155,38 @@ class LLMEngine:
             self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self.executor.has_in_flight()
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update. Returns the outputs of requests that made progress this step."""
         plan = self.scheduler.schedule()
-        if plan.is_empty:
+        if plan.is_empty and not self.executor.has_in_flight():
             return []
         now = time.perf_counter()
         for ch in plan.chunks:
             if ch.request.first_scheduled_time is None:
                 ch.request.first_scheduled_time = now
-        results = self.executor.execute(plan)
+        done, results = self.executor.execute(plan)  # the micro-batch leaving the pipeline
         now = time.perf_counter()
-        for ch in plan.chunks:
-            ch.request.num_computed += ch.num_tokens
+        for ch in done.chunks:
+            req = ch.request
+            req.in_flight -= 1
+            if ch.sample:
+                req.awaiting_sample = False
+            if req.is_finished and req.in_flight == 0:
+                self.kv.free(req)  # aborted while in flight
         for ref, res in results:
-            req = plan.chunks[ref.chunk].request
+            req = done.chunks[ref.chunk].request
+            if req.is_finished:
+                continue
             if ref.is_sample:
                 self._append_token(req, res, now)
             else:
                 req.prompt_logprobs.append(
                     self._logprob_dict(res.top_ids, res.top_logprobs, req.params.prompt_logprobs,
                                        req.prompt_token_ids[ref.token_index], res.target_logprob))
-        return [self.output(ch.request) for ch in plan.chunks]
+        return [self.output(ch.request) for ch in done.chunks]
 
     @staticmethod
     def _logprob_dict(top_ids, top_lps, k: int, token: int, token_lp: float) -> dict[int, float]:

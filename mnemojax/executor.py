@@ -1,24 +1,33 @@
-"""The executor: turns a `StepPlan` into fixed-shape arrays and runs one jitted, shard_map-ed step.
+"""The executor: turns step plans into fixed-shape arrays and runs one jitted, shard_map-ed step.
 
-The step function (forward + sampling + log-probs) is compiled once per shape bucket: the number of token rows
-T, and of logits rows R, are rounded up to powers of two; the sequence rows B and page-table width M are fixed
-by the engine's limits. The KV cache is donated, so it is updated in place.
+Each call feeds one micro-batch (a `StepPlan`) into the first pipeline stage and advances the pipeline by one
+stage; it returns the results of the micro-batch that leaves the last stage (with spp = 1, the same one).
+
+Rows, per KVP rank: a request whose KV spans several ranks puts its query tokens in a *shared* row range,
+aligned on every rank (first in the batch); each of its ranks computes attention over its own KV there and
+the step merges them. Requests that live on one rank fill that rank's rows after the shared range.
+
+Shapes: token rows T are rounded up to a power of two (fixed at the token budget when spp > 1, since every
+micro-batch in flight shares the pipeline register), logits rows R likewise; sequence rows B and page-table
+width M are fixed by the engine's limits. The KV cache and the pipeline register are donated.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from mnemojax import sampler
 from mnemojax.kv_manager import DUMMY_PAGE
 from mnemojax.sampling_params import MAX_LOGPROBS
 from mnemojax.scheduler import StepPlan
 from models.llama import ModelSpec, StepBatch, forward
+from shardings.collectives import pipeline_shift
+from shardings.mesh import KVP, SPP, TP
 from shardings.specs import ShardingTable
 
 
@@ -46,127 +55,208 @@ class RowResult:
     top_logprobs: np.ndarray
 
 
+@dataclasses.dataclass(frozen=True)
+class RowRef:
+    """Where a logits row's result goes."""
+
+    rank: int  # KVP rank whose logits row it is
+    row: int  # index among that rank's logits rows
+    chunk: int  # index of the chunk in its plan
+    token_index: int  # index (in its request) of the token the row predicts
+    is_sample: bool  # sample a new token (else: score prompt token `token_index`)
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """A plan prepared for the device: numpy arrays with a leading [kvp] axis."""
+
+    plan: StepPlan
+    batch: StepBatch  # arrays [kvp, T, ...]
+    rows: np.ndarray  # i32[kvp, R] logits rows
+    sampling: RowSampling  # arrays [kvp, R]
+    refs: list[RowRef]
+
+
 def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
-@dataclasses.dataclass
-class _RowRef:
-    """Where a logits row's result goes: (chunk index, token index within its request)."""
-
-    chunk: int
-    token_index: int
-    is_sample: bool
-
-
 class Executor:
     def __init__(self, spec: ModelSpec, params: dict, mesh, *, num_pages: int, page_size: int,
-                 max_num_seqs: int, max_pages_per_seq: int, table: ShardingTable = ShardingTable()):
+                 max_num_seqs: int, max_pages_per_seq: int, max_num_batched_tokens: int,
+                 max_tokens_per_rank: int | None, table: ShardingTable = ShardingTable()):
         self.spec = spec
         self.params = params
         self.mesh = mesh
         self.table = table
+        self.kvp, self.spp, self.tp = (mesh.shape[a] for a in (KVP, SPP, TP))
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_pages_per_seq = max_pages_per_seq
+        self.max_tokens_per_rank = max_tokens_per_rank
+        # Every micro-batch in flight must have the register's shape, so a pipeline fixes T.
+        self.pipeline_tokens = _bucket(max_num_batched_tokens, 16) if self.spp > 1 else None
         c = spec.config
-        cache_shape = (c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
-        cache_sharding = NamedSharding(mesh, table.kv_lpskh)
+        num_layers, kv_heads = params["layers"]["wk"].shape[0], params["layers"]["wk"].shape[2]
+        cache_shape = (num_layers, self.kvp * num_pages, page_size, kv_heads, c.head_dim)
         # Zeros, never uninitialized memory: 0 * NaN would poison masked attention (JAX_NOTES.md).
-        alloc = jax.jit(lambda: jnp.zeros(cache_shape, spec.dtype), out_shardings=cache_sharding)
+        alloc = jax.jit(lambda: jnp.zeros(cache_shape, spec.dtype),
+                        out_shardings=NamedSharding(mesh, table.kv_lpskh))
         self.k_cache, self.v_cache = alloc(), alloc()
+        self.register = None
+        self.in_flight: deque[MicroBatch] = deque()  # newest first; stage s holds in_flight[s]
         self._step = self._build_step()
 
+    # ---------------------------------------------------------------- device side
     def _build_step(self):
-        t = self.table
-        batch_specs = StepBatch(token_ids=t.tokens_t, positions=t.tokens_t, seq_ids=t.tokens_t,
-                                write_pages=t.tokens_t, write_slots=t.tokens_t, page_table=t.page_table_bm,
-                                kv_lens=t.seqs_b, kv_start=t.seqs_b, logits_rows=t.rows_r)
-        samp_specs = RowSampling(*([t.rows_r] * 6))
-        out_specs = (t.kv_lpskh, t.kv_lpskh, (t.rows_r, t.rows_r, t.rows_r, t.rows_rj, t.rows_rj))
-        param_specs = t.params(self.spec.config.tie_word_embeddings)
-        spec = self.spec
+        t, spec = self.table, self.spec
+        stage = StepBatch(token_ids=t.stage_kst, positions=t.stage_kst, seq_ids=t.stage_kst,
+                          write_pages=t.stage_kst, write_slots=t.stage_kst, shared=t.stage_kst,
+                          page_table=t.stage_ksbm, kv_lens=t.stage_kst, kv_start=t.stage_kst)
+        samp = RowSampling(*([t.rows_kr] * 6))
+        param_specs = jax.tree.map(lambda a: a.sharding.spec, self.params)
 
-        def step(params, k_cache, v_cache, batch: StepBatch, samp: RowSampling):
-            logits, k_cache, v_cache = forward(spec, params, k_cache, v_cache, batch)
+        def step(params, k_cache, v_cache, register, batch: StepBatch, rows, samp: RowSampling):
+            batch = jax.tree.map(lambda a: a[0, 0], batch)  # this (rank, stage)'s micro-batch
+            rows, samp = rows[0], jax.tree.map(lambda a: a[0], samp)
+            logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows)
             tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps)
             lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS)
-            return k_cache, v_cache, (tokens, *lps)
+            out = jax.tree.map(lambda a: a[None], (tokens, *lps))
+            return k_cache, v_cache, pipeline_shift(x)[None, None], out
 
+        out_specs = (t.kv_lpskh, t.kv_lpskh, t.register_kstd,
+                     (t.rows_kr, t.rows_kr, t.rows_kr, t.rows_krj, t.rows_krj))
         sharded = jax.shard_map(step, mesh=self.mesh,
-                                in_specs=(param_specs, t.kv_lpskh, t.kv_lpskh, batch_specs, samp_specs),
+                                in_specs=(param_specs, t.kv_lpskh, t.kv_lpskh, t.register_kstd, stage,
+                                          t.rows_kr, samp),
                                 out_specs=out_specs)
-        self._batch_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), (batch_specs, samp_specs))
-        return jax.jit(sharded, donate_argnums=(1, 2))
+        self._shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), (stage, t.rows_kr, samp))
+        self._register_sharding = NamedSharding(self.mesh, t.register_kstd)
+        return jax.jit(sharded, donate_argnums=(1, 2, 3))
 
-    def prepare(self, plan: StepPlan) -> tuple[StepBatch, RowSampling, list[_RowRef]]:
-        """Host side: the plan as numpy arrays, padded to the shape buckets."""
-        S, M, B = self.page_size, self.max_pages_per_seq, self.max_num_seqs
-        if len(plan.chunks) > B:
-            raise ValueError(f"plan has {len(plan.chunks)} sequences, max_num_seqs is {B}")
-        T = _bucket(plan.num_tokens, 16)
-        tok = np.zeros(T, np.int32)
-        pos = np.zeros(T, np.int32)
-        seq = np.full(T, B - 1, np.int32)  # padding rows belong to the last row, never read
-        wpage = np.full(T, DUMMY_PAGE, np.int32)
-        wslot = np.zeros(T, np.int32)
-        table = np.full((B, M), DUMMY_PAGE, np.int32)
-        kv_lens = np.zeros(B, np.int32)
-        rows: list[int] = []
-        refs: list[_RowRef] = []
-        samp = {k: [] for k in ("temperature", "top_k", "top_p", "seeds", "steps", "targets")}
+    # ---------------------------------------------------------------- host side
+    def _rows_needed(self, plan: StepPlan) -> int:
+        shared = sum(c.num_tokens for c in plan.chunks if len(c.request.kv_ranks) > 1)
+        local = [0] * self.kvp
+        for c in plan.chunks:
+            if len(c.request.kv_ranks) == 1:
+                local[c.request.kv_ranks[0]] += c.num_tokens
+        return shared + max(local)
 
-        def add_row(row, ref, req, target):
+    def prepare(self, plan: StepPlan, T: int) -> MicroBatch:
+        """The plan as numpy arrays [kvp, ...], padded to T token rows."""
+        K, S, M, B = self.kvp, self.page_size, self.max_pages_per_seq, self.max_num_seqs
+        mt = self.max_tokens_per_rank
+        tok = np.zeros((K, T), np.int32)
+        pos = np.zeros((K, T), np.int32)
+        seq = np.full((K, T), B - 1, np.int32)  # padding rows belong to the last row, never read
+        wpage = np.full((K, T), DUMMY_PAGE, np.int32)
+        wslot = np.zeros((K, T), np.int32)
+        shared = np.zeros((K, T), bool)
+        table = np.full((K, B, M), DUMMY_PAGE, np.int32)
+        kv_lens = np.zeros((K, B), np.int32)
+        kv_start = np.zeros((K, B), np.int32)
+        rows: list[list[int]] = [[] for _ in range(K)]
+        samp: list[list[tuple]] = [[] for _ in range(K)]
+        refs: list[RowRef] = []
+        nseq = [0] * K
+
+        def add_row(rank, row, chunk_i, token_index, req, target, is_sample):
             p = req.params
-            rows.append(row)
-            refs.append(ref)
-            samp["temperature"].append(0.0 if p.greedy else p.temperature)
-            samp["top_k"].append(p.top_k)
-            samp["top_p"].append(p.top_p)
-            samp["seeds"].append(req.seed & 0xFFFFFFFF)
-            samp["steps"].append(len(req.output_token_ids))
-            samp["targets"].append(target)
+            refs.append(RowRef(rank, len(rows[rank]), chunk_i, token_index, is_sample))
+            rows[rank].append(row)
+            samp[rank].append((0.0 if p.greedy else p.temperature, p.top_k, p.top_p, req.seed & 0xFFFFFFFF,
+                               len(req.output_token_ids), target))
 
-        t = 0
-        for b, ch in enumerate(plan.chunks):
+        def place(chunk_i, ch, rank, span_i, t0, is_shared, logits):
             req, s, n = ch.request, ch.start, ch.num_tokens
+            b = nseq[rank]
+            nseq[rank] += 1
+            if nseq[rank] > B:
+                raise ValueError(f"rank {rank} has more than max_num_seqs ({B}) sequences in one step")
             idx = np.arange(s, s + n)
-            tok[t:t + n] = [req.token_at(i) for i in range(s, s + n)]
-            pos[t:t + n] = idx
-            seq[t:t + n] = b
-            pages = np.asarray(req.pages, np.int32)
-            wpage[t:t + n] = pages[idx // S]
-            wslot[t:t + n] = idx % S
-            table[b, :len(pages)] = pages
-            kv_lens[b] = s + n
+            lo = span_i * mt if mt is not None else 0
+            pages = np.asarray(req.pages[span_i], np.int32)
+            table[rank, b, :len(pages)] = pages
+            kv_start[rank, b] = lo
+            kv_lens[rank, b] = max(0, min(s + n - lo, mt if mt is not None else s + n))
+            rows_ = slice(t0, t0 + n)
+            tok[rank, rows_] = [req.token_at(i) for i in range(s, s + n)]
+            pos[rank, rows_] = idx
+            seq[rank, rows_] = b
+            shared[rank, rows_] = is_shared
+            mine = (idx >= lo) & ((idx < lo + mt) if mt is not None else True)
+            local = idx[mine] - lo
+            wpage[rank, t0 + np.flatnonzero(mine)] = pages[local // S]
+            wslot[rank, t0 + np.flatnonzero(mine)] = local % S
+            if not logits:
+                return
             if req.prompt_logprobs is not None:
                 # Row i scores prompt token i + 1; skip those already scored (before a preemption).
                 done = len(req.prompt_logprobs)
                 for i in range(max(s, done - 1), min(s + n, req.num_prompt_tokens - 1)):
-                    add_row(t + i - s, _RowRef(b, i + 1, False), req, req.prompt_token_ids[i + 1])
+                    add_row(rank, t0 + i - s, chunk_i, i + 1, req, req.prompt_token_ids[i + 1], False)
             if ch.sample:
-                add_row(t + n - 1, _RowRef(b, s + n, True), req, -1)
-            t += n
+                add_row(rank, t0 + n - 1, chunk_i, s + n, req, -1, True)
 
-        R = _bucket(len(rows), 8)
-        pad = R - len(rows)
+        t = 0
+        for ci, ch in enumerate(plan.chunks):  # shared range first: the same rows on every rank
+            if len(ch.request.kv_ranks) > 1:
+                for i, r in enumerate(ch.request.kv_ranks):
+                    place(ci, ch, r, i, t, True, logits=(i == 0))
+                t += ch.num_tokens
+        offsets = [t] * K
+        for ci, ch in enumerate(plan.chunks):
+            if len(ch.request.kv_ranks) == 1:
+                r = ch.request.kv_ranks[0]
+                place(ci, ch, r, 0, offsets[r], False, logits=True)
+                offsets[r] += ch.num_tokens
+        assert max(offsets) <= T, (offsets, T)
+
+        R = _bucket(max(len(x) for x in rows), 8)
+        pad_rows = np.zeros((K, R), np.int32)
+        cols = [np.zeros((K, R), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32)]
+        cols[2][:] = 1.0  # top_p
+        cols[5][:] = -1  # targets
+        for r in range(K):
+            pad_rows[r, :len(rows[r])] = rows[r]
+            for j, values in enumerate(zip(*samp[r])) if samp[r] else []:
+                cols[j][r, :len(values)] = values
         batch = StepBatch(token_ids=tok, positions=pos, seq_ids=seq, write_pages=wpage, write_slots=wslot,
-                          page_table=table, kv_lens=kv_lens, kv_start=np.zeros(B, np.int32),
-                          logits_rows=np.asarray(rows + [0] * pad, np.int32))
-        sampling = RowSampling(
-            temperature=np.asarray(samp["temperature"] + [0.0] * pad, np.float32),
-            top_k=np.asarray(samp["top_k"] + [0] * pad, np.int32),
-            top_p=np.asarray(samp["top_p"] + [1.0] * pad, np.float32),
-            seeds=np.asarray(samp["seeds"] + [0] * pad, np.uint32),
-            steps=np.asarray(samp["steps"] + [0] * pad, np.int32),
-            targets=np.asarray(samp["targets"] + [-1] * pad, np.int32))
-        return batch, sampling, refs
+                          shared=shared, page_table=table, kv_lens=kv_lens, kv_start=kv_start)
+        return MicroBatch(plan, batch, pad_rows, RowSampling(*cols), refs)
 
-    def execute(self, plan: StepPlan) -> list[tuple[_RowRef, RowResult]]:
-        """Runs one step; returns the result of every logits row with where it belongs."""
-        batch, sampling, refs = self.prepare(plan)
-        batch, sampling = jax.device_put((batch, sampling), self._batch_shardings)
-        self.k_cache, self.v_cache, out = self._step(self.params, self.k_cache, self.v_cache, batch, sampling)
+    def has_in_flight(self) -> bool:
+        return any(mb.plan.chunks for mb in self.in_flight)
+
+    def execute(self, plan: StepPlan) -> tuple[StepPlan, list[tuple[RowRef, RowResult]]]:
+        """Feeds `plan` into stage 0 and advances the pipeline one stage.
+
+        Returns the plan whose micro-batch left the last stage in this step, with the result of each of its
+        logits rows (an empty plan while the pipeline fills).
+        """
+        T = self.pipeline_tokens or _bucket(self._rows_needed(plan), 16)
+        mb = self.prepare(plan, T)
+        self.in_flight.appendleft(mb)
+        while len(self.in_flight) < self.spp:
+            self.in_flight.append(self.prepare(StepPlan([], []), T))  # an empty pipeline fills with padding
+        leaving = self.in_flight[-1]
+        # Stage s works on the micro-batch that entered s steps ago: stack them along the spp axis.
+        stages = jax.tree.map(lambda *a: np.stack(a, axis=1), *(m.batch for m in self.in_flight))
+        stages, rows, samp = jax.device_put((stages, leaving.rows, leaving.sampling), self._shardings)
+        if self.register is None or self.register.shape[2] != T:
+            d = self.spec.config.hidden_size
+            self.register = jax.jit(lambda: jnp.zeros((self.kvp, self.spp, T, d), self.spec.dtype),
+                                    out_shardings=self._register_sharding)()
+        self.k_cache, self.v_cache, self.register, out = self._step(
+            self.params, self.k_cache, self.v_cache, self.register, stages, rows, samp)
+        self.in_flight.pop()
+        if not leaving.refs:
+            return leaving.plan, []
         tokens, tok_lp, tgt_lp, top_ids, top_lp = jax.device_get(out)
-        return [(ref, RowResult(int(tokens[i]), float(tok_lp[i]), float(tgt_lp[i]), top_ids[i], top_lp[i]))
-                for i, ref in enumerate(refs)]
+        return leaving.plan, [
+            (ref, RowResult(int(tokens[ref.rank, ref.row]), float(tok_lp[ref.rank, ref.row]),
+                            float(tgt_lp[ref.rank, ref.row]), top_ids[ref.rank, ref.row],
+                            top_lp[ref.rank, ref.row]))
+            for ref in leaving.refs]

@@ -29,8 +29,14 @@ class Request:
     prompt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
-    pages: list[int] = dataclasses.field(default_factory=list)  # KV pages in token order
+    num_computed: int = 0  # tokens scheduled into the cache (their K/V written or in flight)
+    # Where the KV lives: the KVP ranks holding it (contiguous token ranges, in order) and the pages on each.
+    kv_ranks: list[int] = dataclasses.field(default_factory=list)
+    pages: list[list[int]] = dataclasses.field(default_factory=list)
+    # Pipeline bookkeeping: chunks scheduled but whose micro-batch has not left the last stage yet, and
+    # whether one of them samples (then no further token can be scheduled until it comes back).
+    in_flight: int = 0
+    awaiting_sample: bool = False
     # Log-probs: prompt entries are filled as prefill chunks pass (index i scores prompt token i; entry 0 is
     # None); output entries as tokens are sampled.
     prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -4,6 +4,12 @@
 computes (a decode token or a prefill chunk), grows their KV pages, and returns a `StepPlan`. It follows one
 budget rule for every request (see `request.py`) under a per-step token budget.
 
+With KV parallelism each KVP rank has its own token budget and page pool; a request whose KV spans several
+ranks computes its tokens on all of them (its rows are replicated), so its chunk counts against every rank's
+budget. With a pipeline (spp > 1) a scheduled chunk is in flight for several steps: `num_computed` counts
+tokens scheduled, a request waits for its sampled token before it can be scheduled again, and a request with
+chunks in flight is never preempted.
+
 This is the first-come-first-served policy: running requests first, in the order they were admitted, then
 waiting ones in arrival order while the budget, the sequence slots and the pages last. When a running request
 cannot get a page, the most recently admitted running request is preempted by recompute: its pages are freed
@@ -16,7 +22,7 @@ import dataclasses
 import logging
 from collections import deque
 
-from mnemojax.kv_manager import PageManager
+from mnemojax.kv_manager import KVCacheManager
 from mnemojax.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -34,7 +40,7 @@ class ScheduledChunk:
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """What one step runs. Nothing in it is a device array."""
+    """What one step feeds into the first pipeline stage. Nothing in it is a device array."""
 
     chunks: list[ScheduledChunk]  # in row order of the step's batch
     preempted: list[Request]  # requests preempted (pages freed) while making this plan
@@ -50,8 +56,8 @@ class StepPlan:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 512  # the per-step token budget
-    max_num_seqs: int = 64  # requests per step (sequence rows of the batch)
+    max_num_batched_tokens: int = 512  # the per-step token budget of each KVP rank
+    max_num_seqs: int = 64  # requests running at once (sequence rows of each rank's batch)
     chunk_size: int = 256  # most prefill tokens of one request in a step
 
     def __post_init__(self):
@@ -61,9 +67,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pages: PageManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
-        self.pages = pages
+        self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
 
@@ -75,63 +81,83 @@ class Scheduler:
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
-        """Drops a finished or aborted request and frees its pages."""
+        """Drops a finished or aborted request; frees its pages unless chunks of it are still in flight."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.pages.free(request.pages)
+        if request.in_flight == 0:
+            self.kv.free(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.pages.free(request.pages)
+        self.kv.free(request)
         request.num_computed = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
-        logger.warning("preempted request %s by recompute: out of KV pages (%d free of %d)",
-                       request.request_id, self.pages.num_free, self.pages.num_usable)
+        logger.warning("preempted request %s by recompute: out of KV pages (%d of %d pages in use)",
+                       request.request_id, self.kv.num_used, self.kv.num_usable)
+
+    def _size(self, req: Request, budgets: list[int]) -> tuple[int, list[int]]:
+        """Tokens `req` may compute now under the budgets, and the ranks whose budget it uses."""
+        n = min(req.num_uncomputed, self.config.chunk_size)
+        if req.kv_ranks:
+            n = min(n, budgets[req.kv_ranks[0]])
+        if len(self.kv.rank_tokens(req.num_computed + n)) > 1:  # multi-rank: its rows are on every rank
+            n = min(n, *budgets)
+            return n, list(range(len(budgets)))
+        return n, req.kv_ranks[:1]
+
+    def _schedule(self, req: Request, n: int, ranks: list[int], budgets: list[int]) -> ScheduledChunk:
+        self.kv.grow(req, req.num_computed + n)
+        chunk = ScheduledChunk(req, req.num_computed, n, req.num_computed + n == req.num_tokens)
+        req.num_computed += n
+        req.in_flight += 1
+        req.awaiting_sample = chunk.sample
+        for r in ranks:
+            budgets[r] -= n
+        return chunk
 
     def schedule(self) -> StepPlan:
-        budget = self.config.max_num_batched_tokens
+        budgets = [self.config.max_num_batched_tokens] * self.kv.num_ranks
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
 
-        # Running requests, in admission order. Preemption takes the most recently admitted first.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_uncomputed, self.config.chunk_size, budget)
-            if n <= 0:
-                i += 1
+        # Running requests, in admission order. Preemption takes the most recently admitted request that has
+        # nothing in flight.
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING or req.awaiting_sample:
                 continue
-            while not self.pages.can_grow(req.pages, req.num_computed + n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
+            n, ranks = self._size(req, budgets)
+            if n <= 0:
+                continue
+            while not self.kv.can_grow(req, req.num_computed + n):
+                victims = [r for r in self.running if r.in_flight == 0 and r not in (c.request for c in chunks)]
+                if not victims:
                     break
-            if req.status is not RequestStatus.RUNNING:
-                break  # it preempted itself: everything after it is gone too
-            self.pages.grow(req.pages, req.num_computed + n)
-            chunks.append(ScheduledChunk(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
-            budget -= n
-            i += 1
+                self._preempt(victims[-1])
+                preempted.append(victims[-1])
+                if victims[-1] is req:
+                    break
+            if req.status is RequestStatus.RUNNING and self.kv.can_grow(req, req.num_computed + n):
+                chunks.append(self._schedule(req, n, ranks, budgets))
 
         # Waiting requests, first come first served, while budget, rows and pages last.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req in preempted:
-                break  # not in the same step it was preempted in
-            n = min(req.num_uncomputed, self.config.chunk_size, budget)
-            if not self.pages.can_grow(req.pages, n):
-                logger.info("request %s waits: needs %d KV pages, %d free", req.request_id,
-                            self.pages.pages_for(n), self.pages.num_free)
+            if req in preempted or req.in_flight:
+                break  # not in the step it was preempted in
+            self.kv.place(req)
+            n, ranks = self._size(req, budgets)
+            if n <= 0:
+                break
+            if not self.kv.can_grow(req, n):
+                logger.info("request %s waits: not enough free KV pages (%d of %d in use)", req.request_id,
+                            self.kv.num_used, self.kv.num_usable)
                 break
             self.waiting.popleft()
-            self.pages.grow(req.pages, n)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, 0, n, n == req.num_tokens))
-            budget -= n
+            chunks.append(self._schedule(req, n, ranks, budgets))
         return StepPlan(chunks, preempted)

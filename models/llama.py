@@ -18,28 +18,29 @@ from jax import lax
 from models import rope
 from models.attention import paged_attention
 from models.config import LlamaConfig
-from shardings.collectives import from_last_stage, vary_over
+from shardings.collectives import from_last_stage, kvp_merge
 from shardings.mesh import SPP, TP
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
-    """One step's ragged batch (device arrays; built by the executor from the scheduler's plan).
+    """One micro-batch's ragged rows as one pipeline stage of one KVP rank sees them (device arrays, built by
+    the executor from the scheduler's plan).
 
-    Tokens of all sequences are laid end to end; padding tokens write to the reserved dummy page 0 and belong
-    to a sequence row whose outputs are never read.
+    Tokens of all sequences are laid end to end; padding rows write to the reserved dummy page 0 and belong to
+    a sequence row whose outputs are never read.
     """
 
     token_ids: jax.Array  # i32[T] input token of each row
     positions: jax.Array  # i32[T] absolute position of each token in its sequence
     seq_ids: jax.Array  # i32[T] row of page_table each token belongs to
-    write_pages: jax.Array  # i32[T] page that receives the token's K/V (0 = dummy page: drop)
+    write_pages: jax.Array  # i32[T] page that receives the token's K/V (0 = dummy page: not this rank's token)
     write_slots: jax.Array  # i32[T] slot within that page
-    page_table: jax.Array  # i32[B, M] pages of each sequence, in token order
-    kv_lens: jax.Array  # i32[B] keys of each sequence in this cache after this step's writes
-    kv_start: jax.Array  # i32[B] absolute position of each sequence's first key in this cache
-    logits_rows: jax.Array  # i32[R] token rows whose next-token logits are wanted
+    shared: jax.Array  # bool[T] the row's request spans several KVP ranks: merge its attention over them
+    page_table: jax.Array  # i32[B, M] this rank's pages of each sequence, in token order
+    kv_lens: jax.Array  # i32[B] keys of each sequence on this rank after this step's writes
+    kv_start: jax.Array  # i32[B] absolute position of each sequence's first key on this rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +82,10 @@ def _layer(spec: ModelSpec, batch: StepBatch, carry, layer):
     k = rope.apply_rope(k, batch.positions, inv_freq)
     k_cache = k_cache.at[idx, batch.write_pages, batch.write_slots].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[idx, batch.write_pages, batch.write_slots].set(v.astype(v_cache.dtype))
-    o, _ = paged_attention(q, k_cache, v_cache, idx, page_table=batch.page_table, kv_lens=batch.kv_lens,
-                           kv_start=batch.kv_start, seq_ids=batch.seq_ids, positions=batch.positions,
-                           block_pages=spec.block_pages, precision=prec)
+    o, lse = paged_attention(q, k_cache, v_cache, idx, page_table=batch.page_table, kv_lens=batch.kv_lens,
+                             kv_start=batch.kv_start, seq_ids=batch.seq_ids, positions=batch.positions,
+                             block_pages=spec.block_pages, precision=prec)
+    o = kvp_merge(o, lse, batch.shared)
     attn = jnp.einsum("tnh,nhd->td", o.astype(dt), p["wo"], precision=prec)
     x = x + lax.psum(attn, TP)
 
@@ -95,22 +97,27 @@ def _layer(spec: ModelSpec, batch: StepBatch, carry, layer):
     return (x, k_cache, v_cache), None
 
 
-def forward(spec: ModelSpec, params: dict, k_cache, v_cache, batch: StepBatch):
-    """Runs all local layers on the step's tokens.
+def forward(spec: ModelSpec, params: dict, k_cache, v_cache, register, batch: StepBatch, logits_rows):
+    """Runs this stage's layers on its micro-batch.
 
-    Returns (logits f32[R, V] of the wanted rows, k_cache, v_cache) with this step's K/V written.
+    Stage 0 embeds the micro-batch's tokens; a later stage takes the activations the previous stage handed on
+    (`register` [T, D]). `logits_rows` i32[R] are the rows whose next-token logits are wanted, read from the
+    last stage (whose micro-batch is the one leaving the pipeline).
+
+    Returns (logits f32[R, V], k_cache, v_cache, x [T, D] to hand to the next stage).
     """
-    x = vary_over(params["embed"][batch.token_ids], (SPP,))  # [T, D]; each stage has its own activations
+    first = lax.axis_index(SPP) == 0
+    x = jnp.where(first, params["embed"][batch.token_ids], register)  # [T, D]
     layers = params["layers"]
     num_layers = layers["wq"].shape[0]
     (x, k_cache, v_cache), _ = lax.scan(
         lambda c, l: _layer(spec, batch, c, l), (x, k_cache, v_cache),
         (layers, jnp.arange(num_layers, dtype=jnp.int32)))
-    h = from_last_stage(rms_norm(x[batch.logits_rows], params["final_norm"], spec.config.rms_norm_eps))
+    h = from_last_stage(rms_norm(x[logits_rows], params["final_norm"], spec.config.rms_norm_eps))
     if "lm_head" in params:
         logits = jnp.einsum("rd,dv->rv", h, params["lm_head"], precision=spec.precision,
                             preferred_element_type=jnp.float32)
     else:
         logits = jnp.einsum("rd,vd->rv", h, params["embed"], precision=spec.precision,
                             preferred_element_type=jnp.float32)
-    return logits, k_cache, v_cache
+    return logits, k_cache, v_cache, x

@@ -74,3 +74,42 @@ def init_params(config: LlamaConfig, *, dtype=jnp.float32, seed: int = 0, init_s
         return LlamaParams(config, dtype=dtype, init_std=init_std, rngs=nnx.Rngs(seed)).pure()
 
     return jax.jit(make, out_shardings=shardings)()
+
+
+def mesh_layout(config: LlamaConfig, *, tp: int, spp: int) -> tuple[int, int]:
+    """(layers, kv heads) of the parameters as laid out on a mesh with these tp and spp degrees.
+
+    Layers are padded with zero layers to a multiple of `spp` (uneven stages). A zero layer is an exact
+    identity: its attention and MLP outputs are 0 and the residual passes through unchanged. KV heads are
+    repeated when `tp` exceeds their number, so each tp rank holds the one KV head its query heads use.
+    """
+    c = config
+    if c.num_heads % tp:
+        raise ValueError(f"tp ({tp}) must divide the number of attention heads ({c.num_heads})")
+    if tp <= c.num_kv_heads and c.num_kv_heads % tp:
+        raise ValueError(f"tp ({tp}) must divide the number of KV heads ({c.num_kv_heads}) or be a multiple of it")
+    if tp > c.num_kv_heads and tp % c.num_kv_heads:
+        raise ValueError(f"tp ({tp}) must be a multiple of the number of KV heads ({c.num_kv_heads}) or divide it")
+    if spp > c.num_layers:
+        raise ValueError(f"spp ({spp}) exceeds the number of layers ({c.num_layers})")
+    return -(-c.num_layers // spp) * spp, max(c.num_kv_heads, tp)
+
+
+def to_mesh_layout(params: dict, config: LlamaConfig, *, tp: int, spp: int, shardings) -> dict:
+    """The canonical parameters (`param_shapes`) in the mesh layout of `mesh_layout`, on `shardings`."""
+    num_layers, kv_heads = mesh_layout(config, tp=tp, spp=spp)
+    pad = num_layers - config.num_layers
+    rep = kv_heads // config.num_kv_heads
+
+    def layout(p):
+        layers = dict(p["layers"])
+        if rep > 1:
+            for name in ("wk", "wv"):
+                layers[name] = jnp.repeat(layers[name], rep, axis=2)
+        if pad:
+            layers = {k: jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)) for k, v in layers.items()}
+        return {**p, "layers": layers}
+
+    if not pad and rep == 1:
+        return jax.device_put(params, shardings)
+    return jax.jit(layout, out_shardings=shardings)(params)

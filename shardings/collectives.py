@@ -1,10 +1,18 @@
-"""Collective primitives used inside the step's shard_map. Each has a test against the unsharded computation."""
+"""Collective primitives used inside the step's shard_map. Each has a test against the unsharded computation.
+
+Sizes, for a step of T query rows, N local heads of H dims, D hidden: the KVP merge moves O(T x N x H) per
+layer (query-sized, never context-sized); the pipeline shift moves one [T, D] activation block per stage
+boundary per step.
+"""
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 
-from shardings.mesh import SPP
+from shardings.mesh import KVP, SPP
+
+# Large finite negative log-weight: a shard with no visible key gets weight exp(NEG - m) = 0, never NaN.
+NEG = -1e30
 
 
 def vary_over(x, axes: tuple[str, ...]):
@@ -14,6 +22,31 @@ def vary_over(x, axes: tuple[str, ...]):
     the residual stream entering a pipeline stage's layers.
     """
     return lax.pcast(x, axes, to="varying")
+
+
+def kvp_merge(out, lse, shared):
+    """Exact online-softmax merge of partial attention over the KVP ranks, for the rows marked `shared`.
+
+    out f32[T, N, H] and lse f32[T, N]: this rank's attention over its own KV shard. shared bool[T]: the row
+    holds a query token of a request whose KV spans several ranks; the same token sits in the same row on
+    each of its ranks. Ranks where the row is not shared contribute weight 0 and keep their own result.
+    Returns out f32[T, N, H].
+    """
+    w_lse = jnp.where(shared[:, None], lse, NEG)
+    m = lax.pmax(w_lse, KVP)
+    w = jnp.where(shared[:, None], jnp.exp(w_lse - m), 0.0)  # [T, N]
+    num = lax.psum(out * w[..., None], KVP)
+    den = lax.psum(w, KVP)
+    merged = num / jnp.where(den == 0.0, 1.0, den)[..., None]
+    return jnp.where(shared[:, None, None], merged, out)
+
+
+def pipeline_shift(x):
+    """Sends each stage's activations to the next stage (the last stage's go nowhere; stage 0 gets zeros)."""
+    n = lax.axis_size(SPP)
+    if n == 1:
+        return jnp.zeros_like(x)
+    return lax.ppermute(x, SPP, perm=[(s, s + 1) for s in range(n - 1)])
 
 
 def from_last_stage(x):

@@ -34,27 +34,39 @@ class ShardingTable:
     lm_head_dv: P = P(None, None)
     # KV cache: [layers, pages, slots, kv heads, head dim].
     kv_lpskh: P = P(SPP, KVP, None, TP, None)
-    # Step-plan arrays, one block of rows per KVP rank.
-    tokens_t: P = P(KVP)
-    seqs_b: P = P(KVP)
-    page_table_bm: P = P(KVP, None)
-    rows_r: P = P(KVP)
-    rows_rj: P = P(KVP, None)
+    # Logits rows of the micro-batch leaving the pipeline, one block per KVP rank: [kvp, R] and [kvp, R, top-k].
+    rows_kr: P = P(KVP, None)
+    rows_krj: P = P(KVP, None, None)
 
-    def params(self, tie_word_embeddings: bool) -> dict:
-        """Specs for the parameter pytree of `models.params` (same structure)."""
+    # The step's pipeline register: the activations each stage hands to the next, one block per (rank, stage).
+    register_kstd: P = P(KVP, SPP, None, None)
+    # Per-stage step-plan arrays, stacked [kvp, spp, ...]: each (rank, stage) sees its own micro-batch.
+    stage_kst: P = P(KVP, SPP, None)
+    stage_ksbm: P = P(KVP, SPP, None, None)
+
+    def params(self, tie_word_embeddings: bool, *, split_layers: bool = True, split_kv_heads: bool = True) -> dict:
+        """Specs for the parameter pytree of `models.params` (same structure).
+
+        `split_layers=False` / `split_kv_heads=False` give the specs of the canonical (checkpoint) layout when
+        its layer count or KV heads do not divide over spp / tp; `models.params.to_mesh_layout` then pads or
+        repeats them into the sharded layout.
+        """
+        def drop(spec, axis, keep):
+            return spec if keep else P(*(None if a == axis else a for a in spec))
+
+        norm = drop(self.norm_ld, SPP, split_layers)
         specs = {
             "embed": self.embed_vd,
             "layers": {
-                "attn_norm": self.norm_ld,
-                "wq": self.wq_ldnh,
-                "wk": self.wkv_ldkh,
-                "wv": self.wkv_ldkh,
-                "wo": self.wo_lnhd,
-                "mlp_norm": self.norm_ld,
-                "w_gate": self.w_in_ldf,
-                "w_up": self.w_in_ldf,
-                "w_down": self.w_down_lfd,
+                "attn_norm": norm,
+                "wq": drop(self.wq_ldnh, SPP, split_layers),
+                "wk": drop(drop(self.wkv_ldkh, SPP, split_layers), TP, split_kv_heads),
+                "wv": drop(drop(self.wkv_ldkh, SPP, split_layers), TP, split_kv_heads),
+                "wo": drop(self.wo_lnhd, SPP, split_layers),
+                "mlp_norm": norm,
+                "w_gate": drop(self.w_in_ldf, SPP, split_layers),
+                "w_up": drop(self.w_in_ldf, SPP, split_layers),
+                "w_down": drop(self.w_down_lfd, SPP, split_layers),
             },
             "final_norm": self.final_norm_d,
         }

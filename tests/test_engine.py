@@ -69,7 +69,7 @@ def test_preemption_by_recompute_gives_same_results(ckpt, alone, caplog):
     for out, r in zip(outs, ref):
         np.testing.assert_allclose(_prompt_lps(out), _prompt_lps(r), atol=1e-5, rtol=0)
         assert out.outputs[0].token_ids == r.outputs[0].token_ids
-    assert small.engine.pages.num_used == 0
+    assert small.engine.kv.num_used == 0
 
 
 def test_long_context_many_pages_matches_hf(ckpt):
@@ -167,7 +167,7 @@ def test_eos_stops_unless_ignored(ckpt, tmp_path):
 def test_bad_input_raises_and_engine_still_works(llm, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([[5, 6], prompt], params)
-    assert not llm.engine.has_unfinished() and llm.engine.pages.num_used == 0
+    assert not llm.engine.has_unfinished() and llm.engine.kv.num_used == 0
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
 
 
