@@ -18,7 +18,7 @@ from mnemojax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mnemojax.request import Request, RequestStatus
 from mnemojax.sampling_params import SamplingParams
 from mnemojax.scheduler import Scheduler, SchedulerConfig
-from models import checkpoint
+from models import checkpoint, orbax_io
 from models.config import PRESETS, LlamaConfig, preset
 from models.llama import ModelSpec
 from models.params import init_params, mesh_layout, to_mesh_layout
@@ -35,7 +35,8 @@ DTYPES = ("float32", "bfloat16")
 class EngineConfig:
     """Everything that shapes an engine. `LLM(...)` keyword arguments map onto these fields."""
 
-    model: str = "tiny"  # a preset name (see models.config.PRESETS) or a Hugging Face Llama directory
+    model: str = "tiny"  # a preset (models.config.PRESETS), a Hugging Face Llama directory, or an Orbax
+    # checkpoint directory written by scripts/convert_checkpoint.py
     dtype: str = "float32"  # parameters, activations and KV cache: "float32" or "bfloat16"
     max_model_len: int | None = None  # prompt + generated tokens of one request; default min(model's, 8192)
     page_size: int = 16  # tokens per KV page
@@ -89,6 +90,8 @@ class LLMEngine:
         dtype = jnp.dtype(config.dtype)
         if is_preset:
             params = init_params(mc, dtype=dtype, seed=config.seed, shardings=canonical)
+        elif orbax_io.is_orbax_checkpoint(config.model):
+            params = orbax_io.restore_params(config.model, mc, dtype, canonical)
         else:
             params = checkpoint.load_hf_params(config.model, mc, dtype, canonical)
         params = to_mesh_layout(params, mc, tp=config.tp, spp=config.spp,
