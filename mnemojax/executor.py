@@ -230,15 +230,10 @@ class Executor:
     def has_in_flight(self) -> bool:
         return any(mb.plan.chunks for mb in self.in_flight)
 
-    def execute(self, plan: StepPlan) -> tuple[StepPlan, list[tuple[RowRef, RowResult]]]:
-        """Feeds `plan` into stage 0 and advances the pipeline one stage.
-
-        Returns the plan whose micro-batch left the last stage in this step, with the result of each of its
-        logits rows (an empty plan while the pipeline fills).
-        """
+    def _device_args(self, plan: StepPlan):
+        """The step's arguments for feeding `plan` (pushes it into the pipeline) and the micro-batch leaving."""
         T = self.pipeline_tokens or _bucket(self._rows_needed(plan), 16)
-        mb = self.prepare(plan, T)
-        self.in_flight.appendleft(mb)
+        self.in_flight.appendleft(self.prepare(plan, T))
         while len(self.in_flight) < self.spp:
             self.in_flight.append(self.prepare(StepPlan([], []), T))  # an empty pipeline fills with padding
         leaving = self.in_flight[-1]
@@ -249,8 +244,25 @@ class Executor:
             d = self.spec.config.hidden_size
             self.register = jax.jit(lambda: jnp.zeros((self.kvp, self.spp, T, d), self.spec.dtype),
                                     out_shardings=self._register_sharding)()
-        self.k_cache, self.v_cache, self.register, out = self._step(
-            self.params, self.k_cache, self.v_cache, self.register, stages, rows, samp)
+        return (self.params, self.k_cache, self.v_cache, self.register, stages, rows, samp), leaving
+
+    def lower(self, plan: StepPlan) -> jax.stages.Lowered:
+        """The step as it would run for `plan`, lowered but not run (for inspecting its HLO); state unchanged."""
+        saved = deque(self.in_flight)
+        try:
+            args, _ = self._device_args(plan)
+            return self._step.lower(*args)
+        finally:
+            self.in_flight = saved
+
+    def execute(self, plan: StepPlan) -> tuple[StepPlan, list[tuple[RowRef, RowResult]]]:
+        """Feeds `plan` into stage 0 and advances the pipeline one stage.
+
+        Returns the plan whose micro-batch left the last stage in this step, with the result of each of its
+        logits rows (an empty plan while the pipeline fills).
+        """
+        args, leaving = self._device_args(plan)
+        self.k_cache, self.v_cache, self.register, out = self._step(*args)
         self.in_flight.pop()
         if not leaving.refs:
             return leaving.plan, []

@@ -94,7 +94,7 @@ class KVCacheManager:
     def capacity_error(self, num_tokens: int) -> str | None:
         """Why a request of `num_tokens` tokens can never fit, or None."""
         span, n = self.span(), self.num_ranks
-        if self.max_tokens_per_rank is None or n == 1:
+        if self.max_tokens_per_rank is None:
             need = self.ranks[0].pages_for(num_tokens)
             if need > self.ranks[0].num_usable:
                 return (f"{num_tokens} tokens needs {need} KV pages of {self.page_size} tokens; num_pages allows "
@@ -123,13 +123,17 @@ class KVCacheManager:
             ranks.append((ranks[-1] + 1) % self.num_ranks)
         return ranks, counts
 
-    def can_grow(self, req, num_tokens: int) -> bool:
+    def short_ranks(self, req, num_tokens: int) -> set[int]:
+        """The ranks without enough free pages for `req` to hold `num_tokens` tokens."""
         ranks, counts = self._targets(req, num_tokens)
         need = [0] * self.num_ranks
         for i, (r, n) in enumerate(zip(ranks, counts)):
             have = len(req.pages[i]) if i < len(req.pages) else 0
             need[r] += max(self.ranks[r].pages_for(n) - have, 0)
-        return all(need[r] <= self.ranks[r].num_free for r in range(self.num_ranks))
+        return {r for r in range(self.num_ranks) if need[r] > self.ranks[r].num_free}
+
+    def can_grow(self, req, num_tokens: int) -> bool:
+        return not self.short_ranks(req, num_tokens)
 
     def grow(self, req, num_tokens: int) -> None:
         """Gives `req` pages for its first `num_tokens` tokens, onboarding ranks as needed."""

@@ -19,7 +19,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: requests are looked up in lists every step
 class Request:
     request_id: str
     prompt_token_ids: list[int]

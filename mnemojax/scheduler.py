@@ -124,23 +124,23 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
 
-        # Running requests, in admission order. Preemption takes the most recently admitted request that has
-        # nothing in flight.
+        # Running requests, in admission order. A request short of pages preempts the most recently admitted
+        # request that was admitted after it, holds pages on a rank that is short, and has nothing in flight;
+        # when there is none it waits a step (requests in flight come back and become preemptable).
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or req.awaiting_sample:
                 continue
             n, ranks = self._size(req, budgets)
             if n <= 0:
                 continue
-            while not self.kv.can_grow(req, req.num_computed + n):
-                victims = [r for r in self.running if r.in_flight == 0 and r not in (c.request for c in chunks)]
+            while short := self.kv.short_ranks(req, req.num_computed + n):
+                newer = self.running[self.running.index(req) + 1:]
+                victims = [r for r in newer if r.in_flight == 0 and short & set(r.kv_ranks)]
                 if not victims:
                     break
                 self._preempt(victims[-1])
                 preempted.append(victims[-1])
-                if victims[-1] is req:
-                    break
-            if req.status is RequestStatus.RUNNING and self.kv.can_grow(req, req.num_computed + n):
+            if not short:
                 chunks.append(self._schedule(req, n, ranks, budgets))
 
         # Waiting requests, first come first served, while budget, rows and pages last.
