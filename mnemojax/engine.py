@@ -50,6 +50,13 @@ class EngineConfig:
     spp: int = 1  # sequence pipeline parallelism: layers split into this many pipeline stages
     kvp: int = 1  # KV-cache parallelism: ranks, each with its own page pool and a full model replica
     max_tokens_per_kvp_rank: int | None = None  # most tokens of one request on one KVP rank (None: no split)
+    scheduler_policy: str = "fcfs"  # prefill order: "fcfs", "edf", "lrs", "ilrs" (see mnemojax.scheduler)
+    target_batch_time_ms: float | None = None  # adaptive chunking: a step's predicted time stays under this
+    ppb_max_share: float = 0.5  # prefill-prefill batching: most of a step for prefills after the first
+    ttft_slo_min_s: float = 1.0  # TTFT deadline of a request: this + ttft_slo_per_token_s x prompt tokens
+    ttft_slo_per_token_s: float = 1e-3
+    hardware: str | None = None  # runtime predictor preset ("a100", "h100", "h200", "cpu"); default: detected
+    predictor_profile: str | None = None  # fitted efficiency factors (scripts/profile_predictor.py)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -62,6 +69,17 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
+
+
+def detect_hardware() -> str:
+    """The runtime predictor's hardware preset for the first device: "h200", "h100", "a100" or "cpu"."""
+    kind = jax.devices()[0].device_kind.lower()
+    for name in ("h200", "h100", "a100"):
+        if name in kind:
+            return name
+    if jax.devices()[0].platform == "cpu":
+        return "cpu"
+    raise ValueError(f"no runtime predictor preset for device {kind!r}: pass hardware= (a100, h100, h200, cpu)")
 
 
 class LLMEngine:
@@ -105,12 +123,27 @@ class LLMEngine:
                                  max_num_seqs=config.max_num_seqs, max_pages_per_seq=pages_per_seq,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                  max_tokens_per_rank=config.max_tokens_per_kvp_rank, table=table)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                                                   config.chunk_size), self.kv)
+        self.predictor = self._make_predictor(config, mc) if config.target_batch_time_ms is not None else None
+        sched = SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            chunk_size=config.chunk_size, policy=config.scheduler_policy,
+            target_batch_time=None if config.target_batch_time_ms is None else config.target_batch_time_ms / 1e3,
+            min_chunk_size=min(32, config.chunk_size), ppb_max_share=config.ppb_max_share,
+            ttft_slo_min=config.ttft_slo_min_s, ttft_slo_per_token=config.ttft_slo_per_token_s, spp=config.spp)
+        self.scheduler = Scheduler(sched, self.kv, self.predictor, clock=time.perf_counter)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.eos_token_ids = set(mc.eos_token_ids)
+
+    @staticmethod
+    def _make_predictor(config: EngineConfig, mc: LlamaConfig):
+        from mnemojax.predictor import Predictor, default_profile
+
+        hardware = config.hardware or detect_hardware()
+        profile = config.predictor_profile or default_profile(hardware)
+        return Predictor(mc, hardware, tp=config.tp, spp=config.spp, kvp=config.kvp,
+                         dtype_bytes=jnp.dtype(config.dtype).itemsize, profile=profile)
 
     # ---------------------------------------------------------------- requests in
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -172,13 +205,7 @@ class LLMEngine:
                 ch.request.first_scheduled_time = now
         done, results = self.executor.execute(plan)  # the micro-batch leaving the pipeline
         now = time.perf_counter()
-        for ch in done.chunks:
-            req = ch.request
-            req.in_flight -= 1
-            if ch.sample:
-                req.awaiting_sample = False
-            if req.is_finished and req.in_flight == 0:
-                self.kv.free(req)  # aborted while in flight
+        self.scheduler.finish_micro_batch(done)
         for ref, res in results:
             req = done.chunks[ref.chunk].request
             if req.is_finished:

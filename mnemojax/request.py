@@ -49,6 +49,9 @@ class Request:
     token_times: list[float] = dataclasses.field(default_factory=list)
     finished_time: float | None = None
     num_preemptions: int = 0
+    # TTFT deadline (same clock as arrival_time) and its duration; set by the scheduler when it is added.
+    ttft_deadline: float | None = None
+    deadline_duration: float | None = None
 
     def __post_init__(self):
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -67,6 +70,11 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def in_decode(self) -> bool:
+        """Generating: its prompt and every generated token but the newest are in the cache."""
+        return bool(self.output_token_ids) and self.num_uncomputed == 1
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)

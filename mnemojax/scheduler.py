@@ -1,31 +1,57 @@
-"""The scheduler: plain data in, plain data out, no jax.
+"""The scheduler: plain data in, plain data out, no jax. It takes a clock, so deadlines are testable.
 
-`Scheduler.schedule()` decides which requests run this step and how many of their uncomputed tokens each
-computes (a decode token or a prefill chunk), grows their KV pages, and returns a `StepPlan`. It follows one
-budget rule for every request (see `request.py`) under a per-step token budget.
+`Scheduler.schedule(now)` decides which requests run this step and how many of their uncomputed tokens each
+computes (a decode token or a prefill chunk), grows their KV pages, and returns a `StepPlan`. One budget rule
+holds for every request (see `request.py`).
+
+A step is packed in this order (Medha, section 4.2):
+1. Decodes of running requests, in admission order. A decode is never preempted, except when KV pages run
+   out (then by recompute).
+2. Prefill chunks, highest priority first. The policy orders them: `fcfs` (arrival), `edf` (earliest TTFT
+   deadline), `lrs` (least remaining slack: deadline - now - predicted remaining prefill time) or `ilrs`
+   (that slack divided by the deadline's duration, so long and short prompts compare fairly). A prefill not
+   scheduled in a step keeps its pages and resumes later: preemption at chunk boundaries.
+3. With `target_batch_time` and a runtime predictor, chunks are adaptive: each is the largest whose
+   predicted step time stays under the target, so chunks shrink as a long prompt's context grows. Without
+   them the step's cost is its token count under `max_num_batched_tokens`.
+4. Prefill-prefill batching (any policy but fcfs, `ppb_max_share` > 0): when several prefills wait, those
+   after the most urgent one share the step's room in proportion to their urgency (1 / relative slack), in
+   total at most `ppb_max_share` of it; the most urgent takes what they leave.
+
+TTFT deadlines: arrival + max(`ttft_slo_min` + `ttft_slo_per_token` x prompt tokens, `ttft_slo_prefill_factor`
+x the predicted time to prefill the prompt alone).
 
 With KV parallelism each KVP rank has its own token budget and page pool; a request whose KV spans several
 ranks computes its tokens on all of them (its rows are replicated), so its chunk counts against every rank's
-budget. With a pipeline (spp > 1) a scheduled chunk is in flight for several steps: `num_computed` counts
-tokens scheduled, a request waits for its sampled token before it can be scheduled again, and a request with
-chunks in flight is never preempted.
+budget; a step's cost is its busiest rank's. With a pipeline (spp > 1) a scheduled chunk is in flight for
+several steps: `num_computed` counts tokens scheduled, a request waits for its sampled token before it can be
+scheduled again, a request with chunks in flight is never preempted, and a step's target is the batch time
+divided by spp (a decode crosses every stage).
 
-This is the first-come-first-served policy: running requests first, in the order they were admitted, then
-waiting ones in arrival order while the budget, the sequence slots and the pages last. When a running request
-cannot get a page, the most recently admitted running request is preempted by recompute: its pages are freed
-and it goes back to the front of the queue to compute its prompt and generated tokens again (results are
-unchanged: the sampler is keyed by (seed, token index), and prompt log-probs already reported are kept).
+Memory pressure: a request that cannot get a page preempts, by recompute, the most recently admitted request
+that was admitted after it, holds pages on a rank that is short, and has nothing in flight; with none it
+waits. A preempted request returns to the front of the queue and computes its prompt and generated tokens
+again; results do not change (the sampler is keyed by (seed, token index); prompt log-probs already
+reported are kept).
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 
 from mnemojax.kv_manager import KVCacheManager
 from mnemojax.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+POLICIES = ("fcfs", "edf", "lrs", "ilrs")
+# Without a runtime predictor, remaining prefill time is estimated at this many seconds per token.
+DEFAULT_SECONDS_PER_TOKEN = 1e-4
+_MIN_SLACK = 0.05  # relative slack floor in the prefill-prefill sharing weights (1 / slack)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,26 +84,58 @@ class StepPlan:
 class SchedulerConfig:
     max_num_batched_tokens: int = 512  # the per-step token budget of each KVP rank
     max_num_seqs: int = 64  # requests running at once (sequence rows of each rank's batch)
-    chunk_size: int = 256  # most prefill tokens of one request in a step
+    chunk_size: int = 256  # largest prefill chunk of one request in a step
+    policy: str = "fcfs"  # prefill order: "fcfs", "edf", "lrs" or "ilrs"
+    target_batch_time: float | None = None  # seconds a step may take (the TBT target); needs a predictor
+    min_chunk_size: int = 32  # adaptive chunks never go below this (unless the prompt's rest is shorter)
+    ppb_max_share: float = 0.5  # prefill-prefill batching: most of a step's room for non-first prefills
+    ttft_slo_min: float = 1.0  # seconds: the TTFT deadline of the shortest prompt
+    ttft_slo_per_token: float = 1e-3  # seconds per prompt token added to the TTFT deadline
+    ttft_slo_prefill_factor: float = 0.0  # deadline at least this x the predicted isolated prefill time
+    spp: int = 1  # pipeline stages (a step's target is target_batch_time / spp)
 
     def __post_init__(self):
-        for name in ("max_num_batched_tokens", "max_num_seqs", "chunk_size"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "min_chunk_size", "spp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler_policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.target_batch_time is not None and not self.target_batch_time > 0:
+            raise ValueError(f"target_batch_time must be positive, got {self.target_batch_time}")
+        if not 0.0 <= self.ppb_max_share < 1.0:
+            raise ValueError(f"ppb_max_share must be in [0, 1), got {self.ppb_max_share}")
+        for name in ("ttft_slo_min", "ttft_slo_per_token", "ttft_slo_prefill_factor"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, predictor=None,
+                 clock: Callable[[], float] = time.perf_counter):
+        if config.target_batch_time is not None and predictor is None:
+            raise ValueError("target_batch_time needs a runtime predictor")
         self.config = config
         self.kv = kv
+        self.predictor = predictor
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        self._order = itertools.count()
+        self._prefill_cache: dict[int, tuple[int, float]] = {}
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    # ---------------------------------------------------------------- requests in and out
     def add(self, request: Request) -> None:
+        c = self.config
+        n = request.num_prompt_tokens
+        duration = c.ttft_slo_min + c.ttft_slo_per_token * n
+        if self.predictor is not None and c.ttft_slo_prefill_factor > 0:
+            duration = max(duration, c.ttft_slo_prefill_factor * self.predictor.prefill_time(n, c.chunk_size))
+        request.deadline_duration = duration
+        request.ttft_deadline = request.arrival_time + duration
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
@@ -86,8 +144,19 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self._prefill_cache.pop(id(request), None)
         if request.in_flight == 0:
             self.kv.free(request)
+
+    def finish_micro_batch(self, plan: StepPlan) -> None:
+        """Bookkeeping when `plan`'s micro-batch leaves the last stage (before its tokens are appended)."""
+        for ch in plan.chunks:
+            req = ch.request
+            req.in_flight -= 1
+            if ch.sample:
+                req.awaiting_sample = False
+            if req.is_finished and req.in_flight == 0:
+                self.kv.free(req)  # aborted while in flight
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -99,65 +168,181 @@ class Scheduler:
         logger.warning("preempted request %s by recompute: out of KV pages (%d of %d pages in use)",
                        request.request_id, self.kv.num_used, self.kv.num_usable)
 
-    def _size(self, req: Request, budgets: list[int]) -> tuple[int, list[int]]:
-        """Tokens `req` may compute now under the budgets, and the ranks whose budget it uses."""
-        n = min(req.num_uncomputed, self.config.chunk_size)
-        if req.kv_ranks:
-            n = min(n, budgets[req.kv_ranks[0]])
-        if len(self.kv.rank_tokens(req.num_computed + n)) > 1:  # multi-rank: its rows are on every rank
-            n = min(n, *budgets)
-            return n, list(range(len(budgets)))
-        return n, req.kv_ranks[:1]
+    # ---------------------------------------------------------------- priorities
+    def remaining_prefill_time(self, req: Request) -> float:
+        """Predicted seconds to compute the rest of `req`'s known tokens alone."""
+        key = id(req)
+        hit = self._prefill_cache.get(key)
+        if hit is not None and hit[0] == req.num_computed:
+            return hit[1]
+        if self.predictor is None:
+            t = req.num_uncomputed * DEFAULT_SECONDS_PER_TOKEN
+        else:
+            t = self.predictor.prefill_time(req.num_tokens, self.config.chunk_size,
+                                            context_start=req.num_computed)
+        self._prefill_cache[key] = (req.num_computed, t)
+        return t
 
-    def _schedule(self, req: Request, n: int, ranks: list[int], budgets: list[int]) -> ScheduledChunk:
+    def relative_slack(self, req: Request, now: float) -> float:
+        """Medha's ILRS priority: (deadline - now - remaining prefill time) / deadline duration."""
+        return (req.ttft_deadline - now - self.remaining_prefill_time(req)) / req.deadline_duration
+
+    def _priority(self, req: Request, now: float):
+        p = self.config.policy
+        if p == "fcfs":
+            return 0.0  # a stable sort keeps running-then-waiting, each in order
+        if p == "edf":
+            return req.ttft_deadline
+        if p == "lrs":
+            return req.ttft_deadline - now - self.remaining_prefill_time(req)
+        return self.relative_slack(req, now)
+
+    # ---------------------------------------------------------------- packing
+    def _ranks_of(self, req: Request, n: int) -> list[int]:
+        """Ranks whose rows a chunk of `n` tokens of `req` occupies (all ranks once its KV spans several)."""
+        if len(self.kv.rank_tokens(req.num_computed + n)) > 1:
+            return list(range(self.kv.num_ranks))
+        return req.kv_ranks[:1]
+
+    def _cost(self, entries: list[tuple[Request, int]]) -> float:
+        """A step's cost: its busiest rank's predicted time, or its token count without a predictor."""
+        by_rank: dict[int, list[tuple[Request, int]]] = {}
+        for req, n in entries:
+            for r in self._ranks_of(req, n):
+                by_rank.setdefault(r, []).append((req, n))
+        if not by_rank:
+            return 0.0
+        if self.config.target_batch_time is None:
+            return float(max(sum(n for _, n in es) for es in by_rank.values()))
+        from mnemojax.predictor import ChunkShape
+        return max(self.predictor.step_time([
+            ChunkShape(n, req.num_computed + n, max(1, len(self.kv.rank_tokens(req.num_computed + n))))
+            for req, n in es]) for es in by_rank.values())
+
+    def _limit(self) -> float:
+        c = self.config
+        return c.target_batch_time / c.spp if c.target_batch_time is not None else float(c.max_num_batched_tokens)
+
+    def _fit(self, entries, req: Request, budgets: list[int], cap: float, floor: int) -> int:
+        """Largest chunk of `req` within the token budgets whose step cost stays under `cap` (at least
+        `floor` tokens when the budgets allow, so a prefill always makes progress)."""
+        hi = min(req.num_uncomputed, self.config.chunk_size)
+        if req.kv_ranks:
+            hi = min(hi, budgets[req.kv_ranks[0]])
+        if hi > 0 and len(self.kv.rank_tokens(req.num_computed + hi)) > 1:
+            hi = min(hi, *budgets)
+        if hi <= 0:
+            return 0
+        lo = min(floor, hi)
+        if self._cost(entries + [(req, hi)]) <= cap:
+            return hi
+        best = lo if self._cost(entries + [(req, lo)]) <= cap or floor > 0 else 0
+        a, b = lo + 1, hi - 1
+        while a <= b:
+            mid = (a + b) // 2
+            if self._cost(entries + [(req, mid)]) <= cap:
+                best, a = mid, mid + 1
+            else:
+                b = mid - 1
+        return best
+
+    def _schedule(self, req: Request, n: int, budgets: list[int], chunks: list[ScheduledChunk],
+                  preempted: list[Request]) -> bool:
+        """Grows `req`'s pages for `n` more tokens (preempting newer requests if needed) and adds its chunk."""
+        while short := self.kv.short_ranks(req, req.num_computed + n):
+            if req.status is not RequestStatus.RUNNING:
+                return False  # a waiting request preempts nobody
+            newer = self.running[self.running.index(req) + 1:]
+            scheduled = {id(c.request) for c in chunks}
+            victims = [r for r in newer if r.in_flight == 0 and id(r) not in scheduled and short & set(r.kv_ranks)]
+            if not victims:
+                return False
+            self._preempt(victims[-1])
+            preempted.append(victims[-1])
+        for r in self._ranks_of(req, n):
+            budgets[r] -= n
         self.kv.grow(req, req.num_computed + n)
         chunk = ScheduledChunk(req, req.num_computed, n, req.num_computed + n == req.num_tokens)
         req.num_computed += n
         req.in_flight += 1
         req.awaiting_sample = chunk.sample
-        for r in ranks:
-            budgets[r] -= n
-        return chunk
+        chunks.append(chunk)
+        return True
 
-    def schedule(self) -> StepPlan:
-        budgets = [self.config.max_num_batched_tokens] * self.kv.num_ranks
+    def _admit(self, req: Request) -> None:
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def schedule(self, now: float | None = None) -> StepPlan:
+        c = self.config
+        now = self.clock() if now is None else now
+        budgets = [c.max_num_batched_tokens] * self.kv.num_ranks
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
+        limit = self._limit()
 
-        # Running requests, in admission order. A request short of pages preempts the most recently admitted
-        # request that was admitted after it, holds pages on a rank that is short, and has nothing in flight;
-        # when there is none it waits a step (requests in flight come back and become preemptable).
+        def entries():
+            return [(ch.request, ch.num_tokens) for ch in chunks]
+
+        # 1. Decodes, in admission order.
         for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or req.awaiting_sample:
-                continue
-            n, ranks = self._size(req, budgets)
-            if n <= 0:
-                continue
-            while short := self.kv.short_ranks(req, req.num_computed + n):
-                newer = self.running[self.running.index(req) + 1:]
-                victims = [r for r in newer if r.in_flight == 0 and short & set(r.kv_ranks)]
-                if not victims:
-                    break
-                self._preempt(victims[-1])
-                preempted.append(victims[-1])
-            if not short:
-                chunks.append(self._schedule(req, n, ranks, budgets))
+            if req.status is RequestStatus.RUNNING and not req.awaiting_sample and req.in_decode:
+                if all(budgets[r] >= 1 for r in self._ranks_of(req, 1)):
+                    self._schedule(req, 1, budgets, chunks, preempted)
 
-        # Waiting requests, first come first served, while budget, rows and pages last.
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if req in preempted or req.in_flight:
-                break  # not in the step it was preempted in
-            self.kv.place(req)
-            n, ranks = self._size(req, budgets)
+        # 2. Prefill candidates: running ones with tokens to compute, then waiting ones that could be admitted.
+        running = [r for r in self.running if r.status is RequestStatus.RUNNING and not r.awaiting_sample
+                   and r.num_uncomputed > 0 and not r.in_decode]
+        slots = c.max_num_seqs - len(self.running)
+        waiting = []
+        for r in self.waiting:
+            if r in preempted or r.in_flight:
+                if c.policy == "fcfs":
+                    break  # first come, first served: nobody overtakes a preempted request
+                continue
+            waiting.append(r)
+        if c.policy == "fcfs":
+            waiting = waiting[:max(slots, 0)]
+        cands = sorted(running + waiting, key=lambda r: self._priority(r, now))
+
+        # 3. Prefill-prefill batching: the prefills after the most urgent one get cost caps that leave it at
+        #    least (1 - share) of the room after the decodes; then it takes the rest; then a work-conserving
+        #    pass offers what is left to the others.
+        floor = c.min_chunk_size if c.target_batch_time is not None else 1
+        passes = [(r, limit) for r in cands]
+        if c.policy != "fcfs" and c.ppb_max_share > 0 and len(cands) > 1:
+            base = self._cost(entries())
+            weights = [1.0 / max(self.relative_slack(r, now), _MIN_SLACK) for r in cands]
+            share = min(c.ppb_max_share, sum(weights[1:]) / sum(weights))
+            caps, acc = [], 0.0
+            for r, w in zip(cands[1:], weights[1:]):
+                acc += w / sum(weights[1:])
+                caps.append((r, base + (limit - base) * share * acc))
+            passes = caps + [(cands[0], limit)] + [(r, limit) for r in cands[1:]]
+
+        scheduled = {id(ch.request) for ch in chunks}
+        for req, cap in passes:
+            if max(budgets) <= 0:
+                break
+            if id(req) in scheduled or req in preempted:
+                continue  # one chunk per request per step; a victim is not re-admitted in the same step
+            if req.status is RequestStatus.WAITING:
+                if len(self.running) >= c.max_num_seqs or (c.policy == "fcfs" and preempted):
+                    continue
+                self.kv.place(req)
+            n = self._fit(entries(), req, budgets, cap, floor)
             if n <= 0:
-                break
-            if not self.kv.can_grow(req, n):
-                logger.info("request %s waits: not enough free KV pages (%d of %d in use)", req.request_id,
-                            self.kv.num_used, self.kv.num_usable)
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            chunks.append(self._schedule(req, n, ranks, budgets))
+                continue
+            if req.status is RequestStatus.WAITING:
+                if not self.kv.can_grow(req, n):
+                    logger.info("request %s waits: not enough free KV pages (%d of %d in use)", req.request_id,
+                                self.kv.num_used, self.kv.num_usable)
+                    req.kv_ranks, req.pages = [], []
+                    if c.policy == "fcfs":
+                        break  # first come, first served: nobody overtakes it
+                    continue
+                self._admit(req)
+            if self._schedule(req, n, budgets, chunks, preempted):
+                scheduled.add(id(req))
         return StepPlan(chunks, preempted)

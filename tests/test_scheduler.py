@@ -176,7 +176,9 @@ class Sim:
             assert v.num_computed == 0 and held(v) == 0 and v.status is RequestStatus.WAITING
             if kv.num_ranks == 1:  # (with several ranks, only requests on a rank short of pages are candidates)
                 newer = running_before[running_before.index(v) + 1:]
-                assert all(before[s.request_id][1] > 0 for s in newer if s in survivors), \
+                # (decodes are committed first, so a newer request already scheduled in this step is spared)
+                assert all(before[s.request_id][1] > 0 or s.request_id in scheduled
+                           for s in newer if s in survivors), \
                     "preempted an older request while a newer one with nothing in flight kept its pages"
         if kv.num_ranks == 1:  # newest first, so they are back in the queue in admission order
             order = {id(r): i for i, r in enumerate(running_before)}
@@ -187,10 +189,14 @@ class Sim:
                 assert r.num_preemptions == before[r.request_id][3]
         self.num_preempted += len(plan.preempted)
 
-        # FCFS: running requests first, in admission order; then waiting ones in arrival order.
+        # FCFS: running requests first (their decodes, then their prefill chunks, each in admission order);
+        # then waiting ones in arrival order.
         k = sum(1 for c in plan.chunks if c.request in running_before)
         first = [c.request for c in plan.chunks[:k]]
-        assert first == [r for r in survivors if r.request_id in scheduled]
+        in_order = [r for r in survivors if r.request_id in scheduled]
+        decodes = [r for r in in_order if r.output_token_ids and r.num_computed == r.num_tokens
+                   and before[r.request_id][0] == r.num_tokens - 1]
+        assert first == decodes + [r for r in in_order if r not in decodes]
         admitted = [c.request for c in plan.chunks[k:]]
         assert admitted == waiting_before[:len(admitted)]
         if plan.preempted:
