@@ -233,18 +233,16 @@ class Scheduler:
             hi = min(hi, *budgets)
         if hi <= 0:
             return 0
-        lo = min(floor, hi)
         if self._cost(entries + [(req, hi)]) <= cap:
             return hi
-        best = lo if self._cost(entries + [(req, lo)]) <= cap or floor > 0 else 0
-        a, b = lo + 1, hi - 1
+        best, a, b = 0, 1, hi - 1  # the cost grows with the chunk: binary search for the largest that fits
         while a <= b:
             mid = (a + b) // 2
             if self._cost(entries + [(req, mid)]) <= cap:
                 best, a = mid, mid + 1
             else:
                 b = mid - 1
-        return best
+        return max(best, min(floor, hi))
 
     def _schedule(self, req: Request, n: int, budgets: list[int], chunks: list[ScheduledChunk],
                   preempted: list[Request]) -> bool:
@@ -322,6 +320,7 @@ class Scheduler:
             passes = caps + [(cands[0], limit)] + [(r, limit) for r in cands[1:]]
 
         scheduled = {id(ch.request) for ch in chunks}
+        primary = cands[0] if cands else None
         for req, cap in passes:
             if max(budgets) <= 0:
                 break
@@ -331,7 +330,8 @@ class Scheduler:
                 if len(self.running) >= c.max_num_seqs or (c.policy == "fcfs" and preempted):
                     continue
                 self.kv.place(req)
-            n = self._fit(entries(), req, budgets, cap, floor)
+            # Only the most urgent prefill is sure to progress; the others fit under the cap or wait.
+            n = self._fit(entries(), req, budgets, cap, floor if req is primary else 0)
             if n <= 0:
                 continue
             if req.status is RequestStatus.WAITING:

@@ -32,6 +32,8 @@ def kvp_merge(out, lse, shared):
     each of its ranks. Ranks where the row is not shared contribute weight 0 and keep their own result.
     Returns out f32[T, N, H].
     """
+    if lax.axis_size(KVP) == 1:
+        return out  # nothing to merge (and no collective left in the layer loop)
     w_lse = jnp.where(shared[:, None], lse, NEG)
     m = lax.pmax(w_lse, KVP)
     w = jnp.where(shared[:, None], jnp.exp(w_lse - m), 0.0)  # [T, N]

@@ -1,0 +1,119 @@
+"""Communication of the compiled step, read from its optimized HLO (helpers of scripts/hlo_comm.py).
+
+Medha's claim for KV parallelism: the merge moves data proportional to the number of query tokens, never to
+the context length. Checked on the real engine step: the KVP collectives of a decode (and of a prefill chunk)
+at a 512-token context and at an 8192-token context, where the page table is 16x wider, are the same
+collectives of the same sizes; doubling the step's token rows doubles them.
+"""
+import importlib.util
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardings.mesh import KVP, SPP, TP, make_mesh
+
+_path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "hlo_comm.py"
+_spec = importlib.util.spec_from_file_location("hlo_comm", _path)
+hlo_comm = sys.modules.setdefault("hlo_comm", importlib.util.module_from_spec(_spec))
+if not hasattr(hlo_comm, "find_collectives"):
+    _spec.loader.exec_module(hlo_comm)
+
+LENS = (512, 8192)
+CHUNK = 32  # prefill chunk rows; a decode step is bucketed to 16 rows
+
+
+@pytest.fixture(scope="module")
+def steps():
+    """{(max_model_len, "decode" | "prefill"): (llm, plan, StepComm)} on the (kvp, spp, tp) = (2, 1, 2)
+    mesh, for one request filling the context to max_model_len - 32 tokens over both KVP ranks."""
+    out = {}
+    for n in LENS:
+        llm = hlo_comm.make_engine(2, 1, 2, n, chunk_size=CHUNK)
+        for kind, plan in hlo_comm.step_plans(llm, context=n - CHUNK).items():
+            out[(n, kind)] = llm, plan, hlo_comm.step_comm(llm, plan)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_kvp_collectives_are_the_same_at_very_different_context_lengths(steps, kind):
+    (short_llm, short_plan, short), (long_llm, long_plan, long) = steps[(LENS[0], kind)], steps[(LENS[1], kind)]
+    short, long = short.collectives, long.collectives
+    # Not vacuous: the contexts really differ, the page tables are 16x wider, the request spans both ranks.
+    for plan, n in ((short_plan, LENS[0]), (long_plan, LENS[1])):
+        (chunk,) = plan.chunks
+        assert chunk.request.kv_ranks == [0, 1]
+        assert chunk.start + chunk.num_tokens > n - 2 * CHUNK
+    ex_s, ex_l = short_llm.engine.executor, long_llm.engine.executor
+    assert ex_l.max_pages_per_seq == 16 * ex_s.max_pages_per_seq
+    kvp_short, kvp_long = hlo_comm.axis_multiset(short, KVP), hlo_comm.axis_multiset(long, KVP)
+    assert sum(kvp_short.values()) >= 2, short  # the merge's max and sums are there
+    assert {k for k, _, _ in kvp_short} == {"all-reduce"}
+    assert kvp_short == kvp_long
+    # Nothing else grows with the context either, and every collective runs a known number of times.
+    assert hlo_comm.bytes_by_axis(short) == hlo_comm.bytes_by_axis(long)
+    assert all(c.count is not None for c in short + long)
+
+
+def test_kvp_bytes_follow_the_query_rows_not_the_context(steps):
+    for n in LENS:
+        llm, _, decode = steps[(n, "decode")]
+        _, _, prefill = steps[(n, "prefill")]
+        t_dec, t_pre = decode.T, prefill.T
+        assert (t_dec, t_pre) == (16, 32)
+        decode, prefill = decode.collectives, prefill.collectives
+        dec, pre = hlo_comm.bytes_by_axis(decode), hlo_comm.bytes_by_axis(prefill)
+        assert pre[KVP] == 2 * dec[KVP] > 0
+        assert pre[TP] == 2 * dec[TP] > 0
+        # Medha's formula: layers x T x (N / tp) x (H + 2) x 4 bytes (partial outputs, max and denominator).
+        assert dec[KVP] == hlo_comm.medha_bytes(llm, t_dec)[KVP]
+        assert dec[TP] == hlo_comm.medha_bytes(llm, t_dec)[TP]
+        assert pre[KVP] == hlo_comm.medha_bytes(llm, t_pre)[KVP]
+        # Every KVP collective is inside the layer loop, once per layer.
+        layers = llm.engine.model_config.num_layers
+        assert {(c.loop_depth, c.count) for c in decode if c.axis == KVP} == {(1, layers)}
+
+
+def test_collectives_are_attributed_to_mesh_axes_through_a_permuted_device_order():
+    """A mesh over the devices in a scrambled order: replica groups are logical ids of the program's device
+    assignment, which must be mapped back to mesh coordinates, not read as device ids."""
+    perm = [5, 2, 7, 0, 3, 6, 1, 4]
+    mesh = make_mesh(2, 2, 2, devices=[jax.devices()[i] for i in perm])
+
+    def f(x):
+        def layer(c, _):
+            return c + lax.psum(c * 2.0, KVP), None
+        y, _ = lax.scan(layer, x, None, length=3)  # 3 kvp all-reduces of f32[4, 8] per run
+        y = lax.ppermute(y, SPP, perm=[(0, 1), (1, 0)])
+        g = lax.all_gather(y, TP, tiled=True)  # operand f32[4, 8], result f32[8, 8]
+        return lax.psum(g, (KVP, TP))
+
+    spec = P(KVP, SPP, TP)
+    fn = jax.jit(jax.shard_map(lambda a: f(a[0, 0, 0])[None, None, None], mesh=mesh, in_specs=spec,
+                               out_specs=P(None, SPP)))
+    x = jax.device_put(np.ones((2, 2, 2, 4, 8), np.float32), NamedSharding(mesh, spec))
+    compiled = fn.lower(x).compile()
+    colls = hlo_comm.find_collectives(compiled.as_text(), mesh, compiled.runtime_executable().local_devices())
+    got = sorted((c.kind, c.axis, c.group_size, c.bytes, c.count) for c in colls)
+    assert got == sorted([
+        ("all-reduce", "kvp", 2, 4 * 8 * 4, 3),
+        ("collective-permute", "spp", 2, 4 * 8 * 4, 1),
+        ("all-gather", "tp", 2, 4 * 8 * 4, 1),
+        ("all-reduce", "kvp+tp", 4, 8 * 8 * 4, 1),
+    ]), got
+    # The mesh's own flat order is the program's device assignment.
+    assert [d.id for d in compiled.runtime_executable().local_devices()] == [d.id for d in mesh.devices.flat]
+
+
+def test_replica_group_formats():
+    assert hlo_comm.replica_groups("replica_groups={{0,4},{1,5}}, x=1") == [[0, 4], [1, 5]]
+    assert hlo_comm.replica_groups("replica_groups=[2,2]<=[4]") == [[0, 1], [2, 3]]
+    assert hlo_comm.replica_groups("replica_groups=[2,2]<=[2,2]T(1,0)") == [[0, 2], [1, 3]]
+    assert hlo_comm.replica_groups("source_target_pairs={{0,2},{1,3}}, m") == [[0, 2], [1, 3]]
+    assert hlo_comm.replica_groups("replica_groups={}, to_apply=%add") is None  # every device
+    assert hlo_comm.shape_bytes("(f32[16,4,16]{2,1,0}, /*index=1*/bf16[16,4]{1,0}, s32[])") == 4096 + 128 + 4
