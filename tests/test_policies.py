@@ -1,5 +1,6 @@
 """Medha scheduling with a fake clock and a hand-computable predictor: policy orders, the ILRS formula,
 prefill-prefill batching's share and cap, adaptive chunks, and no head-of-line blocking."""
+import numpy as np
 import pytest
 
 from mnemojax.kv_manager import KVCacheManager
@@ -215,3 +216,51 @@ def test_short_request_is_not_blocked_by_a_long_prefill(policy):
     assert ttft <= alone + 2 * step  # about its own prefill time plus a step
     fcfs_ttft, _, _ = _ttft_of_short("fcfs", ppb=0.0)
     assert fcfs_ttft > 20 * ttft  # under FCFS it waits for the long prefill
+
+
+# ------------------------------------------------------------------------------ results never change
+def _engine_workload(ckpt, **kw):
+    """Requests arriving at different steps, driven step by step; returns token ids and prompt log-probs."""
+    from mnemojax import LLM
+    llm = LLM(model=ckpt, page_size=4, chunk_size=16, max_num_batched_tokens=32, max_model_len=128, **kw)
+    e = llm.engine
+    rng = np.random.default_rng(1)
+    arrivals = {0: [90, 5], 1: [33], 3: [12, 60], 6: [7]}
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11, prompt_logprobs=0,
+                            ignore_eos=True)
+    ids, step = [], 0
+    while step <= max(arrivals) or e.has_unfinished():
+        for n in arrivals.get(step, []):
+            ids.append(e.add_request(rng.integers(0, 256, n).tolist(), params))
+        e.step()
+        step += 1
+    outs = [e.pop_finished(r) for r in ids]
+    assert e.kv.num_used == 0
+    return [(o.outputs[0].token_ids, [d[t] for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])])
+            for o in outs], sum(o.num_preemptions for o in outs)
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory):
+    from tests.hf_utils import make_hf_checkpoint
+    return make_hf_checkpoint(tmp_path_factory.mktemp("pol") / "m", weight_scale=8.0, seed=6)
+
+
+@pytest.fixture(scope="module")
+def fcfs_results(small_ckpt):
+    return _engine_workload(small_ckpt, scheduler_policy="fcfs")[0]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(scheduler_policy="edf"), dict(scheduler_policy="lrs"), dict(scheduler_policy="ilrs"),
+    dict(scheduler_policy="ilrs", ppb_max_share=0.0),
+    dict(scheduler_policy="ilrs", num_pages=30),  # 29 pages of 4 tokens: forced preemption
+    dict(scheduler_policy="fcfs", num_pages=30),
+], ids=str)
+def test_scheduling_never_changes_results(small_ckpt, fcfs_results, kw):
+    results, preemptions = _engine_workload(small_ckpt, **kw)
+    if "num_pages" in kw:
+        assert preemptions > 0
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(results, fcfs_results):
+        assert tokens == ref_tokens
+        np.testing.assert_allclose(lps, ref_lps, atol=1e-5, rtol=0)
