@@ -14,6 +14,7 @@ width M are fixed by the engine's limits. The KV cache and the pipeline register
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import deque
 
 import jax
@@ -241,10 +242,14 @@ class Executor:
         stages = jax.tree.map(lambda *a: np.stack(a, axis=1), *(m.batch for m in self.in_flight))
         stages, rows, samp = jax.device_put((stages, leaving.rows, leaving.sampling), self._shardings)
         if self.register is None or self.register.shape[2] != T:
-            d = self.spec.config.hidden_size
-            self.register = jax.jit(lambda: jnp.zeros((self.kvp, self.spp, T, d), self.spec.dtype),
-                                    out_shardings=self._register_sharding)()
+            self.register = self._register_alloc(T)()
         return (self.params, self.k_cache, self.v_cache, self.register, stages, rows, samp), leaving
+
+    @functools.lru_cache(maxsize=None)
+    def _register_alloc(self, T: int):
+        """A jitted allocator of a zero register of T rows (cached: building one costs ~30 ms on a CPU)."""
+        shape = (self.kvp, self.spp, T, self.spec.config.hidden_size)
+        return jax.jit(lambda: jnp.zeros(shape, self.spec.dtype), out_shardings=self._register_sharding)
 
     def lower(self, plan: StepPlan) -> jax.stages.Lowered:
         """The step as it would run for `plan`, lowered but not run (for inspecting its HLO); state unchanged."""

@@ -235,7 +235,9 @@ class Scheduler:
             return 0
         if self._cost(entries + [(req, hi)]) <= cap:
             return hi
-        best, a, b = 0, 1, hi - 1  # the cost grows with the chunk: binary search for the largest that fits
+        if self._cost(entries + [(req, 1)]) > cap:
+            return min(floor, hi)  # not even one token fits
+        best, a, b = 1, 2, hi - 1  # the cost grows with the chunk: binary search for the largest that fits
         while a <= b:
             mid = (a + b) // 2
             if self._cost(entries + [(req, mid)]) <= cap:
@@ -300,8 +302,12 @@ class Scheduler:
                     break  # first come, first served: nobody overtakes a preempted request
                 continue
             waiting.append(r)
+        # Only as many waiting requests as there are free slots: one that cannot be admitted must not take the
+        # most urgent prefill's place (FCFS takes them in order; the others by priority below).
         if c.policy == "fcfs":
             waiting = waiting[:max(slots, 0)]
+        elif slots <= 0:
+            waiting = []
         cands = sorted(running + waiting, key=lambda r: self._priority(r, now))
 
         # 3. Prefill-prefill batching: the prefills after the most urgent one get cost caps that leave it at
@@ -312,10 +318,11 @@ class Scheduler:
         if c.policy != "fcfs" and c.ppb_max_share > 0 and len(cands) > 1:
             base = self._cost(entries())
             weights = [1.0 / max(self.relative_slack(r, now), _MIN_SLACK) for r in cands]
-            share = min(c.ppb_max_share, sum(weights[1:]) / sum(weights))
+            rest = sum(weights[1:])
+            share = min(c.ppb_max_share, rest / (rest + weights[0]))
             caps, acc = [], 0.0
             for r, w in zip(cands[1:], weights[1:]):
-                acc += w / sum(weights[1:])
+                acc += w / rest
                 caps.append((r, base + (limit - base) * share * acc))
             passes = caps + [(cands[0], limit)] + [(r, limit) for r in cands[1:]]
 
