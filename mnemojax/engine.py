@@ -142,8 +142,12 @@ class LLMEngine:
 
         hardware = config.hardware or detect_hardware()
         profile = config.predictor_profile or default_profile(hardware)
+        pages_per_seq = -(-(config.max_model_len or mc.max_position_embeddings) // config.page_size)
         return Predictor(mc, hardware, tp=config.tp, spp=config.spp, kvp=config.kvp,
-                         dtype_bytes=jnp.dtype(config.dtype).itemsize, profile=profile)
+                         dtype_bytes=jnp.dtype(config.dtype).itemsize, profile=profile,
+                         pipeline_tokens=config.max_num_batched_tokens if config.spp > 1 else None,
+                         max_tokens_per_kvp_rank=config.max_tokens_per_kvp_rank,
+                         block_tokens=min(config.block_pages, pages_per_seq) * config.page_size)
 
     # ---------------------------------------------------------------- requests in
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:

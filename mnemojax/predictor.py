@@ -17,8 +17,8 @@ The cost model, for one micro-batch on one device (one KVP rank, one pipeline st
   and its KV read once, `ctx x 2 x kv_heads x head_dim x dtype_bytes`. With `attention="reference"` (the
   plain-jnp blockwise kernel of `models/attention.py`) every one of the T padded rows loops over the blocks
   of the *longest* sequence of the step: FLOPs `4 x T x blocks x block_tokens x heads x head_dim`, a gather
-  of each row's K/V block (float32) with its own efficiency, the distinct KV bytes read once, and a fixed
-  cost per (layer, block) iteration.
+  of each row's K/V block (float32) with its own efficiency (past a cache-sized footprint per block, at the
+  KV-read efficiency), the distinct KV bytes read once, and a fixed cost per (layer, block) iteration.
 * **Roofline**: each component costs `max(flops / (peak x flops_eff), bytes / (bandwidth x bw_eff))`;
   components add up.
 * **Collectives**: tp all-reduce, 2 per layer, of `T x D x dtype_bytes` (ring: `2 (tp-1)/tp x bytes /
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -51,6 +50,12 @@ PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles
 """Where shipped profiles live: `Predictor(..., profile="cpu")` reads `PROFILE_DIR/cpu.json`."""
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def default_profile(hardware: str) -> str | None:
+    """The shipped profile of a hardware preset (`PROFILE_DIR/<hardware>.json`), or None if there is none."""
+    path = os.path.join(PROFILE_DIR, f"{hardware}.json")
+    return path if os.path.isfile(path) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +118,9 @@ class Profile:
     attn_gather_bw_eff: float = 1.0
     """Reference attention only: `memory_bandwidth` fraction of its per-row K/V block gathers (can exceed 1
     where the gathered pages sit in cache)."""
+    attn_gather_cache_bytes: float | None = None
+    """Reference attention only: bytes of one block's gathers (T rows x block_tokens keys x K/V, float32)
+    that stay in cache; the rest spills and moves at `attn_bw_eff` instead. None: no limit."""
     attn_block_overhead_s: float = 0.0
     """Reference attention only: fixed seconds per (layer, KV block) iteration of its loop."""
     comm_bw_eff: float = 0.8
@@ -140,7 +148,10 @@ class Profile:
             raise ValueError(f"attention must be 'paged' or 'reference', got {self.attention!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name.endswith("_eff") and not v > 0:
+            if f.name == "attn_gather_cache_bytes":
+                if v is not None and not v > 0:
+                    raise ValueError(f"{f.name} must be positive or None, got {v}")
+            elif f.name.endswith("_eff") and not v > 0:
                 raise ValueError(f"{f.name} must be positive, got {v}")
             if (f.name.endswith("_s") or f.name.endswith("_min")) and v < 0:
                 raise ValueError(f"{f.name} must not be negative, got {v}")
@@ -200,16 +211,20 @@ class Predictor:
       tp, spp, kvp: the mesh degrees.
       dtype_bytes: bytes per parameter / activation / KV element; None: the profile's dtype, else 2 (bf16).
       profile: a `Profile`, a dict (a profile file's contents, or just its factors), a path to a profile
-        JSON, the name of a shipped profile (`PROFILE_DIR/<name>.json`), or None for the defaults.
+        JSON, the name of a shipped profile (`PROFILE_DIR/<name>.json`), or None for the defaults. A profile
+        file names the hardware it was fitted on; another `hardware` is an error.
       pipeline_tokens: with spp > 1 the executor pads every micro-batch to the pipeline register's rows,
         `bucket(max_num_batched_tokens)`; give that token budget here to cost it (None: pad each step alone).
       max_tokens_per_kvp_rank: the engine's limit of one request's tokens on one KVP rank; `prefill_time`
         spreads a request over ranks by it, as the page manager does (None: a request stays on one rank).
+      block_tokens: keys per block of the reference attention, `min(block_pages, pages per sequence) x
+        page_size` of the engine being predicted; None: the profile's (the engine it was fitted on).
     """
 
     def __init__(self, model: LlamaConfig, hardware: Hardware | str, *, tp: int = 1, spp: int = 1, kvp: int = 1,
                  dtype_bytes: int | None = None, profile: Profile | dict | str | None = None,
-                 pipeline_tokens: int | None = None, max_tokens_per_kvp_rank: int | None = None):
+                 pipeline_tokens: int | None = None, max_tokens_per_kvp_rank: int | None = None,
+                 block_tokens: int | None = None):
         for name, v in (("tp", tp), ("spp", spp), ("kvp", kvp)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -233,6 +248,11 @@ class Predictor:
                 self.profile, self.profile_info = Profile.from_dict(info["factors"]), info
             else:  # just the factors
                 self.profile = Profile.from_dict(info)
+        if block_tokens is not None:
+            self.profile = dataclasses.replace(self.profile, block_tokens=block_tokens)
+        fitted_on = self.profile_info.get("hardware", hardware.name)
+        if fitted_on != hardware.name:
+            raise ValueError(f"the profile was fitted on hardware {fitted_on!r}, not {hardware.name!r}")
         if dtype_bytes is None:
             dtype_bytes = _DTYPE_BYTES.get(self.profile_info.get("dtype", "bfloat16"), 2)
         self.dtype_bytes = dtype_bytes
@@ -312,12 +332,13 @@ class Predictor:
                                  p.attn_flops_eff, p.attn_bw_eff)
             out["attention"] = attn * n_layers
         else:
-            keys = -(-max(local, default=0) // p.block_tokens) * p.block_tokens  # blocks of the longest
-            flops = 4 * T * keys * self.heads * c.head_dim
-            out["attention"] = n_layers * (
-                roofline(flops, kv_bytes, p.attn_flops_eff, p.attn_bw_eff)
-                + T * keys * kv_row * 4 / (hw.memory_bandwidth * p.attn_gather_bw_eff)
-                + keys // p.block_tokens * p.attn_block_overhead_s)
+            blocks = -(-max(local, default=0) // p.block_tokens)  # the longest sequence's
+            flops = 4 * T * blocks * p.block_tokens * self.heads * c.head_dim
+            gather = T * p.block_tokens * kv_row * 4  # bytes one block iteration gathers (float32)
+            cached = gather if p.attn_gather_cache_bytes is None else min(gather, p.attn_gather_cache_bytes)
+            gather_time = (cached / p.attn_gather_bw_eff + (gather - cached) / p.attn_bw_eff) / hw.memory_bandwidth
+            out["attention"] = n_layers * (roofline(flops, kv_bytes, p.attn_flops_eff, p.attn_bw_eff)
+                                           + blocks * (gather_time + p.attn_block_overhead_s))
 
         tp_bw, net_bw, lat = hw.tp_bandwidth * p.comm_bw_eff, hw.net_bandwidth * p.comm_bw_eff, \
             hw.collective_latency
@@ -350,20 +371,22 @@ class Predictor:
 
     def prefill_time(self, prompt_len: int, chunk_size: int, context_start: int = 0) -> float:
         """Seconds to prefill tokens [context_start, prompt_len) of one request alone, in chunks of
-        `chunk_size`, through the pipeline: its K chunks enter one step apart, each step costing the newest
-        (longest-context, hence slowest) chunk's stage time, then spp - 1 steps drain the last chunk:
-        `sum(stage_time(chunk_k)) + (spp - 1) x stage_time(chunk_K)`, i.e. K + spp - 1 stage times."""
+        `chunk_size`, through the pipeline: K + spp - 1 clocked steps (its K chunks enter one step apart, the
+        last leaves spp - 1 steps after it entered), each as long as the slowest of its chunks in flight. With
+        spp == 1 that is the sum of the chunks' stage times."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         if not 0 <= context_start <= prompt_len:
             raise ValueError(f"need 0 <= context_start ({context_start}) <= prompt_len ({prompt_len})")
-        total, last, pos = 0.0, 0.0, context_start
+        stages, pos = [], context_start
         while pos < prompt_len:
             n = min(chunk_size, prompt_len - pos)
             pos += n
-            last = self.stage_time([ChunkShape(n, pos, self._ranks(pos))])
-            total += last
-        return total + (self.spp - 1) * last
+            stages.append(self.stage_time([ChunkShape(n, pos, self._ranks(pos))]))
+        if not stages:
+            return 0.0
+        # Step j holds chunks j - spp + 1 .. j (those that exist).
+        return sum(max(stages[max(0, j - self.spp + 1):j + 1]) for j in range(len(stages) + self.spp - 1))
 
     def decode_time(self, context_len: int, num_ranks: int = 1, batch: int = 1) -> float:
         """Seconds between two tokens of a decoding request whose micro-batch holds `batch` such decodes at

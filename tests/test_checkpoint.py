@@ -50,7 +50,7 @@ def test_layout_matches_torch_modules(checkpoints, name):
     params = jax.tree.map(np.asarray, _load(path))
     assert jax.tree.map(lambda a: a.shape, params) == param_shapes(config)
     model = load_hf_model(path)  # stored dtype -> float32, exactly
-    H, K, Dh = config.num_heads, config.num_kv_heads, config.head_dim
+    H, Dh = config.num_heads, config.head_dim
     rng = np.random.default_rng(0)
     x = rng.standard_normal(config.hidden_size).astype(np.float32)
     a = rng.standard_normal((H, Dh)).astype(np.float32)

@@ -115,11 +115,11 @@ def test_adaptive_chunks_shrink_with_context_and_meet_the_target():
                min_chunk_size=32)
     r = _req("long", 60_000, 0.0, max_tokens=1)
     s.add(r)
+    from mnemojax.predictor import ChunkShape
     sizes = []
-    while not sizes or not plan.chunks[0].sample:  # until the chunk that completes the prompt
+    while True:
         plan = s.schedule(now=0.0)
         (ch,) = plan.chunks
-        from mnemojax.predictor import ChunkShape
         t = p.step_time([ChunkShape(ch.num_tokens, ch.start + ch.num_tokens)])
         if ch.num_tokens > 32:
             assert t <= target + 1e-12
@@ -127,6 +127,8 @@ def test_adaptive_chunks_shrink_with_context_and_meet_the_target():
             if ch.start + ch.num_tokens < r.num_tokens and ch.num_tokens < 4096:
                 assert p.step_time([ChunkShape(ch.num_tokens + 1, ch.start + ch.num_tokens + 1)]) > target
         sizes.append(ch.num_tokens)
+        if ch.sample:
+            break  # the chunk that completes the prompt
         _complete(plan)
     assert sum(sizes) == 60_000
     # By hand: the first chunk solves 0.002 + 1e-5 n + 1e-8 n^2 = 0.02 (n = 931); at 60K context
