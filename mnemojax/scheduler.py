@@ -249,6 +249,9 @@ class Scheduler:
     def _schedule(self, req: Request, n: int, budgets: list[int], chunks: list[ScheduledChunk],
                   preempted: list[Request]) -> bool:
         """Grows `req`'s pages for `n` more tokens (preempting newer requests if needed) and adds its chunk."""
+        if n == 1 and self._fits_in_last_page(req):  # the common decode: no page to find
+            budgets[req.kv_ranks[0]] -= 1
+            return self._add_chunk(req, 1, chunks)
         while short := self.kv.short_ranks(req, req.num_computed + n):
             if req.status is not RequestStatus.RUNNING:
                 return False  # a waiting request preempts nobody
@@ -262,6 +265,15 @@ class Scheduler:
         for r in self._ranks_of(req, n):
             budgets[r] -= n
         self.kv.grow(req, req.num_computed + n)
+        return self._add_chunk(req, n, chunks)
+
+    def _fits_in_last_page(self, req: Request) -> bool:
+        """One more token of a single-rank request fits in the pages it holds, within its rank's span."""
+        mt = self.kv.max_tokens_per_rank
+        return (len(req.kv_ranks) == 1 and len(req.pages[0]) * self.kv.page_size > req.num_computed
+                and (mt is None or req.num_computed < mt))
+
+    def _add_chunk(self, req: Request, n: int, chunks: list[ScheduledChunk]) -> bool:
         chunk = ScheduledChunk(req, req.num_computed, n, req.num_computed + n == req.num_tokens)
         req.num_computed += n
         req.in_flight += 1
@@ -288,7 +300,11 @@ class Scheduler:
         # 1. Decodes, in admission order.
         for req in list(self.running):
             if req.status is RequestStatus.RUNNING and not req.awaiting_sample and req.in_decode:
-                if all(budgets[r] >= 1 for r in self._ranks_of(req, 1)):
+                if self._fits_in_last_page(req):
+                    if budgets[req.kv_ranks[0]] >= 1:
+                        budgets[req.kv_ranks[0]] -= 1
+                        self._add_chunk(req, 1, chunks)
+                elif all(budgets[r] >= 1 for r in self._ranks_of(req, 1)):
                     self._schedule(req, 1, budgets, chunks, preempted)
 
         # 2. Prefill candidates: running ones with tokens to compute, then waiting ones that could be admitted.
@@ -328,8 +344,9 @@ class Scheduler:
 
         scheduled = {id(ch.request) for ch in chunks}
         primary = cands[0] if cands else None
+        full: set[int] = set()  # ranks where not even one token of a fresh prompt fits under the limit
         for req, cap in passes:
-            if max(budgets) <= 0:
+            if max(budgets) <= 0 or len(full) == self.kv.num_ranks:
                 break
             if id(req) in scheduled or req in preempted:
                 continue  # one chunk per request per step; a victim is not re-admitted in the same step
@@ -337,9 +354,13 @@ class Scheduler:
                 if len(self.running) >= c.max_num_seqs or (c.policy == "fcfs" and preempted):
                     continue
                 self.kv.place(req)
+            if req.kv_ranks[0] in full and req is not primary:
+                continue  # a longer context only costs more
             # Only the most urgent prefill is sure to progress; the others fit under the cap or wait.
             n = self._fit(entries(), req, budgets, cap, floor if req is primary else 0)
             if n <= 0:
+                if cap == limit and req.num_computed == 0 and len(req.kv_ranks) == 1:
+                    full.add(req.kv_ranks[0])
                 continue
             if req.status is RequestStatus.WAITING:
                 if not self.kv.can_grow(req, n):
