@@ -487,6 +487,12 @@ def plot_ttft_cdfs(results: dict[str, SimResult], path: str) -> str:
         ax.set_xlabel("TTFT (s)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{kind} requests")
+    return _save(plt, fig, axes, path)
+
+
+def _save(plt, fig, axes, path: str) -> str:
+    """Grid and legend on each axis, then the figure written to `path` (its folder made) and closed."""
+    for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
@@ -507,14 +513,7 @@ def plot_timelines(results: dict[str, SimResult], path: str) -> str:
             ax.step(t, a, where="post", label=label)
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("active requests")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, [ax], path)
 
 
 def plot(result: SimResult, plot_dir: str) -> list[str]:
