@@ -224,8 +224,10 @@ def test_short_request_is_not_blocked_by_a_long_prefill(policy):
 def _engine_workload(ckpt, **kw):
     """Requests arriving at different steps, driven step by step; returns token ids and prompt log-probs."""
     from mnemojax import LLM
-    llm = LLM(model=ckpt, page_size=4, chunk_size=16, max_num_batched_tokens=32, max_model_len=128, **kw)
+    llm = LLM(model=ckpt, **{**dict(page_size=4, chunk_size=16, max_num_batched_tokens=32, max_model_len=128),
+                             **kw})
     e = llm.engine
+    sizes = set()
     rng = np.random.default_rng(1)
     arrivals = {0: [90, 5], 1: [33], 3: [12, 60], 6: [7]}
     params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11, prompt_logprobs=0,
@@ -234,12 +236,21 @@ def _engine_workload(ckpt, **kw):
     while step <= max(arrivals) or e.has_unfinished():
         for n in arrivals.get(step, []):
             ids.append(e.add_request(rng.integers(0, 256, n).tolist(), params))
+        schedule = e.scheduler.schedule
+        e.scheduler.schedule = lambda: _record(schedule(), sizes)
         e.step()
+        e.scheduler.schedule = schedule
         step += 1
     outs = [e.pop_finished(r) for r in ids]
     assert e.kv.num_used == 0
     return [(o.outputs[0].token_ids, [d[t] for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])])
-            for o in outs], sum(o.num_preemptions for o in outs)
+            for o in outs], sum(o.num_preemptions for o in outs), sizes
+
+
+def _record(plan, sizes):
+    """Notes (chunk tokens, plan tokens) of every prefill chunk that does not end its prompt."""
+    sizes.update((c.num_tokens, plan.num_tokens) for c in plan.chunks if c.num_tokens > 1 and not c.sample)
+    return plan
 
 
 @pytest.fixture(scope="module")
@@ -258,11 +269,18 @@ def fcfs_results(small_ckpt):
     dict(scheduler_policy="ilrs", ppb_max_share=0.0),
     dict(scheduler_policy="ilrs", num_pages=30),  # 29 pages of 4 tokens: forced preemption
     dict(scheduler_policy="fcfs", num_pages=30),
+    # Adaptive chunks priced by the shipped CPU profile: a 64-token chunk fits 1.2 ms at short contexts only.
+    # (PPB off: its shares also make smaller chunks.)
+    dict(scheduler_policy="ilrs", chunk_size=64, max_num_batched_tokens=64, target_batch_time_ms=1.2,
+         ppb_max_share=0.0),
 ], ids=str)
 def test_scheduling_never_changes_results(small_ckpt, fcfs_results, kw):
-    results, preemptions = _engine_workload(small_ckpt, **kw)
+    results, preemptions, sizes = _engine_workload(small_ckpt, **kw)
     if "num_pages" in kw:
         assert preemptions > 0
+    if "target_batch_time_ms" in kw:
+        # Chunks really adapt: a mid-prompt chunk under chunk_size in a step the token budget did not limit.
+        assert any(n < 64 and total < 64 for n, total in sizes), sizes
     for (tokens, lps), (ref_tokens, ref_lps) in zip(results, fcfs_results):
         assert tokens == ref_tokens
         np.testing.assert_allclose(lps, ref_lps, atol=1e-5, rtol=0)
