@@ -175,9 +175,10 @@ class LLMEngine:
             raise ValueError(f"prompt + max_tokens: {why}")
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, prompt_token_ids: list[int] | None = None) -> str:
+        """Queues a request; `prompt_token_ids`, when given, are `prompt` already tokenized."""
         params = params or SamplingParams()
-        prompt_ids = self.tokenize(prompt)
+        prompt_ids = self.tokenize(prompt) if prompt_token_ids is None else prompt_token_ids
         self.validate(prompt_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:

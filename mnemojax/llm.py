@@ -46,12 +46,15 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         engine = self.engine
+        token_ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                engine.validate(engine.tokenize(prompt), p)
+                token_ids.append(engine.tokenize(prompt))
+                engine.validate(token_ids[-1], p)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        ids = [engine.add_request(prompt, p, prompt_token_ids=t)
+               for prompt, p, t in zip(prompts, params, token_ids)]
         pending = set(ids)
         while pending:
             engine.step()

@@ -44,6 +44,7 @@ from collections import deque
 from collections.abc import Callable
 
 from mnemojax.kv_manager import KVCacheManager
+from mnemojax.predictor import ChunkShape
 from mnemojax.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -214,7 +215,6 @@ class Scheduler:
             return 0.0
         if self.config.target_batch_time is None:
             return float(max(sum(n for _, n in es) for es in by_rank.values()))
-        from mnemojax.predictor import ChunkShape
         return max(self.predictor.step_time([
             ChunkShape(n, req.num_computed + n, max(1, len(self.kv.rank_tokens(req.num_computed + n))))
             for req, n in es]) for es in by_rank.values())
@@ -249,9 +249,6 @@ class Scheduler:
     def _schedule(self, req: Request, n: int, budgets: list[int], chunks: list[ScheduledChunk],
                   preempted: list[Request]) -> bool:
         """Grows `req`'s pages for `n` more tokens (preempting newer requests if needed) and adds its chunk."""
-        if n == 1 and self._fits_in_last_page(req):  # the common decode: no page to find
-            budgets[req.kv_ranks[0]] -= 1
-            return self._add_chunk(req, 1, chunks)
         while short := self.kv.short_ranks(req, req.num_computed + n):
             if req.status is not RequestStatus.RUNNING:
                 return False  # a waiting request preempts nobody
@@ -300,7 +297,7 @@ class Scheduler:
         # 1. Decodes, in admission order.
         for req in list(self.running):
             if req.status is RequestStatus.RUNNING and not req.awaiting_sample and req.in_decode:
-                if self._fits_in_last_page(req):
+                if self._fits_in_last_page(req):  # the common decode: no page to find
                     if budgets[req.kv_ranks[0]] >= 1:
                         budgets[req.kv_ranks[0]] -= 1
                         self._add_chunk(req, 1, chunks)
