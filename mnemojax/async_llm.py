@@ -2,36 +2,88 @@
 
 The engine is not thread-safe, so only its thread touches it: callers send commands (add, abort) through a
 thread-safe queue and receive `RequestOutput`s on their own asyncio queue. The thread steps while there is
-work and otherwise blocks on the command queue (no busy-waiting).
+work and otherwise blocks on the command queue (no busy-waiting). After every step it publishes a snapshot of
+its counters (`stats()`), which the server's metrics read without touching the engine.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from mnemojax.engine import EngineConfig, LLMEngine
 from mnemojax.outputs import RequestOutput
 from mnemojax.sampling_params import SamplingParams
 
-_ADD, _ABORT, _STOP = "add", "abort", "stop"
+_ADD, _ABORT, _ABORT_ALL, _STOP = "add", "abort", "abort_all", "stop"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters, published by its thread after each step."""
+
+    running: int = 0  # requests admitted (holding KV pages)
+    waiting: int = 0  # requests queued for admission (or preempted)
+    kv_pages_used: int = 0  # over all KVP ranks, the reserved dummy pages excluded
+    kv_pages_total: int = 0
+    preemptions: int = 0  # since start
 
 
 class AsyncLLM:
-    def __init__(self, model: str = "tiny", **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    """`LLMEngine` behind an asyncio interface.
+
+    `idle_tick`, when given, is called by the engine thread about every `idle_tick_s` seconds while it has no
+    work (multi-host serving uses it to keep the other processes' collectives alive).
+    """
+
+    def __init__(self, model: str = "tiny", *, engine: LLMEngine | None = None,
+                 idle_tick: Callable[[], None] | None = None, idle_tick_s: float = 1.0, **kwargs):
+        self.engine = engine if engine is not None else LLMEngine(EngineConfig(model=model, **kwargs))
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._error: BaseException | None = None
+        self._idle_tick, self._idle_tick_s = idle_tick, idle_tick_s
+        self._stats = EngineStats()
+        self._publish()
+        self.num_waiting = 0  # callers' requests with no output yet (touched by the callers' loop only)
+        self._finished_listeners: list[Callable[[RequestOutput], None]] = []
         self._thread = threading.Thread(target=self._run, name="mnemojax-engine", daemon=True)
         self._thread.start()
 
     # ---------------------------------------------------------------- callers' side
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    @property
+    def num_active(self) -> int:
+        """Requests whose callers are still listening."""
+        return len(self._streams)
+
+    def add_finished_listener(self, fn: Callable[[RequestOutput], None]) -> None:
+        """Calls `fn(output)` (from the engine thread) with the final output of every request, aborted ones
+        included, whether or not its caller is still listening. For metrics."""
+        self._finished_listeners.append(fn)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids; raises ValueError (naming the field and the limit) if the request is bad.
+
+        Safe from any thread: tokenizing and the checks read only the engine's fixed configuration.
+        """
+        ids = self.engine.tokenize(prompt)
+        self.engine.validate(ids, params)
+        return ids
+
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's output each time it makes progress; the last one has `finished` set.
 
         Bad input raises ValueError (naming the field and the limit) before anything is yielded. If the
@@ -40,13 +92,19 @@ class AsyncLLM:
         if self._error is not None:
             raise RuntimeError("the engine thread has stopped") from self._error
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._commands.put((_ADD, rid, prompt, params or SamplingParams()))
-        finished = False
+        self._commands.put((_ADD, rid, prompt, params or SamplingParams(), prompt_token_ids))
+        finished, waiting = False, True
+        self.num_waiting += 1
         try:
             while True:
                 item = await q.get()
+                if waiting:
+                    waiting = False
+                    self.num_waiting -= 1
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -54,6 +112,8 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
+            if waiting:
+                self.num_waiting -= 1
             self._streams.pop(rid, None)
             if not finished:
                 self._commands.put((_ABORT, rid))
@@ -61,47 +121,81 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._commands.put((_ABORT, request_id))
 
+    def abort_all(self) -> None:
+        """Aborts every unfinished request; each caller gets its final output (finish_reason "abort")."""
+        self._commands.put((_ABORT_ALL,))
+
     def shutdown(self) -> None:
         """Stops the engine thread after the command in hand (in-flight requests are aborted)."""
-        self._commands.put((_STOP,))
-        self._thread.join()
+        if self._thread.is_alive():
+            self._commands.put((_STOP,))
+            self._thread.join()
 
     # ---------------------------------------------------------------- the engine thread
     def _send(self, rid: str, item) -> None:
         stream = self._streams.get(rid)
         if stream is not None:
             loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the caller's loop has closed: nobody is listening
+                pass
+
+    def _publish(self) -> None:
+        e = self.engine
+        self._stats = EngineStats(running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
+                                  kv_pages_used=e.kv.num_used, kv_pages_total=e.kv.num_usable,
+                                  preemptions=e.scheduler.num_preemptions)
+
+    def _finish(self, rid: str) -> None:
+        out = self.engine.pop_finished(rid)
+        for fn in self._finished_listeners:
+            fn(out)
+        self._send(rid, out)
+
+    def _abort(self, rid: str) -> None:
+        e = self.engine
+        req = e.requests.get(rid)
+        if req is not None:
+            e.abort(rid)
+            self._finish(rid)
 
     def _handle(self, cmd) -> bool:
         e = self.engine
-        if cmd[0] == _STOP:
+        if cmd[0] in (_STOP, _ABORT_ALL):
             for rid in [r for r, req in e.requests.items() if not req.is_finished]:
-                e.abort(rid)
-                self._send(rid, e.pop_finished(rid))
-            return False
+                self._abort(rid)
+            return cmd[0] != _STOP
         if cmd[0] == _ADD:
-            _, rid, prompt, params = cmd
+            _, rid, prompt, params, prompt_ids = cmd
             try:
-                e.add_request(prompt, params, request_id=rid)
+                e.add_request(prompt, params, request_id=rid, prompt_token_ids=prompt_ids)
             except ValueError as err:
                 self._send(rid, err)
         elif cmd[0] == _ABORT:
-            rid = cmd[1]
-            req = e.requests.get(rid)
-            if req is not None:
-                e.abort(rid)
-                self._send(rid, e.pop_finished(rid))
+            self._abort(cmd[1])
         return True
+
+    def _next_command(self):
+        if self.engine.has_unfinished():
+            return self._commands.get_nowait()
+        if self._idle_tick is None:
+            return self._commands.get()
+        while True:
+            try:
+                return self._commands.get(timeout=self._idle_tick_s)
+            except queue.Empty:
+                self._idle_tick()
 
     def _run(self) -> None:
         e = self.engine
         try:
             while True:
                 try:
-                    cmd = self._commands.get(block=not e.has_unfinished())
+                    cmd = self._next_command()
                     if not self._handle(cmd):
                         return
+                    self._publish()
                     continue  # take every pending command before the next step
                 except queue.Empty:
                     pass
@@ -109,10 +203,14 @@ class AsyncLLM:
                     if out.request_id not in e.requests:
                         continue  # aborted (and answered) while its chunk was in flight
                     if out.finished:
-                        out = e.pop_finished(out.request_id)
-                    self._send(out.request_id, out)
+                        self._finish(out.request_id)
+                    else:
+                        self._send(out.request_id, out)
+                self._publish()
         except BaseException as err:  # the engine failed: tell every caller rather than leave them waiting
             self._error = err
             for rid in list(self._streams):
                 self._send(rid, RuntimeError(f"engine failed: {err!r}"))
             raise
+        finally:
+            self._publish()

@@ -41,6 +41,8 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + generated tokens of one request; default min(model's, 8192)
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # KV pages per device (page 0 reserved); default: 4 full-length requests
+    kv_memory_fraction: float | None = None  # instead of num_pages: this fraction of the device memory left
+    # after the weights (needs a device that reports its memory: GPU / TPU)
     chunk_size: int = 256  # most prefill tokens of one request per step
     max_num_batched_tokens: int = 512  # token budget of a step
     max_num_seqs: int = 16  # requests per step
@@ -69,6 +71,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
+        if self.kv_memory_fraction is not None:
+            if self.num_pages is not None:
+                raise ValueError("give num_pages or kv_memory_fraction, not both")
+            if not 0 < self.kv_memory_fraction <= 1:
+                raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
 
 
 def detect_hardware() -> str:
@@ -94,7 +101,6 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({mc.max_position_embeddings})")
         pages_per_seq = -(-self.max_model_len // config.page_size)
-        num_pages = config.num_pages or 1 + 4 * pages_per_seq
         self.mesh = make_mesh(config.kvp, config.spp, config.tp)
         table = ShardingTable()
         num_layers, kv_heads = mesh_layout(mc, tp=config.tp, spp=config.spp)
@@ -114,6 +120,9 @@ class LLMEngine:
             params = checkpoint.load_hf_params(config.model, mc, dtype, canonical)
         params = to_mesh_layout(params, mc, tp=config.tp, spp=config.spp,
                                 shardings=named(table.params(mc.tie_word_embeddings)))
+        num_pages = config.num_pages or 1 + 4 * pages_per_seq
+        if config.kv_memory_fraction is not None:
+            num_pages = self._pages_from_memory(config, num_layers, kv_heads)
         self.tokenizer = load_tokenizer(config.model) if (config.model == "tiny" or not is_preset) else None
         spec = ModelSpec(mc, config.dtype, config.block_pages)
         self.kv = KVCacheManager(config.kvp, num_pages, config.page_size, config.max_tokens_per_kvp_rank)
@@ -135,6 +144,26 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.eos_token_ids = set(mc.eos_token_ids)
+
+    def _pages_from_memory(self, config: EngineConfig, num_layers: int, kv_heads: int) -> int:
+        """KV pages per device filling `kv_memory_fraction` of the memory the weights left free."""
+        mc = self.model_config
+        free = []
+        for d in self.mesh.devices.flat:
+            stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+            if not stats or "bytes_limit" not in stats:
+                raise ValueError(f"kv_memory_fraction needs a device that reports its memory; {d.device_kind} does "
+                                 "not: give num_pages instead")
+            free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        page_bytes = (2 * (num_layers // config.spp) * config.page_size * (kv_heads // config.tp) * mc.head_dim
+                      * jnp.dtype(config.dtype).itemsize)
+        pages = int(config.kv_memory_fraction * min(free) // page_bytes)
+        if pages < 2:
+            raise ValueError(f"kv_memory_fraction {config.kv_memory_fraction} leaves room for {pages} KV pages of "
+                             f"{page_bytes} bytes per device; at least 2 are needed")
+        logger.info("KV cache: %d pages of %d tokens per device (%.2f GiB)", pages, config.page_size,
+                    pages * page_bytes / 2**30)
+        return pages
 
     @staticmethod
     def _make_predictor(config: EngineConfig, mc: LlamaConfig):

@@ -105,6 +105,7 @@ class Executor:
                         out_shardings=NamedSharding(mesh, table.kv_lpskh))
         self.k_cache, self.v_cache = alloc(), alloc()
         self.register = None
+        self.channel = None  # multi-host: process 0's `mnemojax.multihost.Leader`, which broadcasts each step
         self.in_flight: deque[MicroBatch] = deque()  # newest first; stage s holds in_flight[s]
         self._step = self._build_step()
 
@@ -231,8 +232,8 @@ class Executor:
     def has_in_flight(self) -> bool:
         return any(mb.plan.chunks for mb in self.in_flight)
 
-    def _device_args(self, plan: StepPlan):
-        """The step's arguments for feeding `plan` (pushes it into the pipeline) and the micro-batch leaving."""
+    def _host_args(self, plan: StepPlan):
+        """Pushes `plan` into the pipeline; returns (T, the step's host arrays, the micro-batch leaving)."""
         T = self.pipeline_tokens or _bucket(self._rows_needed(plan), 16)
         self.in_flight.appendleft(self.prepare(plan, T))
         while len(self.in_flight) < self.spp:
@@ -240,10 +241,38 @@ class Executor:
         leaving = self.in_flight[-1]
         # Stage s works on the micro-batch that entered s steps ago: stack them along the spp axis.
         stages = jax.tree.map(lambda *a: np.stack(a, axis=1), *(m.batch for m in self.in_flight))
-        stages, rows, samp = jax.device_put((stages, leaving.rows, leaving.sampling), self._shardings)
+        return T, (stages, leaving.rows, leaving.sampling), leaving
+
+    def host_template(self, T: int, R: int):
+        """Zero host arrays of the shapes and dtypes `_host_args` gives for T token rows and R logits rows (what
+        a multi-host follower receives into)."""
+        mb = self.prepare(StepPlan([], []), T)
+        stages = jax.tree.map(lambda a: np.zeros((a.shape[0], self.spp) + a.shape[1:], a.dtype), mb.batch)
+        samp = jax.tree.map(lambda a: np.zeros((self.kvp, R), a.dtype), mb.sampling)
+        return stages, np.zeros((self.kvp, R), np.int32), samp
+
+    def put(self, T: int, host):
+        """The step's arguments: host arrays placed on the mesh (on every process's own devices)."""
+        if jax.process_count() == 1:
+            placed = jax.device_put(host, self._shardings)
+        else:  # each process fills only its addressable shards, from the same (broadcast) host arrays
+            placed = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
+                                  host, self._shardings)
+        stages, rows, samp = placed
         if self.register is None or self.register.shape[2] != T:
             self.register = self._register_alloc(T)()
-        return (self.params, self.k_cache, self.v_cache, self.register, stages, rows, samp), leaving
+        return self.params, self.k_cache, self.v_cache, self.register, stages, rows, samp
+
+    def run(self, args, fetch: bool):
+        """Runs the step; returns its sampled tokens and log-probs as numpy when `fetch`, else None."""
+        self.k_cache, self.v_cache, self.register, out = self._step(*args)
+        if not fetch:
+            return None
+        if jax.process_count() == 1:
+            return jax.device_get(out)
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(out, tiled=True)  # global arrays: their full value
 
     @functools.lru_cache(maxsize=None)
     def _register_alloc(self, T: int):
@@ -255,8 +284,8 @@ class Executor:
         """The step as it would run for `plan`, lowered but not run (for inspecting its HLO); state unchanged."""
         saved = deque(self.in_flight)
         try:
-            args, _ = self._device_args(plan)
-            return self._step.lower(*args)
+            T, host, _ = self._host_args(plan)
+            return self._step.lower(*self.put(T, host))
         finally:
             self.in_flight = saved
 
@@ -266,12 +295,15 @@ class Executor:
         Returns the plan whose micro-batch left the last stage in this step, with the result of each of its
         logits rows (an empty plan while the pipeline fills).
         """
-        args, leaving = self._device_args(plan)
-        self.k_cache, self.v_cache, self.register, out = self._step(*args)
+        T, host, leaving = self._host_args(plan)
+        fetch = bool(leaving.refs)
+        if self.channel is not None:
+            self.channel.step(T, leaving.rows.shape[1], host, fetch)
+        out = self.run(self.put(T, host), fetch)
         self.in_flight.pop()
-        if not leaving.refs:
+        if not fetch:
             return leaving.plan, []
-        tokens, tok_lp, tgt_lp, top_ids, top_lp = jax.device_get(out)
+        tokens, tok_lp, tgt_lp, top_ids, top_lp = out
         return leaving.plan, [
             (ref, RowResult(int(tokens[ref.rank, ref.row]), float(tok_lp[ref.rank, ref.row]),
                             float(tgt_lp[ref.rank, ref.row]), top_ids[ref.rank, ref.row],

@@ -122,6 +122,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._order = itertools.count()
+        self.num_preemptions = 0  # since start, for the server's metrics
         self._prefill_cache: dict[int, tuple[int, float]] = {}
 
     @property
@@ -165,6 +166,7 @@ class Scheduler:
         request.num_computed = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
         logger.warning("preempted request %s by recompute: out of KV pages (%d of %d pages in use)",
                        request.request_id, self.kv.num_used, self.kv.num_usable)

@@ -1,0 +1,61 @@
+"""Multi-host serving on JAX's multi-controller runtime (`jax.distributed`).
+
+Every process builds the same engine (same flags, hence the same mesh over all processes' devices, the same
+parameters and KV cache shards). Process 0 owns the HTTP front end and the scheduler; each step it broadcasts
+the step's host arrays (the executor's numpy view of the plan) and every process feeds them into the same
+jitted step, so all run the same SPMD program. Followers never see requests, only arrays.
+
+The broadcast is two collectives per step: a fixed-size header (command, token rows T, logits rows R, whether
+results are fetched), then the arrays, whose shapes the header fixes. While idle, process 0 sends a no-op header
+about once a second so the followers' pending collective never waits indefinitely.
+"""
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+logger = logging.getLogger(__name__)
+
+STEP, NOOP, STOP = 1, 2, 3
+
+
+def _broadcast(tree):
+    """`tree` from process 0 to all, dtypes kept (the broadcast sums, so bools travel as int32)."""
+    sent = jax.tree.map(lambda a: a.astype(np.int32) if a.dtype == np.bool_ else a, tree)
+    got = multihost_utils.broadcast_one_to_all(sent)
+    return jax.tree.map(lambda g, a: np.asarray(g).astype(a.dtype), got, tree)
+
+
+class Leader:
+    """Process 0's side: sends each step's arrays (plugged into `Executor.channel`)."""
+
+    def step(self, T: int, R: int, host, fetch: bool) -> None:
+        _broadcast(np.array([STEP, T, R, int(fetch)], np.int32))
+        _broadcast(host)
+
+    def noop(self) -> None:
+        _broadcast(np.array([NOOP, 0, 0, 0], np.int32))
+
+    def stop(self) -> None:
+        _broadcast(np.array([STOP, 0, 0, 0], np.int32))
+
+
+def follow(executor) -> int:
+    """A follower's loop: runs every step process 0 broadcasts until it says stop. Returns the steps run."""
+    steps = 0
+    logger.info("process %d follows process 0's steps", jax.process_index())
+    while True:
+        cmd, T, R, fetch = (int(x) for x in _broadcast(np.zeros(4, np.int32)))
+        if cmd == STOP:
+            logger.info("process %d: stop after %d steps", jax.process_index(), steps)
+            return steps
+        if cmd == NOOP:
+            continue
+        if cmd != STEP:
+            raise RuntimeError(f"unknown multi-host command {cmd}")
+        host = _broadcast(executor.host_template(T, R))
+        executor.run(executor.put(T, host), fetch=bool(fetch))
+        steps += 1

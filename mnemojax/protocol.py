@@ -1,0 +1,148 @@
+"""The OpenAI-compatible request bodies the server accepts (pydantic models; they also make its OpenAPI schema).
+
+Field names, types and defaults follow the OpenAI API, plus vLLM's extensions (`top_k`, `ignore_eos`,
+`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`). Unknown fields are ignored, as
+OpenAI-compatible servers do; fields we cannot honour (penalties, `echo`, `suffix`, `best_of`) are accepted in
+the schema and rejected with a 400 naming them when set, never silently dropped. Range checks live in
+`SamplingParams` and the engine, so the server and the library share one set of limits and messages.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mnemojax.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 8
+"""Most choices (`n`) one request may ask for."""
+
+
+class ParamError(ValueError):
+    """A bad request field: becomes HTTP 400 with `param` set in the OpenAI error body."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def _check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ParamError(name, f"{name} is not supported (only 0)")
+        if self.repetition_penalty not in (None, 1, 1.0):
+            raise ParamError("repetition_penalty", "repetition_penalty is not supported (only 1)")
+        if self.logit_bias:
+            raise ParamError("logit_bias", "logit_bias is not supported")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ParamError("n", f"n must be between 1 and {MAX_N}, got {self.n}")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The request's `SamplingParams` (ValueError names the bad field and its limit)."""
+        self._check_unsupported()
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, description=f"top log-probs per token, 0..{MAX_LOGPROBS}")
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            p = [p]
+        elif not p:
+            raise ParamError("prompt", "prompt must not be empty")
+        elif all(isinstance(x, int) for x in p):
+            p = [list(p)]
+        if any(len(x) == 0 for x in p):
+            raise ParamError("prompt", "prompt must not be empty")
+        return list(p)
+
+    def check(self) -> None:
+        if self.echo:
+            raise ParamError("echo", "echo is not supported")
+        if self.suffix:
+            raise ParamError("suffix", "suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParamError("best_of", "best_of is not supported (only equal to n)")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        if not self.messages:
+            raise ParamError("messages", "messages must not be empty")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs to be true")

@@ -1,0 +1,93 @@
+"""Helpers for the server tests: a live uvicorn server in a thread, `python -m mnemojax.serve` subprocesses,
+and reading /metrics."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """A FastAPI app served by uvicorn on a free loopback port, in a background thread."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start")
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def serve_env(num_cpu_devices: int) -> dict:
+    """The environment of a server subprocess with `num_cpu_devices` CPU devices (no fake-device flag)."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_NUM_CPU_DEVICES"] = str(num_cpu_devices)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def start_serve(flags: list[str], num_cpu_devices: int = 1, log=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mnemojax.serve", *flags], env=serve_env(num_cpu_devices),
+                            cwd=ROOT, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def wait_healthy(url: str, procs=(), timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"server process exited with {p.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout} s")
+
+
+def metrics(url: str) -> dict[str, float]:
+    """/metrics as {sample name with labels: value}."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} not reached within {timeout} s")

@@ -1,0 +1,110 @@
+"""`python -m mnemojax.serve` as users start it: SIGTERM drains and exits 0; two processes with 4 CPU devices
+each (jax.distributed on localhost) serve the same tokens as one process with 8."""
+import json
+import signal
+import tempfile
+import threading
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.server_utils import free_port, start_serve, wait_healthy
+
+
+def _stream_lines(url, body, lines, first_events: threading.Event):
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for ln in r.iter_lines():
+            if ln:
+                lines.append(ln)
+            if len(lines) >= 3:
+                first_events.set()
+    first_events.set()
+
+
+def test_sigterm_stops_intake_answers_in_flight_and_exits_0():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile() as log:
+        proc = start_serve(["--port", str(port), "--max_model_len", "4096", "--shutdown_grace_s", "0.5"], log=log)
+        try:
+            wait_healthy(url, [proc])
+            lines, started = [], threading.Event()
+            body = {"prompt": "a long answer", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            t = threading.Thread(target=_stream_lines, args=(url, body, lines, started))
+            t.start()
+            assert started.wait(60)
+            proc.send_signal(signal.SIGTERM)
+            # intake stops: a new request is refused (503 while draining, or no listener once closed)
+            try:
+                status = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30).status_code
+            except httpx.ConnectError:
+                status = None
+            assert status in (503, None)
+            t.join(60)
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.seek(0)
+            output = log.read().decode(errors="replace")
+    # the stream in flight got a final message (aborted: 4000 tokens do not fit in the 0.5 s grace) and [DONE]
+    assert lines[-1] == "data: [DONE]", output[-3000:]
+    final = json.loads(lines[-2][6:])["choices"][0]
+    assert final["finish_reason"] == "abort"
+    assert "draining" in output and "Traceback" not in output, output[-3000:]
+
+
+REQUESTS = [
+    {"prompt": "The pipeline and KV ranks", "max_tokens": 12, "temperature": 0, "logprobs": 2},
+    {"prompt": "seeded sampling", "max_tokens": 10, "temperature": 0.9, "seed": 4, "logprobs": 0},
+    # 77 prompt tokens: with 64 tokens per KVP rank, its KV spans both ranks
+    {"prompt": "x" * 50 + "long prompt spanning ranks", "max_tokens": 8, "temperature": 0, "logprobs": 1},
+]
+MESH = ["--kvp", "2", "--spp", "2", "--tp", "2", "--max_tokens_per_kvp_rank", "64", "--page_size", "4",
+        "--max_model_len", "128", "--chunk_size", "16", "--max_num_batched_tokens", "32"]
+
+
+def _results(url):
+    out = []
+    with httpx.Client(timeout=300) as c:
+        for body in REQUESTS:
+            r = c.post(f"{url}/v1/completions", json={"model": "tiny", **body})
+            assert r.status_code == 200, r.text
+            ch = r.json()["choices"][0]
+            out.append((ch["text"], ch["logprobs"]["tokens"], ch["logprobs"]["token_logprobs"]))
+        chat = c.post(f"{url}/v1/chat/completions", json={"model": "tiny", "max_tokens": 8, "temperature": 0,
+                                                          "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 200, chat.text
+        out.append((chat.json()["choices"][0]["message"]["content"], [], []))
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_serve_the_same_tokens_as_one():
+    one_port, two_port, coord = free_port(), free_port(), free_port()
+    with tempfile.TemporaryFile() as log1, tempfile.TemporaryFile() as log2:
+        one = start_serve(["--port", str(one_port), *MESH], num_cpu_devices=8, log=log1)
+        multi = [start_serve(["--port", str(two_port), *MESH, "--coordinator_address", f"localhost:{coord}",
+                              "--num_processes", "2", "--process_id", str(i)], num_cpu_devices=4, log=log2)
+                 for i in range(2)]
+        procs = [one, *multi]
+        try:
+            wait_healthy(f"http://127.0.0.1:{one_port}", procs)
+            wait_healthy(f"http://127.0.0.1:{two_port}", procs)
+            ref = _results(f"http://127.0.0.1:{one_port}")
+            got = _results(f"http://127.0.0.1:{two_port}")
+            for p in procs[:2]:  # process 0 of the pair stops its follower on the way out
+                p.send_signal(signal.SIGTERM)
+            codes = [p.wait(120) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            log2.seek(0)
+            output = log2.read().decode(errors="replace")
+    assert codes == [0, 0, 0], output[-3000:]
+    assert "process 1 of 2" in output and "in all" in output
+    for (text, toks, lps), (rtext, rtoks, rlps) in zip(got, ref):
+        assert text == rtext and toks == rtoks
+        np.testing.assert_allclose(lps, rlps, rtol=0, atol=1e-5)
