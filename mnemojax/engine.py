@@ -19,6 +19,7 @@ from mnemojax.request import Request, RequestStatus
 from mnemojax.sampling_params import SamplingParams
 from mnemojax.scheduler import Scheduler, SchedulerConfig
 from models import checkpoint, orbax_io
+from models.attention import check_attention_impl
 from models.config import PRESETS, LlamaConfig, preset
 from models.llama import ModelSpec
 from models.params import init_params, mesh_layout, to_mesh_layout
@@ -48,6 +49,8 @@ class EngineConfig:
     max_num_seqs: int = 16  # requests per step
     seed: int = 0  # random weights of presets, and sampling seeds of requests that give none
     block_pages: int = 8  # KV pages per block of the reference attention
+    attention: str = "reference"  # "reference", "pallas" (Pallas GPU kernels, NVIDIA only: raises elsewhere) or
+    # "pallas_interpret" (the same kernels interpreted, any backend; slow, for tests)
     tp: int = 1  # tensor parallelism: attention heads and MLP columns split over this many devices
     spp: int = 1  # sequence pipeline parallelism: layers split into this many pipeline stages
     kvp: int = 1  # KV-cache parallelism: ranks, each with its own page pool and a full model replica
@@ -71,6 +74,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
+        check_attention_impl(self.attention)
         if self.kv_memory_fraction is not None:
             if self.num_pages is not None:
                 raise ValueError("give num_pages or kv_memory_fraction, not both")
@@ -124,7 +128,7 @@ class LLMEngine:
         if config.kv_memory_fraction is not None:
             num_pages = self._pages_from_memory(config, num_layers, kv_heads)
         self.tokenizer = load_tokenizer(config.model) if (config.model == "tiny" or not is_preset) else None
-        spec = ModelSpec(mc, config.dtype, config.block_pages)
+        spec = ModelSpec(mc, config.dtype, config.block_pages, config.attention)
         self.kv = KVCacheManager(config.kvp, num_pages, config.page_size, config.max_tokens_per_kvp_rank)
         if config.max_tokens_per_kvp_rank is not None:
             pages_per_seq = min(pages_per_seq, config.max_tokens_per_kvp_rank // config.page_size)

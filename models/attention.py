@@ -11,6 +11,9 @@ prefill chunk, never padded to the chunk's length.
 
 A token whose sequence has no visible key (an empty KVP shard, a padding row) gets out = 0 and lse = NEG_INF,
 i.e. weight 0 in a log-sum-exp merge.
+
+`attention(impl, ...)` is the one switch between this reference and the Pallas GPU kernels
+(`models.pallas_attention`); a kernel that was asked for and cannot run raises, it never falls back.
 """
 from __future__ import annotations
 
@@ -20,6 +23,38 @@ from jax import lax
 
 # Large finite negative instead of -inf: a block with no valid key gives weight 0, not NaN (JAX_NOTES.md).
 NEG_INF = -1e30
+
+ATTENTION_IMPLS = ("reference", "pallas", "pallas_interpret")
+"""reference: `paged_attention` below (plain jax.numpy, any backend); pallas: the Pallas Triton kernels of
+`models.pallas_attention`, compiled (NVIDIA GPU only); pallas_interpret: the same kernels in Pallas' interpreter
+(any backend: slow, for tests)."""
+
+
+def check_attention_impl(impl: str) -> None:
+    """Raises ValueError unless `impl` is one of ATTENTION_IMPLS (touches no device)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention implementation {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+
+
+def attention(impl: str, q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start, seq_ids, positions,
+              block_pages: int, precision=None, **kernel_options):
+    """Paged attention by the implementation `impl` (see ATTENTION_IMPLS); arguments and results as
+    `paged_attention`. `impl="pallas"` without an NVIDIA GPU raises instead of running something else.
+    `kernel_options` (tile and block sizes, for tuning) go to `models.pallas_attention.paged_attention_pallas`."""
+    check_attention_impl(impl)
+    kw = dict(page_table=page_table, kv_lens=kv_lens, kv_start=kv_start, seq_ids=seq_ids, positions=positions,
+              block_pages=block_pages, precision=precision)
+    if impl == "reference":
+        if kernel_options:
+            raise TypeError(f"the reference attention takes no kernel options, got {sorted(kernel_options)}")
+        return paged_attention(q, k_cache, v_cache, layer, **kw)
+    if impl == "pallas" and jax.default_backend() not in ("gpu", "cuda"):
+        raise RuntimeError("attention='pallas' needs an NVIDIA GPU; use 'reference' or 'pallas_interpret' "
+                           f"(the default backend is {jax.default_backend()!r})")
+    from models.pallas_attention import paged_attention_pallas  # imports this module: not at the top
+
+    return paged_attention_pallas(q, k_cache, v_cache, layer, interpret=impl == "pallas_interpret", **kw,
+                                  **kernel_options)
 
 
 def paged_attention(q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start, seq_ids, positions,

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from models import rope
-from models.attention import paged_attention
+from models.attention import attention, check_attention_impl
 from models.config import LlamaConfig
 from shardings.collectives import from_last_stage, kvp_merge
 from shardings.mesh import SPP, TP
@@ -49,7 +49,11 @@ class ModelSpec:
 
     config: LlamaConfig
     dtype: str = "float32"  # parameter, activation and KV-cache dtype
-    block_pages: int = 8  # KV pages per block of the attention's online softmax
+    block_pages: int = 8  # KV pages per block of the reference attention's online softmax
+    attention: str = "reference"  # "reference", "pallas" (GPU kernels) or "pallas_interpret" (models.attention)
+
+    def __post_init__(self):
+        check_attention_impl(self.attention)
 
     @property
     def precision(self):
@@ -82,9 +86,9 @@ def _layer(spec: ModelSpec, batch: StepBatch, carry, layer):
     k = rope.apply_rope(k, batch.positions, inv_freq)
     k_cache = k_cache.at[idx, batch.write_pages, batch.write_slots].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[idx, batch.write_pages, batch.write_slots].set(v.astype(v_cache.dtype))
-    o, lse = paged_attention(q, k_cache, v_cache, idx, page_table=batch.page_table, kv_lens=batch.kv_lens,
-                             kv_start=batch.kv_start, seq_ids=batch.seq_ids, positions=batch.positions,
-                             block_pages=spec.block_pages, precision=prec)
+    o, lse = attention(spec.attention, q, k_cache, v_cache, idx, page_table=batch.page_table,
+                       kv_lens=batch.kv_lens, kv_start=batch.kv_start, seq_ids=batch.seq_ids,
+                       positions=batch.positions, block_pages=spec.block_pages, precision=prec)
     o = kvp_merge(o, lse, batch.shared)
     attn = jnp.einsum("tnh,nhd->td", o.astype(dt), p["wo"], precision=prec)
     x = x + lax.psum(attn, TP)

@@ -1,0 +1,408 @@
+"""Paged attention as Pallas GPU (Triton) kernels: the attention contract of DESIGN.md, fast.
+
+Same arguments and results as the reference `models.attention.paged_attention`: every query token attends to the
+keys of its own sequence held in the paged cache [L, P, S, K, H] at local index i < kv_lens[seq] and
+i <= positions[t] - kv_start[seq] (bottom-right causal, KVP shards included); out f32[T, N, H], lse f32[T, N]
+in natural log; a token with no visible key gets out = 0 and lse = NEG_INF. Keys and values are read straight
+from the cache through the page table, one key row per page-table lookup, so a key block need not align with
+pages and any page size works.
+
+The work is cut into *tiles*: a tile is up to `block_q` query tokens of one sequence. All G query heads of a kv
+head ride in the same tile, so one program's rows are (token, head of the group) pairs, R = block_q x G of
+them (padded to a power of two >= 16, Triton's smallest matmul): the group shares every K/V load, and a
+32-token chunk of a G=4 model fills a 128-row tile. The grid is (tiles, kv heads, KV partitions): each
+program runs an online softmax (base 2) over its partition's share of the tile's key blocks and writes a
+partial (acc, m, l); `_merge` combines the partitions exactly (log-sum-exp). Splitting the keys (split-K,
+FlashDecoding) keeps the GPU busy when there are few tiles, e.g. one 32-token chunk at 1M context.
+
+Two tilings, one kernel:
+  - prefill tiles (`prefill_attention`): the tokens of each sequence cut into tiles of `block_q` tokens;
+  - decode tiles (`decode_attention`): one token per tile, rows = its G heads, many partitions.
+`paged_attention_pallas` (what `attention="pallas"` runs) sends the tokens of one-token sequences (decodes) to
+decode tiles and the rest to prefill tiles, in the same step. Grid sizes are static given (T, B, M): prefill
+tiles number T // block_q + min(B, T // 2) (every sequence adds at most one partial tile), decode tiles
+min(T, B); tiles a step does not use exit at once. The per-tile metadata (which tokens, which sequence, how
+far each row sees) is computed on device with jnp, so the kernels need no host work and run inside jit and
+shard_map.
+
+Masking: a key block all of whose keys every row of the tile sees runs without a mask; only the blocks at the
+causal edge (and the sequence end) compute one. Rows of padding and rows whose sequence has no visible key are
+masked everywhere and come out with l = 0.
+
+Numerics: scores and the softmax in float32 whatever the input dtype; with bf16 inputs the probabilities are
+rounded to bf16 for the P @ V matmul (as FlashAttention does), bounding the output error by 2^-9 max|v|; with
+float32 inputs (and precision None or HIGHEST, as `ModelSpec` passes) every matmul is IEEE float32, no TF32, and
+results equal the reference to float32 rounding. The per-step metadata does not depend on the layer: inside the
+model's layer scan XLA hoists it out of the loop (seen in the compiled CPU step).
+
+`interpret=True` runs the same kernels in Pallas' interpreter (any backend, e.g. the CPU tests).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import config as jax_config  # `_check_vma`, see _interpret_call
+from jax.experimental import pallas as pl
+
+from models.attention import NEG_INF
+
+try:  # jax >= 0.4.31 names the Triton flavour `triton`; older ones `gpu`.
+    from jax.experimental.pallas import triton as _pltriton
+except ImportError:  # pragma: no cover - depends on the jax version
+    from jax.experimental.pallas import gpu as _pltriton
+
+# Triton's compiler options class: `CompilerParams` (jax >= 0.5), `TritonCompilerParams` before.
+_CompilerParams = getattr(_pltriton, "CompilerParams", None) or getattr(_pltriton, "TritonCompilerParams", None)
+_SQ = getattr(pl, "squeezed", None)  # a squeezed block dimension: `pl.squeezed` where it exists, else None
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+ROWS_PER_TILE = 128  # prefill tile rows (tokens x group heads) on a GPU: one 128-row MMA tile
+BLOCK_K = 64  # keys per block of a prefill tile's online softmax
+DECODE_BLOCK_K = 128  # keys per block of a decode tile (16-row tiles: larger key blocks, fewer iterations)
+TARGET_PROGRAMS = 1024  # grid size the KV partitions aim for (~8 programs per SM of an H100/H200)
+MAX_PARTIAL_BYTES = 1 << 28  # cap on the float32 partial results of one call (256 MiB)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _cdiv(a, b):
+    """Ceiling division of non-negative ints: Python ints stay static, traced ones avoid floor-division's sign
+    fix-ups (plain truncating division is exact for non-negative operands)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return -(-a // b)
+    return lax.div(a + b - 1, b)
+
+
+def _out_struct(shape, dtype, like):
+    """ShapeDtypeStruct varying over the same manual mesh axes as `like`, so a pallas_call type-checks inside
+    `jax.shard_map(check_vma=True)`. The field is `manual_axis_type` in jax 0.10, `vma` in some older ones."""
+    aval = jax.typeof(like)
+    params = inspect.signature(jax.ShapeDtypeStruct).parameters
+    for name in ("manual_axis_type", "vma"):
+        if name in params and getattr(aval, name, None) is not None:
+            return jax.ShapeDtypeStruct(shape, dtype, **{name: getattr(aval, name)})
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes `x` varies over inside shard_map (empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()) or ())
+
+
+def _typed_like(operands):
+    """A scalar varying over every mesh axis some operand varies over (only its type is used: dead code)."""
+    return functools.reduce(jnp.add, [x[(0,) * x.ndim].astype(jnp.float32) for x in operands])
+
+
+def _interpret_call(call, operands):
+    """Runs an interpreted pallas_call (`call(like)` builds it, outputs typed like `like`), in shard_map too.
+
+    Pallas' interpreter (run when the step is lowered) slices each block out of its operand with grid indices
+    that vary over no mesh axis, which the varying-axes check rejects when the operand varies (jax 0.10:
+    "dynamic_slice requires varying manual axes to match"). So the operands enter the call typed as varying
+    over no axis (an identity `+ 0` traced with the check off), and its outputs are typed back as varying over
+    every axis an operand varies over, which is what they are. Only the interpreter needs this: the compiled
+    kernel is not traced per block.
+    """
+    axes = frozenset().union(*map(_varying_axes, operands))
+    check_vma = getattr(jax_config, "_check_vma", None)
+    if not axes or check_vma is None:
+        return call(operands[0])(*operands)
+    with check_vma(False):
+        operands = [x + jnp.zeros((), x.dtype) for x in operands]
+    outs = call(operands[0])(*operands)
+    return [lax.pcast(o, tuple(sorted(axes)), to="varying") for o in outs]
+
+
+def _compiler_params(rows: int):
+    warps = 8 if rows >= 128 else 4
+    if _CompilerParams is None:  # pragma: no cover - very old jax
+        return dict(triton=dict(num_warps=warps, num_stages=2))
+    return _CompilerParams(num_warps=warps, num_stages=2)
+
+
+# ---------------------------------------------------------------------------------------------- the kernel
+def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, q_ref, table_ref, k_ref, v_ref,  # inputs
+            acc_ref, m_ref, l_ref,  # outputs: this (tile, kv head, partition)'s partial softmax
+            *, block_k: int, num_parts: int, scale: float, precision):
+    """One (tile, kv head, partition) program.
+
+    layer_ref i32[1]; seq_ref / full_ref / hi_ref i32[nt]: the tile's sequence, the keys every row of it sees,
+    the keys its furthest row sees; lim_ref i32[R]: keys each row sees (local index < lim); q_ref [R, H];
+    table_ref i32[B, M]; k_ref / v_ref the whole cache [L, P, S, K, H]. Writes acc [R, H] (unnormalised),
+    m [R] (running max of base-2 scores) and l [R] (sum of weights).
+    """
+    t, kvh, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer, b = layer_ref[0], seq_ref[t]
+    page_size = k_ref.shape[2]
+    max_pages = table_ref.shape[1]
+    q = q_ref[...]
+    lim = lim_ref[...]
+    rows, head_dim = q.shape
+    cdt = q.dtype  # compute dtype of the matmuls (accumulation is float32)
+
+    # This partition's share of the tile's key blocks, and where the unmasked ones end.
+    kv_hi = hi_ref[t]
+    n_blocks = _cdiv(kv_hi, block_k)
+    per_part = _cdiv(n_blocks, num_parts)
+    lo = jnp.minimum(part * per_part, n_blocks)
+    hi = jnp.minimum(lo + per_part, n_blocks)
+    split = jnp.clip(lax.div(full_ref[t], block_k), lo, hi)
+
+    def block(j, carry, masked: bool):
+        m, l, acc = carry
+        idx = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # local key index
+        pages = table_ref[b, jnp.minimum(lax.div(idx, page_size), max_pages - 1)]
+        slots = lax.rem(idx, page_size)
+        k = k_ref[layer, pages, slots, kvh, :].astype(cdt)  # [block_k, H]
+        v = v_ref[layer, pages, slots, kvh, :].astype(cdt)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * scale  # [R, block_k], base-2 logits
+        if masked:
+            visible = idx[None, :] < lim[:, None]
+            s = jnp.where(visible, s, NEG_INF)
+            # Slots past the tile's last visible key may never have been written (uninitialised memory, other
+            # sequences' pages via unused page-table columns): zero them so 0 x NaN cannot reach the output.
+            v = jnp.where((idx < kv_hi)[:, None], v, jnp.zeros_like(v))
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        if masked:
+            p = jnp.where(visible, p, 0.0)
+        l = l * alpha + p.sum(axis=1)
+        pv = lax.dot_general(p.astype(cdt), v, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+        return m_new, l, acc * alpha[:, None] + pv
+
+    carry = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
+             jnp.zeros((rows, head_dim), jnp.float32))
+    carry = lax.fori_loop(lo, split, functools.partial(block, masked=False), carry)
+    m, l, acc = lax.fori_loop(split, hi, functools.partial(block, masked=True), carry)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _attend_tiles(q, k_cache, v_cache, layer, page_table, kv_lens, kv_start, seq_ids, positions, tile_tok, *,
+                  block_k: int, num_partitions: int | None, precision, interpret: bool):
+    """Attention of the tokens laid out in tiles; tile_tok i32[nt, BQ] holds token indices (T = empty slot),
+    all of one sequence per tile. Returns out f32[nt, BQ, N, H] and lse f32[nt, BQ, N]."""
+    T, N, H = q.shape
+    L, P, S, K, _ = k_cache.shape
+    B, M = page_table.shape
+    nt, bq = tile_tok.shape
+    G = N // K
+    R = _next_pow2(max(16, bq * G))
+    if not interpret and (block_k < 16 or block_k & (block_k - 1)):
+        raise ValueError(f"the compiled kernels need key blocks of a power of two >= 16 keys, got {block_k}")
+    cdt = jnp.promote_types(q.dtype, k_cache.dtype)
+    if precision is None:
+        precision = lax.Precision.HIGHEST if cdt == jnp.float32 else lax.Precision.DEFAULT
+
+    # Per-tile metadata.
+    valid = tile_tok < T  # [nt, BQ]
+    tok = jnp.minimum(tile_tok, T - 1)
+    tile_seq = jnp.where(valid[:, 0], seq_ids[tok[:, 0]], 0).astype(jnp.int32)  # [nt]
+    lim = jnp.minimum(kv_lens[tile_seq][:, None], positions[tok] - kv_start[tile_seq][:, None] + 1)
+    lim = jnp.where(valid, jnp.maximum(lim, 0), 0).astype(jnp.int32)  # [nt, BQ] keys each token sees
+    kv_hi = lim.max(axis=1)
+    kv_full = jnp.where(valid.any(axis=1), jnp.where(valid, lim, jnp.iinfo(jnp.int32).max).min(axis=1), 0)
+    lim_rows = jnp.pad(jnp.repeat(lim, G, axis=1), ((0, 0), (0, R - bq * G)))  # [nt, R]: row = token x head
+
+    qt = jnp.concatenate([q, jnp.zeros((1, N, H), q.dtype)])[tile_tok].astype(cdt)  # [nt, BQ, N, H]
+    qt = qt.reshape(nt, bq, K, G, H).transpose(0, 2, 1, 3, 4).reshape(nt, K, bq * G, H)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, R - bq * G), (0, 0)))  # [nt, K, R, H]
+
+    max_blocks = _cdiv(M * S, block_k)
+    if num_partitions is None:
+        num_partitions = max(1, min(max_blocks, _cdiv(TARGET_PROGRAMS, nt * K),
+                                    MAX_PARTIAL_BYTES // (nt * K * R * (H + 2) * 4)))
+    NP = num_partitions
+
+    kernel = functools.partial(_kernel, block_k=block_k, num_parts=NP, scale=H ** -0.5 * LOG2E,
+                               precision=precision)
+    whole = lambda shape: pl.BlockSpec(shape, lambda t, k, p: (0,) * len(shape))  # noqa: E731
+    call = lambda like: pl.pallas_call(  # noqa: E731  (out_shape varies over the mesh axes `like` varies over)
+        kernel,
+        grid=(nt, K, NP),
+        in_specs=[
+            whole((1,)),  # layer
+            whole((nt,)), whole((nt,)), whole((nt,)),  # tile sequence, keys all rows see, keys any row sees
+            pl.BlockSpec((_SQ, R), lambda t, k, p: (t, 0)),  # keys each row sees
+            pl.BlockSpec((_SQ, _SQ, R, H), lambda t, k, p: (t, k, 0, 0)),  # q rows of (tile, kv head)
+            whole((B, M)),  # page table
+            whole(k_cache.shape), whole(v_cache.shape),
+        ],
+        out_specs=[
+            pl.BlockSpec((_SQ, _SQ, _SQ, R, H), lambda t, k, p: (t, k, p, 0, 0)),
+            pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0)),
+            pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0)),
+        ],
+        out_shape=[_out_struct((nt, K, NP, R, H), jnp.float32, like),
+                   _out_struct((nt, K, NP, R), jnp.float32, like),
+                   _out_struct((nt, K, NP, R), jnp.float32, like)],
+        interpret=interpret,
+        compiler_params=_compiler_params(R),
+        name=f"paged_attention_r{R}_k{block_k}",
+    )
+    operands = (jnp.reshape(layer, (1,)).astype(jnp.int32), tile_seq, kv_full.astype(jnp.int32), kv_hi,
+                lim_rows, qt, page_table.astype(jnp.int32), k_cache, v_cache)
+    acc, m, l = _interpret_call(call, operands) if interpret else call(_typed_like(operands))(*operands)
+
+    out, lse = _merge(acc[..., :bq * G, :], m[..., :bq * G], l[..., :bq * G])  # [nt, K, BQ*G, (H)]
+    out = out.reshape(nt, K, bq, G, H).transpose(0, 2, 1, 3, 4).reshape(nt, bq, N, H)
+    lse = lse.reshape(nt, K, bq, G).transpose(0, 2, 1, 3).reshape(nt, bq, N)
+    return out, lse
+
+
+def _merge(acc, m, l):
+    """Exact merge of the partitions (axis 2) of partial softmaxes in base 2: out and natural-log lse."""
+    m_max = m.max(axis=2)
+    w = jnp.exp2(m - m_max[:, :, None])  # an empty partition has l = 0, so its weight does not matter
+    l_sum = (l * w).sum(axis=2)
+    acc_sum = (acc * w[..., None]).sum(axis=2)
+    empty = l_sum == 0.0
+    safe = jnp.where(empty, 1.0, l_sum)
+    out = jnp.where(empty[..., None], 0.0, acc_sum / safe[..., None])
+    lse = jnp.where(empty, NEG_INF, (m_max + jnp.log2(safe)) * LN2)
+    return out, lse
+
+
+def _scatter(T, N, H, parts):
+    """Token-order (out, lse) from [(tile_tok, out_tiles, lse_tiles), ...]; each token in exactly one slot."""
+    idx = jnp.concatenate([tt.reshape(-1) for tt, _, _ in parts])
+    out = jnp.zeros((T, N, H), jnp.float32).at[idx].set(
+        jnp.concatenate([o.reshape(-1, N, H) for _, o, _ in parts]), mode="drop")
+    lse = jnp.full((T, N), NEG_INF, jnp.float32).at[idx].set(
+        jnp.concatenate([s.reshape(-1, N) for _, _, s in parts]), mode="drop")
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------- tilings
+def _sequence_tiles(seq_ids, include, num_seqs: int, block_q: int, num_tiles: int):
+    """i32[num_tiles, block_q]: the included tokens of each sequence, cut into tiles of block_q (T = empty)."""
+    T = seq_ids.shape[0]
+    key = jnp.where(include, seq_ids, num_seqs)  # excluded tokens sort after every sequence
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    skey = key[order]
+    counts = jnp.zeros(num_seqs + 1, jnp.int32).at[key].add(1)[:num_seqs]
+    first = jnp.cumsum(counts) - counts  # sorted index of each sequence's first token
+    tiles = _cdiv(counts, block_q)
+    tile0 = jnp.cumsum(tiles) - tiles
+    sb = jnp.minimum(skey, num_seqs - 1)
+    rank = jnp.arange(T, dtype=jnp.int32) - first[sb]
+    tile = jnp.where(skey < num_seqs, tile0[sb] + rank // block_q, num_tiles)  # excluded: out of range, dropped
+    return jnp.full((num_tiles, block_q), T, jnp.int32).at[tile, rank % block_q].set(order, mode="drop")
+
+
+def _token_tiles(include, num_tiles: int):
+    """i32[num_tiles, 1]: the included tokens, one per tile, in order (T = empty)."""
+    T = include.shape[0]
+    dest = jnp.where(include, jnp.cumsum(include) - 1, num_tiles)
+    return jnp.full((num_tiles,), T, jnp.int32).at[dest].set(jnp.arange(T, dtype=jnp.int32), mode="drop")[:, None]
+
+
+def _default_block_q(num_heads: int, num_kv_heads: int) -> int:
+    return max(1, ROWS_PER_TILE // (num_heads // num_kv_heads))
+
+
+def _check(q, k_cache, v_cache, page_table, interpret: bool):
+    T, N, H = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 5:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be [L, P, S, K, H]")
+    if N % k_cache.shape[3] or k_cache.shape[4] != H:
+        raise ValueError(f"q {q.shape} does not fit the cache {k_cache.shape} (N % K == 0, same head dim)")
+    if not interpret and (H < 16 or H & (H - 1)):
+        raise ValueError(f"the compiled kernels need a head dim that is a power of two >= 16, got {H}")
+    if page_table.shape[0] < 1 or page_table.shape[1] < 1:
+        raise ValueError(f"page_table must be [B >= 1, M >= 1], got {page_table.shape}")
+
+
+def _jit(fn):
+    """jax.jit with every keyword-only argument except the step's arrays static."""
+    arrays = {"page_table", "kv_lens", "kv_start", "seq_ids", "positions"}
+    static = [n for n, p in inspect.signature(fn).parameters.items()
+              if p.kind is p.KEYWORD_ONLY and n not in arrays]
+    return jax.jit(fn, static_argnames=static)
+
+
+@_jit
+def prefill_attention(q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start, seq_ids, positions,
+                      block_pages: int | None = None, precision=None, interpret: bool = False,
+                      block_q: int | None = None, block_k: int = BLOCK_K, num_partitions: int | None = None):
+    """Chunked-prefill attention: every sequence's tokens in tiles of `block_q` (default 128 // G), split-K
+    over `num_partitions` KV partitions (default: enough for ~TARGET_PROGRAMS programs). Any ragged batch.
+
+    Arguments and results as `models.attention.paged_attention`; `block_pages` (the reference's block) is
+    accepted and unused, the kernel's key block is `block_k` keys.
+    """
+    del block_pages
+    _check(q, k_cache, v_cache, page_table, interpret)
+    T, N, H = q.shape
+    B = page_table.shape[0]
+    bq = block_q or _default_block_q(N, k_cache.shape[3])
+    tiles = _sequence_tiles(seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
+    out, lse = _attend_tiles(q, k_cache, v_cache, layer, page_table, kv_lens, kv_start, seq_ids, positions,
+                             tiles, block_k=block_k, num_partitions=num_partitions, precision=precision,
+                             interpret=interpret)
+    return _scatter(T, N, H, [(tiles, out, lse)])
+
+
+@_jit
+def decode_attention(q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start, seq_ids, positions,
+                     block_pages: int | None = None, precision=None, interpret: bool = False,
+                     block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None):
+    """Decode attention (FlashDecoding): one tile per query token, its G heads as rows, the keys split over
+    `num_partitions` partitions. Correct for any batch; efficient when each sequence has one query token.
+
+    Arguments and results as `models.attention.paged_attention` (`block_pages` accepted, unused).
+    """
+    del block_pages
+    _check(q, k_cache, v_cache, page_table, interpret)
+    T, N, H = q.shape
+    tiles = _token_tiles(jnp.ones(T, bool), T)
+    out, lse = _attend_tiles(q, k_cache, v_cache, layer, page_table, kv_lens, kv_start, seq_ids, positions,
+                             tiles, block_k=block_k, num_partitions=num_partitions, precision=precision,
+                             interpret=interpret)
+    return _scatter(T, N, H, [(tiles, out, lse)])
+
+
+@_jit
+def paged_attention_pallas(q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start, seq_ids, positions,
+                           block_pages: int | None = None, precision=None, interpret: bool = False,
+                           block_q: int | None = None, block_k: int = BLOCK_K,
+                           decode_block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None,
+                           decode_partitions: int | None = None):
+    """A mixed step: tokens of one-token sequences (decodes) through decode tiles, the others through prefill
+    tiles, both kernels launched with grids fixed by (T, B, M). Arguments and results as
+    `models.attention.paged_attention` (`block_pages` accepted, unused)."""
+    del block_pages
+    _check(q, k_cache, v_cache, page_table, interpret)
+    T, N, H = q.shape
+    B = page_table.shape[0]
+    bq = block_q or _default_block_q(N, k_cache.shape[3])
+    args = (q, k_cache, v_cache, layer, page_table, kv_lens, kv_start, seq_ids, positions)
+    counts = jnp.zeros(B, jnp.int32).at[seq_ids].add(1)
+    is_decode = counts[seq_ids] == 1
+    parts = []
+    num_decode_tiles = min(T, B)
+    dec = _token_tiles(is_decode, num_decode_tiles)
+    parts.append((dec, *_attend_tiles(*args, dec, block_k=decode_block_k, num_partitions=decode_partitions,
+                                      precision=precision, interpret=interpret)))
+    num_prefill_tiles = T // bq + min(B, T // 2)  # a prefill sequence has >= 2 tokens
+    if num_prefill_tiles:
+        pre = _sequence_tiles(seq_ids, ~is_decode, B, bq, num_prefill_tiles)
+        parts.append((pre, *_attend_tiles(*args, pre, block_k=block_k, num_partitions=num_partitions,
+                                          precision=precision, interpret=interpret)))
+    return _scatter(T, N, H, parts)
