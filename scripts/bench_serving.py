@@ -30,13 +30,14 @@ Requests: `stream: true`, `stream_options.include_usage`, `max_tokens`, `tempera
 leaves it out). A request is sent at its arrival time, or, with `--max_concurrency`, once fewer than that many
 are in flight (the wait is recorded as `queued_s`; latencies count from the send).
 
-Measures (per request, from the send): TTFT = time to the first SSE chunk carrying text; TBT = the gaps between
-a request's later text-bearing chunks, pooled over requests (a chunk may carry several tokens, so TBT is a gap
+Measures (per request, from the send): TTFT = time to the first SSE chunk carrying a token (text, or an empty
+text while the choice is still running: servers hold back partial UTF-8); TBT = the gaps between a request's
+later token chunks, pooled over requests (a chunk may carry several tokens, so TBT is a gap
 between chunks, not tokens); TPOT = (E2E - TTFT) / (output tokens - 1), per request; E2E = time to `data: [DONE]`.
-Output tokens are `usage.completion_tokens` when the server sends usage, else the number of text-bearing chunks.
+Output tokens are `usage.completion_tokens` when the server sends usage, else the number of token chunks.
 Errors, counted by kind: an HTTP status other than 200, an exception (its class, e.g. `ReadTimeout`,
 `RemoteProtocolError`), a stream that ends without `data: [DONE]` ("no [DONE]"), an SSE `error` object, an
-undecodable chunk, or a stream with no text at all. Latency percentiles cover the successful requests;
+undecodable chunk, or a stream with no token chunk at all. Latency percentiles cover the successful requests;
 throughputs are their requests and output tokens over the run's duration (first send to last completion).
 The client is one Python asyncio process: at thousands of concurrent streams its own overhead shows in TBT.
 """
@@ -276,7 +277,9 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict[s
                 raise StreamError("bad chunk", data[:300])
             if chunk.get("error"):
                 raise StreamError("stream error", json.dumps(chunk["error"])[:300])
-            if any(c.get("text") for c in chunk.get("choices") or ()):
+            # A token-bearing chunk: text, or a choice still running with empty text (a server holds back text
+            # that is not yet whole UTF-8 or may start a stop string, but the token was generated now).
+            if any(c.get("text") or c.get("finish_reason") is None for c in chunk.get("choices") or ()):
                 rec.chunk_times.append(now - t0)
             usage = chunk.get("usage")
             if usage:
@@ -285,9 +288,9 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict[s
                     rec.output_tokens = int(usage["completion_tokens"])
                     rec.tokens_from_usage = True
         else:
-            raise StreamError("no [DONE]", f"after {len(rec.chunk_times)} text chunks")
+            raise StreamError("no [DONE]", f"after {len(rec.chunk_times)} token chunks")
     if not rec.chunk_times:
-        raise StreamError("no text", "the stream ended without a chunk carrying text")
+        raise StreamError("no tokens", "the stream ended without a chunk carrying a token")
     if not rec.tokens_from_usage:
         rec.output_tokens = len(rec.chunk_times)
 

@@ -279,10 +279,20 @@ def test_64_concurrent_streaming_clients(url, llm):
     async def client(http, c, stream):
         return [await one(http, i, stream) for i in range(c * 3, c * 3 + 3)]
 
+    most_waiting = 0
+
+    async def watch_queue():
+        nonlocal most_waiting
+        while True:
+            most_waiting = max(most_waiting, llm.stats().waiting)
+            await asyncio.sleep(0.01)
+
     async def main(stream):
         limits = httpx.Limits(max_connections=128)
+        watcher = asyncio.ensure_future(watch_queue())
         async with httpx.AsyncClient(timeout=300, limits=limits) as http:
             per_client = await asyncio.gather(*(client(http, c, stream) for c in range(64)))
+        watcher.cancel()
         return [t for texts in per_client for t in texts]
 
     streamed = asyncio.run(main(True))
@@ -290,6 +300,7 @@ def test_64_concurrent_streaming_clients(url, llm):
     whole = asyncio.run(main(False))
     assert statuses == [200] * (2 * len(prompts))
     assert streamed == whole
+    assert most_waiting > 8  # 63 KV pages hold a handful of these requests: the rest had to wait
     m = metrics(url)
     assert m["mnemojax_kv_pages_used"] == 0 and m["mnemojax_num_requests_running"] == 0
     assert llm.num_active == 0
