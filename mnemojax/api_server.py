@@ -382,8 +382,24 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    async def guarded(gen: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A failure after the stream has started cannot change the status code: it ends the stream with an
+        OpenAI-style error event and [DONE] instead of cutting the connection."""
+        try:
+            async for event in gen:
+                yield event
+        except APIError as e:
+            st.metrics.observe_error(e.status)
+            yield sse(error_body(e.status, e.message, e.param))
+            yield "data: [DONE]\n\n"
+        except Exception as e:  # noqa: BLE001 - reported to the client, logged here
+            logger.exception("stream failed")
+            st.metrics.observe_error(500)
+            yield sse(error_body(500, f"internal error: {e!r}"))
+            yield "data: [DONE]\n\n"
+
     async def stream(request: Request, gen: AsyncIterator[str]):
-        return StreamingResponse(gen, media_type="text/event-stream",
+        return StreamingResponse(guarded(gen), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ------------------------------------------------------------ /v1/completions

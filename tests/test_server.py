@@ -341,3 +341,33 @@ def test_kv_memory_fraction_needs_a_device_that_reports_memory():
         EngineConfig(kv_memory_fraction=1.5)
     with pytest.raises(ValueError, match="reports its memory"):  # the CPU does not
         LLMEngine(EngineConfig(kv_memory_fraction=0.5, max_model_len=64))
+
+
+def test_engine_failure_is_answered_not_hung():
+    """If the engine itself fails, every caller gets an answer: a stream ends with an error event and [DONE],
+    a whole response is a 500, and /health says so."""
+    broken = AsyncLLM("tiny", max_model_len=64, page_size=4, chunk_size=16, max_num_batched_tokens=32)
+    calls = 0
+    step = broken.engine.step
+
+    def failing_step():
+        nonlocal calls
+        calls += 1
+        if calls > 3:
+            raise RuntimeError("device lost")
+        return step()
+
+    broken.engine.step = failing_step
+    s = ThreadServer(build_app(broken, served_model_name="tiny"))
+    try:
+        body = {"prompt": "a", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]"
+        assert "device lost" in json.loads(lines[-2][6:])["error"]["message"]
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 500 and "engine thread has stopped" in r.json()["error"]["message"]
+        assert httpx.get(f"{s.url}/health").status_code == 500
+    finally:
+        s.stop()
