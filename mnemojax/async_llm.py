@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -17,6 +18,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from mnemojax.engine import EngineConfig, LLMEngine
 from mnemojax.outputs import RequestOutput
 from mnemojax.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _ADD, _ABORT, _ABORT_ALL, _STOP = "add", "abort", "abort_all", "stop"
 
@@ -208,9 +211,9 @@ class AsyncLLM:
                         self._send(out.request_id, out)
                 self._publish()
         except BaseException as err:  # the engine failed: tell every caller rather than leave them waiting
+            logger.exception("the engine failed; every request in flight gets an error")
             self._error = err
             for rid in list(self._streams):
                 self._send(rid, RuntimeError(f"engine failed: {err!r}"))
-            raise
         finally:
             self._publish()

@@ -585,7 +585,6 @@ async def benchmark(settings: ClientSettings, runs: Sequence[tuple[str, list[Pla
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the benchmark; returns what --output_json writes."""
     args = parse_args(argv)
-    sys.stdout.reconfigure(line_buffering=True)
     words = [sys.executable, *(sys.argv if argv is None else [__file__, *argv])]
     command = " ".join(shlex.quote(str(w)) for w in words)
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -623,4 +622,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines appear as they are printed, even when piped
     main()

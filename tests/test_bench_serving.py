@@ -107,7 +107,7 @@ def serving(server: FakeServer):
     """Runs `server` on a free port in a thread; yields its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="critical", lifespan="off"))
+    uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="critical", lifespan="off", log_config=None))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
