@@ -371,3 +371,29 @@ def test_engine_failure_is_answered_not_hung():
         assert httpx.get(f"{s.url}/health").status_code == 500
     finally:
         s.stop()
+
+
+def test_hugging_face_checkpoint_uses_its_tokenizer_chat_template(tmp_path):
+    """A served HF directory applies its tokenizer's own (Jinja) chat template and detokenizes with it."""
+    import transformers
+
+    from tests.hf_utils import make_hf_checkpoint
+
+    path = make_hf_checkpoint(tmp_path / "ckpt", weight_scale=8.0)
+    kw = dict(max_model_len=128, page_size=4, chunk_size=16, max_num_batched_tokens=32)
+    served = AsyncLLM(path, **kw)
+    s = ThreadServer(build_app(served, served_model_name="llama"))
+    try:
+        messages = [{"role": "user", "content": "Hello, Jinja"}]
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False)
+        assert ids.count(tok.bos_token_id) == 1
+        ref = LLM(path, **kw).generate([ids], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+        got = c.chat.completions.create(model="llama", messages=messages, max_tokens=8, temperature=0)
+        assert got.usage.prompt_tokens == len(ids)
+        assert got.choices[0].message.content == ref.text
+    finally:
+        s.stop()
+        served.shutdown()
