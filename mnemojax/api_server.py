@@ -323,6 +323,15 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
             return None
         return task.result()
 
+    async def run_to_end(request: Request, rid: str, choices: list[_Choice]) -> bool:
+        """Runs the choices of a non-streaming request to the end; False if the client went away first."""
+        async def collect():
+            async for _ in run(rid, choices):
+                pass
+            return True
+
+        return await until_disconnect(request, collect()) is not None
+
     def token_text(tid: int) -> str:
         """A token as logprobs show it: its text; a token that is not whole UTF-8 by itself is written as its bytes,
         `bytes:\\xNN` (OpenAI's convention), so distinct tokens stay distinct keys."""
@@ -440,12 +449,7 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
 
             return await stream(request, events())
 
-        async def collect():
-            async for _ in run(rid, choices):
-                pass
-            return True
-
-        if await until_disconnect(request, collect()) is None:
+        if not await run_to_end(request, rid, choices):
             return Response(status_code=499)  # the client is gone; nobody reads this
         out = []
         for c in choices:
@@ -510,12 +514,7 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
 
             return await stream(request, events())
 
-        async def collect():
-            async for _ in run(rid, choices):
-                pass
-            return True
-
-        if await until_disconnect(request, collect()) is None:
+        if not await run_to_end(request, rid, choices):
             return Response(status_code=499)
         out = []
         for c in choices:
