@@ -19,6 +19,7 @@ engine's next step, which frees their KV pages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -34,8 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mnemojax.async_llm import AsyncLLM
 from mnemojax.metrics import ServerMetrics
 from mnemojax.outputs import RequestOutput
-from mnemojax.protocol import ChatCompletionRequest, CompletionRequest, ParamError
-from mnemojax.sampling_params import SamplingParams
+from mnemojax.protocol import ChatCompletionRequest, CompletionRequest
+from mnemojax.sampling_params import ParamError, SamplingParams
 from models.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,11 +44,6 @@ logger = logging.getLogger(__name__)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 500: "internal_server_error", 503: "service_unavailable"}
-
-# The first word of an engine / SamplingParams error message names the field when it is one of these.
-_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs",
-           "prompt", "n", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
-
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
@@ -61,16 +57,8 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 def _param_of(err: ValueError) -> str | None:
-    if isinstance(err, ParamError):
-        return err.param
-    word = str(err).split(" ", 1)[0].rstrip(":")
-    if word.startswith("prompts["):
-        return "prompt"
-    return word if word in _FIELDS else None
-
-
-class _BodyLimit(Exception):
-    pass
+    """The request field a validation error names (`ParamError.param`), if any."""
+    return getattr(err, "param", None)
 
 
 class GuardMiddleware:
@@ -166,8 +154,8 @@ def _stable_len(text: str, finished: bool, stop: list[str]) -> int:
 class _Choice:
     """One choice's progress: what has been sent so far."""
 
-    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams):
-        self.index, self.prompt_ids, self.params = index, prompt_ids, params
+    def __init__(self, index: int, prompt_index: int, prompt_ids: list[int], params: SamplingParams):
+        self.index, self.prompt_index, self.prompt_ids, self.params = index, prompt_index, prompt_ids, params
         self.sent_text = 0
         self.sent_tokens = 0
         self.output: RequestOutput | None = None
@@ -240,19 +228,23 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
         if model is not None and model != served_model_name:
             raise APIError(400, f"model {model!r} does not exist; this server serves {served_model_name!r}", "model")
 
-    def admit(prompts: list, make_params) -> list[_Choice]:
-        """Validates every prompt and choice before anything is queued; 400 or 429 on failure."""
+    def admit(prompts: list, make_params, n: int) -> list[_Choice]:
+        """Validates the request's sampling fields and every prompt before anything is queued; 400 or 429 on
+        failure. `make_params()` gives the base SamplingParams; each prompt gets `n` choices."""
+        try:
+            params = n_params(make_params(), n)
+        except ValueError as e:
+            raise APIError(400, str(e), _param_of(e)) from None
         choices = []
         for pi, prompt in enumerate(prompts):
             try:
                 if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
                     raise ParamError("prompt", "prompt must be a string, a list of token ids, or a list of either")
-                params = make_params(prompt)
                 ids = llm.validate(prompt, params[0])
             except ValueError as e:
                 raise APIError(400, str(e) if len(prompts) == 1 else f"prompt[{pi}]: {e}", _param_of(e)) from None
-            for p in params:
-                choices.append(_Choice(len(choices), ids, p))
+            first = len(choices)
+            choices += [_Choice(first + j, pi, ids, p) for j, p in enumerate(params)]
         if llm.num_waiting + len(choices) > st.max_queue:
             raise APIError(429, f"too many requests waiting ({llm.num_waiting}, the limit is max_queue = "
                                 f"{st.max_queue}); retry later")
@@ -260,14 +252,7 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
 
     def n_params(base: SamplingParams, n: int) -> list[SamplingParams]:
         """n choices: with a seed, choice j draws with seed + j (choice 0 equals the same request with n = 1)."""
-        out = []
-        for j in range(n):
-            p = SamplingParams(**{**base.__dict__})
-            if base.seed is not None:
-                p.seed = base.seed + j
-                p.validate()
-            out.append(p)
-        return out
+        return [base if base.seed is None else dataclasses.replace(base, seed=base.seed + j) for j in range(n)]
 
     async def run(rid: str, choices: list[_Choice]) -> AsyncIterator[_Choice]:
         """Runs the choices concurrently; yields a choice each time it makes progress. Leaving early (the client
@@ -344,20 +329,17 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
             return f"bytes:\\x{tid:02x}"
         return tokenizer.convert_ids_to_tokens(tid)
 
-    def usage(choices: list[_Choice], num_prompts: int) -> dict:
-        seen, prompt_tokens = set(), 0
-        for c in choices:  # each prompt counts once, however many choices it has
-            if id(c.prompt_ids) not in seen:
-                seen.add(id(c.prompt_ids))
-                prompt_tokens += len(c.prompt_ids)
+    def usage(choices: list[_Choice]) -> dict:
+        prompts = {c.prompt_index: len(c.prompt_ids) for c in choices}  # each prompt counts once, whatever n
         completion = sum(len(c.output.outputs[0].token_ids) for c in choices if c.output is not None)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion}
+        return {"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
+                "total_tokens": sum(prompts.values()) + completion}
 
-    def new_tokens(c: _Choice, upto: int | None = None):
-        co = c.output.outputs[0]
-        end = len(co.token_ids) if upto is None else upto
-        return co.token_ids[c.sent_tokens:end], (co.logprobs or [])[c.sent_tokens:end]
+    def take_new_tokens(c: _Choice):
+        """The choice's tokens (and their logprob dicts) not yet sent, marked as sent."""
+        co, start = c.output.outputs[0], c.sent_tokens
+        c.sent_tokens = len(co.token_ids)
+        return co.token_ids[start:], (co.logprobs or [])[start:]
 
     def text_delta(c: _Choice) -> str:
         co = c.output.outputs[0]
@@ -407,7 +389,7 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
             yield sse(error_body(500, f"internal error: {e!r}"))
             yield "data: [DONE]\n\n"
 
-    async def stream(request: Request, gen: AsyncIterator[str]):
+    def stream(gen: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(guarded(gen), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -422,10 +404,7 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
             raise APIError(400, str(e), e.param) from None
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
 
-        def make_params(prompt):
-            return n_params(body.sampling_params(max_tokens, body.logprobs), body.n)
-
-        choices = admit(prompts, make_params)
+        choices = admit(prompts, lambda: body.sampling_params(max_tokens, body.logprobs), body.n)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), served_model_name
 
         if body.stream:
@@ -434,8 +413,7 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
                     co = c.output.outputs[0]
                     offset = c.sent_text
                     delta = text_delta(c)
-                    ids, lps = new_tokens(c)
-                    c.sent_tokens += len(ids)
+                    ids, lps = take_new_tokens(c)
                     if not delta and not ids and co.finish_reason is None:
                         continue
                     yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -444,10 +422,10 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
                                             "finish_reason": co.finish_reason, "stop_reason": co.stop_reason}]})
                 if body.include_usage:
                     yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                               "choices": [], "usage": usage(choices, len(prompts))})
+                               "choices": [], "usage": usage(choices)})
                 yield "data: [DONE]\n\n"
 
-            return await stream(request, events())
+            return stream(events())
 
         if not await run_to_end(request, rid, choices):
             return Response(status_code=499)  # the client is gone; nobody reads this
@@ -458,7 +436,7 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
             out.append({"index": c.index, "text": co.text, "logprobs": completion_logprobs(c, ids, lps, 0),
                         "finish_reason": co.finish_reason, "stop_reason": co.stop_reason})
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
-                "usage": usage(choices, len(prompts))}
+                "usage": usage(choices)}
 
     # ------------------------------------------------------------ /v1/chat/completions
     @app.post("/v1/chat/completions")
@@ -482,10 +460,8 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
         if max_tokens is None:
             max_tokens = max(engine.max_model_len - len(prompt_ids), 1)
 
-        def make_params(prompt):
-            return n_params(body.sampling_params(max_tokens, top if body.logprobs else None), body.n)
-
-        choices = admit([prompt_ids], make_params)
+        choices = admit([prompt_ids], lambda: body.sampling_params(max_tokens, top if body.logprobs else None),
+                        body.n)
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), served_model_name
 
         def chunk(choices_):
@@ -500,8 +476,7 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
                 async for c in run(rid, choices):
                     co = c.output.outputs[0]
                     delta = text_delta(c)
-                    ids, lps = new_tokens(c)
-                    c.sent_tokens += len(ids)
+                    ids, lps = take_new_tokens(c)
                     if not delta and not ids and co.finish_reason is None:
                         continue
                     yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
@@ -509,10 +484,10 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
                                   "stop_reason": co.stop_reason}])
                 if body.include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                               "choices": [], "usage": usage(choices, 1)})
+                               "choices": [], "usage": usage(choices)})
                 yield "data: [DONE]\n\n"
 
-            return await stream(request, events())
+            return stream(events())
 
         if not await run_to_end(request, rid, choices):
             return Response(status_code=499)
@@ -523,7 +498,7 @@ def build_app(llm: AsyncLLM, *, served_model_name: str = "tiny", api_key: str | 
                         "logprobs": chat_logprobs(c, co.token_ids, co.logprobs or [], top),
                         "finish_reason": co.finish_reason, "stop_reason": co.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
-                "usage": usage(choices, 1)}
+                "usage": usage(choices)}
 
     return app
 

@@ -16,7 +16,7 @@ from mnemojax.executor import Executor, RowResult
 from mnemojax.kv_manager import KVCacheManager
 from mnemojax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mnemojax.request import Request, RequestStatus
-from mnemojax.sampling_params import SamplingParams
+from mnemojax.sampling_params import ParamError, SamplingParams
 from mnemojax.scheduler import Scheduler, SchedulerConfig
 from models import checkpoint, orbax_io
 from models.attention import check_attention_impl
@@ -186,7 +186,7 @@ class LLMEngine:
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"model {self.config.model!r} has no tokenizer: give prompts as token ids")
+                raise ParamError("prompt", f"model {self.config.model!r} has no tokenizer: give prompts as token ids")
             return list(self.tokenizer.encode(prompt))
         return [int(t) for t in prompt]
 
@@ -195,17 +195,17 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         params.validate(vocab_size=vocab)
         if not prompt_ids:
-            raise ValueError("prompt must not be empty")
+            raise ParamError("prompt", "prompt must not be empty")
         for i, t in enumerate(prompt_ids):
             if not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t} at index {i} is outside the vocabulary [0, {vocab})")
+                raise ParamError("prompt", f"prompt token id {t} at index {i} is outside the vocabulary [0, {vocab})")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds max_model_len ({self.max_model_len})")
+            raise ParamError("prompt", f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                                       f"{total} exceeds max_model_len ({self.max_model_len})")
         why = self.kv.capacity_error(total)
         if why is not None:
-            raise ValueError(f"prompt + max_tokens: {why}")
+            raise ParamError("prompt", f"prompt + max_tokens: {why}")
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, prompt_token_ids: list[int] | None = None) -> str:

@@ -243,9 +243,10 @@ class Executor:
         stages = jax.tree.map(lambda *a: np.stack(a, axis=1), *(m.batch for m in self.in_flight))
         return T, (stages, leaving.rows, leaving.sampling), leaving
 
+    @functools.lru_cache(maxsize=None)
     def host_template(self, T: int, R: int):
         """Zero host arrays of the shapes and dtypes `_host_args` gives for T token rows and R logits rows (what
-        a multi-host follower receives into)."""
+        a multi-host follower receives into; read only, so cached per shape)."""
         mb = self.prepare(StepPlan([], []), T)
         stages = jax.tree.map(lambda a: np.zeros((a.shape[0], self.spp) + a.shape[1:], a.dtype), mb.batch)
         samp = jax.tree.map(lambda a: np.zeros((self.kvp, R), a.dtype), mb.sampling)

@@ -12,18 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mnemojax.sampling_params import MAX_LOGPROBS, SamplingParams
+from mnemojax.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
 
 MAX_N = 8
 """Most choices (`n`) one request may ask for."""
-
-
-class ParamError(ValueError):
-    """A bad request field: becomes HTTP 400 with `param` set in the OpenAI error body."""
-
-    def __init__(self, param: str | None, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 class StreamOptions(BaseModel):

@@ -18,6 +18,14 @@ GREEDY_TEMPERATURE = 1e-5
 _MAX_SEED = 2**63
 
 
+class ParamError(ValueError):
+    """A bad request field: `param` names it (the HTTP server puts it in the OpenAI error body)."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -86,47 +94,48 @@ class SamplingParams:
     def validate(self, *, vocab_size: int | None = None) -> None:
         """Raise `ValueError` if a field is out of range; with `vocab_size`, also check token ids."""
         if not _is_int(self.max_tokens):
-            raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
+            raise ParamError("max_tokens", f"max_tokens must be an int, got {self.max_tokens!r}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise ParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
 
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise ParamError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:  # also rejects nan
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled), or at least 1, got {self.top_k!r}")
+            raise ParamError("top_k", f"top_k must be -1 or 0 (disabled), or at least 1, got {self.top_k!r}")
 
         if self.seed is not None:
             if not _is_int(self.seed):
-                raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+                raise ParamError("seed", f"seed must be an int or None, got {self.seed!r}")
             if not 0 <= self.seed < _MAX_SEED:
-                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+                raise ParamError("seed", f"seed must be in [0, 2**63), got {self.seed}")
 
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise ParamError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+            raise ParamError("stop", f"stop strings must be non-empty, got {self.stop!r}")
 
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+            raise ParamError("stop_token_ids", f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+            raise ParamError("stop_token_ids", f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
         if vocab_size is not None:
             if not _is_int(vocab_size) or vocab_size < 1:
                 raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
             bad = [t for t in self.stop_token_ids if t >= vocab_size]
             if bad:
-                raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) (the vocabulary), got {bad}")
+                raise ParamError("stop_token_ids",
+                                 f"stop_token_ids must be in [0, {vocab_size}) (the vocabulary), got {bad}")
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise ValueError(f"{name} must be a bool, got {value!r}")
+                raise ParamError(name, f"{name} must be a bool, got {value!r}")
 
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:
                 continue
             if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value!r}")
+                raise ParamError(name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value!r}")

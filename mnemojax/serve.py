@@ -102,7 +102,6 @@ class _Server:
                     self.force_exit = True
                     return
                 outer.draining = True
-                self.config.loaded_app  # noqa: B018 - the app is loaded by now
                 asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(outer.drain()))
 
         config = uvicorn.Config(fastapi_app, host=_HOST.value, port=_PORT.value, log_level="info",

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from mnemojax.sampling_params import MAX_LOGPROBS, SamplingParams
+from mnemojax.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
 
 
 def test_defaults_and_normalization():
@@ -131,3 +131,13 @@ def test_does_not_import_jax():
         "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules), 'jax imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2),
+                                          ("seed", -1), ("stop", [""]), ("stop_token_ids", [-1]),
+                                          ("ignore_eos", 1), ("logprobs", 21), ("prompt_logprobs", -1)])
+def test_errors_name_their_field(field, value):
+    """The HTTP server reports `ParamError.param` as the OpenAI error's `param`."""
+    with pytest.raises(ParamError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field and str(e.value).startswith(field)
