@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The project's pinned test dependencies (constraints.txt) and the check against the newest releases.
+#
+#   bash scripts/deps.sh newest    # a fresh venv with the NEWEST releases the test extra allows (no pins),
+#                                  # shows what moved against constraints.txt, then runs the default suite
+#   bash scripts/deps.sh refresh   # the same fresh install, written to constraints.txt (review the diff,
+#                                  # run the suite on it, commit it)
+#
+# Library users who `pip install mnemojax` get pyproject.toml's loose lower bounds; the project's tests and CI
+# install with `-c constraints.txt` so they cannot drift. `newest` is how drift is seen before users see it.
+# VENV=<dir> chooses where the throw-away environment goes (default: a new temporary directory).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-}"
+case "$mode" in newest|refresh) ;; *) echo "usage: bash scripts/deps.sh newest|refresh" >&2; exit 2 ;; esac
+
+venv="${VENV:-$(mktemp -d)/venv}"
+python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q --upgrade -e ".[test]"
+frozen="$(mktemp)"
+{
+    echo "# Pinned test dependencies for CPython $("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"\
+         "on $(uname -m) Linux: pip constraints, used by the README's test command and .ci/run."
+    echo "# Made by 'bash scripts/deps.sh refresh' on $(date -u +%Y-%m-%d); do not edit by hand."
+    "$venv/bin/python" -m pip freeze --all --exclude-editable | LC_ALL=C sort -f
+} > "$frozen"
+
+if [ "$mode" = refresh ]; then
+    mv "$frozen" constraints.txt
+    echo "wrote constraints.txt ($(grep -vc '^#' constraints.txt) pins); now run the suite on it and commit"
+    exit 0
+fi
+echo "== newest releases against constraints.txt (< pinned, > newest):"
+diff <(grep -v '^#' constraints.txt) <(grep -v '^#' "$frozen") || true
+echo "== the default suite on the newest releases ($venv)"
+"$venv/bin/python" -m pytest -q
