@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from mnemojax.detokenizer import Detokenizer
 from mnemojax.executor import Executor, RowResult
 from mnemojax.kv_manager import KVCacheManager
 from mnemojax.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -145,6 +146,7 @@ class LLMEngine:
             ttft_slo_min=config.ttft_slo_min_s, ttft_slo_per_token=config.ttft_slo_per_token_s, spp=config.spp)
         self.scheduler = Scheduler(sched, self.kv, self.predictor, clock=time.perf_counter)
         self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, Detokenizer] = {}  # of unfinished requests, when there is a tokenizer
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.eos_token_ids = set(mc.eos_token_ids)
@@ -220,6 +222,8 @@ class LLMEngine:
         req = Request(rid, prompt_ids, params, time.perf_counter(), seed,
                       prompt=prompt if isinstance(prompt, str) else None)
         self.requests[rid] = req
+        if self.tokenizer is not None:
+            self._detokenizers[rid] = Detokenizer(self.tokenizer, params)
         self.scheduler.add(req)
         return rid
 
@@ -271,17 +275,12 @@ class LLMEngine:
         if req.logprobs is not None:
             req.logprobs.append(self._logprob_dict(res.top_ids, res.top_logprobs, p.logprobs, res.token,
                                                    res.token_logprob))
-        if self.tokenizer is not None:
-            prev = len(req.output_text)
-            req.output_text = self.tokenizer.decode(req.output_token_ids,
-                                                    skip_special_tokens=p.skip_special_tokens)
-            for s in p.stop:
-                # The last few characters of the previous text may change: an incomplete UTF-8 sequence
-                # decodes to replacement characters until its last byte arrives (at most 3 of them).
-                at = req.output_text.find(s, max(0, prev - len(s) - 3))
-                if at >= 0:
-                    req.output_text = req.output_text[:at + len(s) if p.include_stop_str_in_output else at]
-                    return self._finish(req, "stop", s)
+        detok = self._detokenizers.get(req.request_id)
+        if detok is not None:
+            stop = detok.add([res.token])
+            req.output_text = detok.stable_text  # never shows what a later token could change
+            if stop is not None:
+                return self._finish(req, "stop", stop)
         if res.token in self.eos_token_ids and not p.ignore_eos:
             return self._finish(req, "stop")
         if res.token in p.stop_token_ids:
@@ -290,6 +289,10 @@ class LLMEngine:
             return self._finish(req, "length")
 
     def _finish(self, req: Request, reason: str, stop_reason=None) -> None:
+        detok = self._detokenizers.pop(req.request_id, None)
+        if detok is not None:
+            detok.flush()
+            req.output_text = detok.text
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.status = RequestStatus.FINISHED
         req.finished_time = time.perf_counter()
