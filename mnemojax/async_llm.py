@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
 
 from mnemojax.engine import EngineConfig, LLMEngine
 from mnemojax.outputs import RequestOutput
@@ -35,8 +36,32 @@ class EngineStats:
     preemptions: int = 0  # since start
 
 
+class EngineClient(Protocol):
+    """What the HTTP server needs of an engine (vLLM's `EngineClient` shape): `AsyncLLM` is one, and the server's
+    tests also run against a mock whose outputs are computed by hand (`tests/mock_engine.py`)."""
+
+    tokenizer: Any  # encode / decode / apply_chat_template, or None (token-id prompts only)
+    model: str  # the model it runs (a preset name or a checkpoint path)
+    max_model_len: int
+    is_alive: bool
+    num_waiting: int  # callers' requests with no output yet
+    num_active: int  # requests whose callers are still listening
+
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]: ...
+
+    def generate(self, prompt: str | Sequence[int] | None, params: SamplingParams | None = None,
+                 request_id: str | None = None, *,
+                 prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def add_finished_listener(self, fn: Callable[[RequestOutput], None]) -> None: ...
+
+    def abort_all(self) -> None: ...
+
+
 class AsyncLLM:
-    """`LLMEngine` behind an asyncio interface.
+    """`LLMEngine` behind an asyncio interface (an `EngineClient`).
 
     `idle_tick`, when given, is called by the engine thread about every `idle_tick_s` seconds while it has no
     work (multi-host serving uses it to keep the other processes' collectives alive).
@@ -58,6 +83,18 @@ class AsyncLLM:
         self._thread.start()
 
     # ---------------------------------------------------------------- callers' side
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model(self) -> str:
+        return self.engine.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None

@@ -133,7 +133,7 @@ class _Server:
 def main(argv):
     del argv
     num_processes = _init_distributed()
-    from mnemojax.api_server import build_app
+    from mnemojax.serving.app import build_app
     from mnemojax.async_llm import AsyncLLM
     from mnemojax.engine import LLMEngine
 

@@ -14,7 +14,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from mnemojax import LLM, SamplingParams
-from mnemojax.api_server import build_app
+from mnemojax.serving.app import build_app
 from mnemojax.async_llm import AsyncLLM
 from models.tokenizer import ByteTokenizer
 from tests.server_utils import ThreadServer, metrics, wait_for

@@ -1,0 +1,67 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, an assistant message out."""
+from __future__ import annotations
+
+from fastapi import Request
+
+from mnemojax.sampling_params import ParamError
+from mnemojax.serving.base import APIError, Choice, OpenAIServing, bad_request
+from mnemojax.serving.protocol import ChatCompletionRequest
+
+
+class ServingChat(OpenAIServing):
+    object_name = "chat.completion"
+    stream_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    async def create(self, body: ChatCompletionRequest, request: Request):
+        self.check_model(body.model)
+        try:
+            body.check()
+        except ParamError as e:
+            raise bad_request(e) from None
+        if self.tokenizer is None:
+            raise APIError(400, f"model {self.state.served_model_name!r} has no tokenizer, so no chat template; "
+                                "use /v1/completions with token ids", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
+                                                      add_generation_prompt=body.add_generation_prompt,
+                                                      tokenize=False)
+            prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        except Exception as e:  # noqa: BLE001 - a template error is the caller's messages
+            raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(self.llm.max_model_len - len(prompt_ids), 1)
+        try:
+            params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        except ValueError as e:
+            raise bad_request(e) from None
+        choices = self.admit([prompt_ids], params, body.n)
+        return await self.respond(request, body.stream, body.include_usage, choices)
+
+    def logprobs(self, c: Choice, ids: list[int], lps: list[dict]) -> dict | None:
+        if c.params.logprobs is None:
+            return None
+        top = c.params.logprobs  # top_logprobs
+
+        def entry(t, lp):
+            s = self.token_text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "surrogatepass"))}
+
+        return {"content": [{**entry(t, d[t]), "top_logprobs": [entry(k, v) for k, v in list(d.items())[:top]]}
+                            for t, d in zip(ids, lps)]}
+
+    def preamble(self, c: Choice) -> list[dict]:
+        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]
+
+    def stream_choice(self, c: Choice, delta: str, ids: list[int], lps: list[dict], offset: int) -> dict:
+        co = c.output.outputs[0]
+        return {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": self.logprobs(c, ids, lps),
+                "finish_reason": co.finish_reason, "stop_reason": co.stop_reason}
+
+    def whole_choice(self, c: Choice) -> dict:
+        co = c.output.outputs[0]
+        return {"index": c.index, "message": {"role": "assistant", "content": co.text},
+                "logprobs": self.logprobs(c, co.token_ids, co.logprobs or []),
+                "finish_reason": co.finish_reason, "stop_reason": co.stop_reason}

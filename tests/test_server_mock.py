@@ -1,0 +1,86 @@
+"""The HTTP server against a mock engine whose outputs are computed by hand (tests/mock_engine.py): the
+response shapes of both endpoints, streamed and whole, without a model."""
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mnemojax.serving.app import build_app
+from tests.mock_engine import MockEngine
+
+
+@pytest.fixture
+def served():
+    engine = MockEngine()
+    with TestClient(build_app(engine, served_model_name="m")) as client:
+        yield engine, client
+
+
+def _events(client, path, body):
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_completion_whole_and_streamed(served):
+    engine, client = served
+    body = {"model": "m", "prompt": "ab", "max_tokens": 3, "logprobs": 1}
+    r = client.post("/v1/completions", json=body).json()
+    # BOS, 'a', 'b' -> tokens b+1, b+2, b+3 = "cde", log-probs -0.1, -0.2, -0.3
+    assert engine.requests[0][0] == [256, 97, 98]
+    (c,) = r["choices"]
+    assert (c["index"], c["text"], c["finish_reason"]) == (0, "cde", "length")
+    assert c["logprobs"]["tokens"] == ["c", "d", "e"] and c["logprobs"]["text_offset"] == [0, 1, 2]
+    assert c["logprobs"]["token_logprobs"] == [-0.1, -0.2, -0.3]
+    assert c["logprobs"]["top_logprobs"][0] == {"c": -0.1, "d": -1.1}
+    assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert r["object"] == "text_completion" and r["model"] == "m" and r["id"].startswith("cmpl-")
+
+    events = _events(client, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    texts = [e["choices"][0]["text"] for e in events if e["choices"]]
+    assert texts == ["c", "d", "e"]
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]] == [None, None, "length"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_stop_string_is_held_back_and_cut(served):
+    _, client = served
+    body = {"prompt": "ab", "max_tokens": 5, "stop": ["de"]}
+    r = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert (r["text"], r["finish_reason"], r["stop_reason"]) == ("c", "stop", "de")
+    events = _events(client, "/v1/completions", body)
+    assert "".join(e["choices"][0]["text"] for e in events) == "c"  # "d" was held back, then cut
+
+
+def test_n_choices_and_several_prompts(served):
+    engine, client = served
+    r = client.post("/v1/completions", json={"prompt": [[5], [7, 8]], "max_tokens": 2, "n": 2, "seed": 10}).json()
+    assert [(c["index"], c["text"]) for c in r["choices"]] == [(0, "\x06\x07"), (1, "\x06\x07"), (2, "\t\n"),
+                                                                (3, "\t\n")]
+    assert [p.seed for _, p in engine.requests] == [10, 11, 10, 11]  # choice j draws with seed + j
+    assert r["usage"]["prompt_tokens"] == 3  # each prompt counted once, whatever n
+
+
+def test_chat_whole_and_streamed(served):
+    _, client = served
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 1}
+    r = client.post("/v1/chat/completions", json=body).json()
+    (c,) = r["choices"]
+    # the template ends with "<|assistant|>\n": tokens 11, 12, 13
+    assert c["message"] == {"role": "assistant", "content": "\x0b\x0c\r"} and c["finish_reason"] == "length"
+    assert [x["logprob"] for x in c["logprobs"]["content"]] == [-0.1, -0.2, -0.3]
+    assert [len(x["top_logprobs"]) for x in c["logprobs"]["content"]] == [1, 1, 1]
+    events = _events(client, "/v1/chat/completions", body)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:]) == "\x0b\x0c\r"
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+
+
+def test_models_and_a_bad_request(served):
+    _, client = served
+    (m,) = client.get("/v1/models").json()["data"]
+    assert (m["id"], m["root"], m["max_model_len"]) == ("m", "mock", 64)
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 100})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
