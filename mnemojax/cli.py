@@ -1,0 +1,135 @@
+"""Command-line flags derived from config dataclasses: one definition of each name.
+
+Each field of a frozen config dataclass becomes an absl flag of the same name, its default the field's default
+and its help the field's docstring (the string literal written under it). Flags are defined when a command runs
+(`define_flags` in its `run()`), never at import, so any set of commands can be imported into one process.
+
+    @dataclasses.dataclass(frozen=True)
+    class ServeConfig:
+        port: int = 8000
+        \"\"\"Port to listen on.\"\"\"
+
+    define_flags(ServeConfig)          # --port, with its help text
+    config = from_flags(ServeConfig)   # after absl parsed the command line
+
+A field typed `Literal[...]` (or with `choices` in its metadata) becomes an enum flag. Nested config dataclasses
+are flattened: their fields become flags too, and must not share a name with another field.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import types
+import typing
+
+from absl import flags
+
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """{field name: the docstring written under it} of a dataclass (and of its bases)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body
+        for stmt, nxt in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _base_type(tp):
+    """(the type without None, whether None is allowed)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
+    return tp, False
+
+
+def _leaves(cls) -> list[tuple[tuple[str, ...], dataclasses.Field, object]]:
+    """(path of names, field, resolved type) for every non-dataclass field, nested configs flattened."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp, _ = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            out += [((f.name, *path), g, t) for path, g, t in _leaves(tp)]
+        else:
+            out.append(((f.name,), f, hints[f.name]))
+    return out
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def define_flags(cls, flag_values: flags.FlagValues = flags.FLAGS, *, skip: tuple[str, ...] = (),
+                 defaults: dict | None = None) -> list[str]:
+    """Defines one flag per field of `cls` (nested configs flattened); returns the flag names. `defaults`
+    overrides field defaults for this command (the simulator's defaults are H100-sized, say)."""
+    defaults = defaults or {}
+    names = []
+    owners = {}
+    for path, f, tp in _leaves(cls):
+        name = path[-1]
+        if name in skip:
+            continue
+        if name in owners:
+            raise ValueError(f"config field {name!r} appears in both {owners[name]} and {'.'.join(path)}")
+        owners[name] = ".".join(path)
+        owner = cls
+        for part in path[:-1]:
+            owner = _base_type(typing.get_type_hints(owner)[part])[0]
+        help_text = field_docs(owner).get(name) or name.replace("_", " ")
+        default = defaults.get(name, _default(f))
+        base, _ = _base_type(tp)
+        choices = f.metadata.get("choices")
+        if choices is None and typing.get_origin(base) is typing.Literal:
+            choices = list(typing.get_args(base))
+        if choices is not None:
+            flags.DEFINE_enum(name, default, [str(c) for c in choices], help_text, flag_values=flag_values)
+        elif base is bool:
+            flags.DEFINE_bool(name, default, help_text, flag_values=flag_values)
+        elif base is int:
+            flags.DEFINE_integer(name, default, help_text, flag_values=flag_values)
+        elif base is float:
+            flags.DEFINE_float(name, default, help_text, flag_values=flag_values)
+        elif base is str:
+            flags.DEFINE_string(name, default, help_text, flag_values=flag_values)
+        else:
+            raise TypeError(f"no flag type for config field {'.'.join(path)}: {tp}")
+        names.append(name)
+    return names
+
+
+def from_flags(cls, flag_values: flags.FlagValues = flags.FLAGS, **overrides):
+    """An instance of `cls` from the parsed flags (nested configs built the same way); `overrides` win."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp, _ = _base_type(hints[f.name])
+        if f.name in overrides:
+            kwargs[f.name] = overrides[f.name]
+        elif dataclasses.is_dataclass(tp):
+            kwargs[f.name] = from_flags(tp, flag_values, **overrides)
+        elif f.name in flag_values:
+            kwargs[f.name] = flag_values[f.name].value
+    return cls(**kwargs)

@@ -1,0 +1,71 @@
+"""Flags derived from config dataclasses: names, defaults, help from field docstrings, enums, nesting."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import pytest
+from absl import flags
+
+from mnemojax.cli import define_flags, field_docs, from_flags
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    chunk_size: int = 256
+    """Largest prefill chunk."""
+    policy: Literal["fcfs", "ilrs"] = "fcfs"
+    """Prefill order."""
+    target_ms: float | None = None
+    """Adaptive chunking target."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    model: str = "tiny"
+    """A preset or a checkpoint directory."""
+    verbose: bool = False
+    """Say more."""
+    inner: Inner = dataclasses.field(default_factory=Inner)
+
+
+@dataclasses.dataclass(frozen=True)
+class Clash:
+    chunk_size: int = 1
+    inner: Inner = dataclasses.field(default_factory=Inner)
+
+
+def _parse(argv, cls=Outer, **kw):
+    fv = flags.FlagValues()
+    names = define_flags(cls, fv, **kw)
+    fv(["prog", *argv])
+    return fv, names
+
+
+def test_one_flag_per_field_with_its_docstring_as_help():
+    fv, names = _parse([])
+    assert names == ["model", "verbose", "chunk_size", "policy", "target_ms"]
+    assert fv["chunk_size"].help == "Largest prefill chunk." and fv["model"].help == "A preset or a checkpoint directory."
+    assert field_docs(Inner) == {"chunk_size": "Largest prefill chunk.", "policy": "Prefill order.",
+                                 "target_ms": "Adaptive chunking target."}
+    assert from_flags(Outer, fv) == Outer()
+
+
+def test_values_types_enums_and_nesting():
+    fv, _ = _parse(["--model=/ckpt", "--verbose", "--chunk_size=64", "--policy=ilrs", "--target_ms=12.5"])
+    assert from_flags(Outer, fv) == Outer("/ckpt", True, Inner(64, "ilrs", 12.5))
+    with pytest.raises(flags.IllegalFlagValueError):
+        _parse(["--policy=nope"])
+    with pytest.raises(flags.IllegalFlagValueError):
+        _parse(["--chunk_size=x"])
+
+
+def test_command_defaults_skips_and_overrides():
+    fv, names = _parse([], defaults={"chunk_size": 4096}, skip=("verbose",))
+    assert "verbose" not in names and fv["chunk_size"].value == 4096
+    assert from_flags(Outer, fv, model="m") == Outer("m", False, Inner(4096))
+
+
+def test_a_name_in_two_configs_is_refused():
+    with pytest.raises(ValueError, match="chunk_size"):
+        _parse([], cls=Clash)
