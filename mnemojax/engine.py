@@ -18,9 +18,10 @@ from mnemojax.kv_manager import KVCacheManager
 from mnemojax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mnemojax.request import Request, RequestStatus
 from mnemojax.sampling_params import ParamError, SamplingParams
-from mnemojax.scheduler import Scheduler, SchedulerConfig
+from mnemojax.predictor import HARDWARE
+from mnemojax.scheduler import POLICIES, Scheduler, SchedulerConfig
 from models import checkpoint, orbax_io
-from models.attention import check_attention_impl
+from models.attention import ATTENTION_IMPLS, check_attention_impl
 from models.config import PRESETS, LlamaConfig, preset
 from models.llama import ModelSpec
 from models.params import init_params, mesh_layout, to_mesh_layout
@@ -31,38 +32,63 @@ from shardings.specs import ShardingTable
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16")
+HARDWARE_NAMES = tuple(sorted(HARDWARE))
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Everything that shapes an engine. `LLM(...)` keyword arguments map onto these fields."""
+    """Everything that shapes an engine. `LLM(...)` keyword arguments and `python -m mnemojax.serve` flags map
+    onto these fields (the flags' help is each field's docstring)."""
 
-    model: str = "tiny"  # a preset (models.config.PRESETS), a Hugging Face Llama directory, or an Orbax
-    # checkpoint directory written by scripts/convert_checkpoint.py
-    dtype: str = "float32"  # parameters, activations and KV cache: "float32" or "bfloat16"
-    max_model_len: int | None = None  # prompt + generated tokens of one request; default min(model's, 8192)
-    page_size: int = 16  # tokens per KV page
-    num_pages: int | None = None  # KV pages per device (page 0 reserved); default: 4 full-length requests
-    kv_memory_fraction: float | None = None  # instead of num_pages: this fraction of the device memory left
-    # after the weights (needs a device that reports its memory: GPU / TPU)
-    chunk_size: int = 256  # most prefill tokens of one request per step
-    max_num_batched_tokens: int = 512  # token budget of a step
-    max_num_seqs: int = 16  # requests per step
-    seed: int = 0  # random weights of presets, and sampling seeds of requests that give none
-    block_pages: int = 8  # KV pages per block of the reference attention
-    attention: str = "reference"  # "reference", "pallas" (Pallas GPU kernels, NVIDIA only: raises elsewhere) or
-    # "pallas_interpret" (the same kernels interpreted, any backend; slow, for tests)
-    tp: int = 1  # tensor parallelism: attention heads and MLP columns split over this many devices
-    spp: int = 1  # sequence pipeline parallelism: layers split into this many pipeline stages
-    kvp: int = 1  # KV-cache parallelism: ranks, each with its own page pool and a full model replica
-    max_tokens_per_kvp_rank: int | None = None  # most tokens of one request on one KVP rank (None: no split)
-    scheduler_policy: str = "fcfs"  # prefill order: "fcfs", "edf", "lrs", "ilrs" (see mnemojax.scheduler)
-    target_batch_time_ms: float | None = None  # adaptive chunking: a step's predicted time stays under this
-    ppb_max_share: float = 0.5  # prefill-prefill batching: most of a step for prefills after the first
-    ttft_slo_min_s: float = 1.0  # TTFT deadline of a request: this + ttft_slo_per_token_s x prompt tokens
+    model: str = "tiny"
+    """Model: a preset (tiny, llama3-8b, llama3-70b, llama3.2-1b, llama3.2-3b), a Hugging Face Llama directory, or
+    an Orbax checkpoint directory written by scripts/convert_checkpoint.py."""
+    dtype: str = dataclasses.field(default="float32", metadata={"choices": DTYPES})
+    """Parameters, activations and KV cache."""
+    max_model_len: int | None = None
+    """Longest prompt + output of one request (default: min(the model's limit, 8192))."""
+    page_size: int = 16
+    """Tokens per KV page."""
+    num_pages: int | None = None
+    """KV pages per device, page 0 reserved (default: enough for 4 full-length requests)."""
+    kv_memory_fraction: float | None = None
+    """Instead of num_pages: this fraction of the device memory the weights leave (GPU/TPU only; raises on a CPU)."""
+    chunk_size: int = 256
+    """Largest prefill chunk of one request per step."""
+    max_num_batched_tokens: int = 512
+    """Token budget of a step."""
+    max_num_seqs: int = 16
+    """Requests in one step."""
+    seed: int = 0
+    """Random weights of presets, and sampling seeds of requests that give none."""
+    block_pages: int = 8
+    """KV pages per block of the reference attention."""
+    attention: str = dataclasses.field(default="reference", metadata={"choices": ATTENTION_IMPLS})
+    """Attention kernels: reference (jax.numpy, any backend), pallas (Pallas GPU kernels, NVIDIA only: raises
+    elsewhere), pallas_interpret (the same kernels interpreted; slow, for tests)."""
+    tp: int = 1
+    """Tensor parallelism: attention heads and MLP columns split over this many devices."""
+    spp: int = 1
+    """Sequence pipeline parallelism: layers split into this many pipeline stages."""
+    kvp: int = 1
+    """KV-cache parallelism: ranks, each with its own page pool and a full model replica."""
+    max_tokens_per_kvp_rank: int | None = None
+    """Most tokens of one request on one KVP rank (default: no split)."""
+    scheduler_policy: str = dataclasses.field(default="fcfs", metadata={"choices": POLICIES})
+    """Prefill order: fcfs (arrival), edf (TTFT deadline), lrs (least slack), ilrs (least relative slack)."""
+    target_batch_time_ms: float | None = None
+    """Adaptive chunking: a step's predicted time stays under this (default: fixed chunks)."""
+    ppb_max_share: float = 0.5
+    """Prefill-prefill batching: most of a step for prefills after the most urgent one (0: off)."""
+    ttft_slo_min_s: float = 1.0
+    """TTFT deadline of a request: this + ttft_slo_per_token_s x its prompt tokens."""
     ttft_slo_per_token_s: float = 1e-3
-    hardware: str | None = None  # runtime predictor preset ("a100", "h100", "h200", "cpu"); default: detected
-    predictor_profile: str | None = None  # fitted efficiency factors (scripts/profile_predictor.py)
+    """TTFT deadline seconds per prompt token."""
+    hardware: str | None = dataclasses.field(default=None, metadata={"choices": HARDWARE_NAMES})
+    """Runtime predictor preset (default: detected from the device)."""
+    predictor_profile: str | None = None
+    """Fitted efficiency factors of the runtime predictor: a profile name or a JSON path
+    (scripts/profile_predictor.py)."""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
