@@ -10,24 +10,18 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
 from mnemojax.detokenizer import Detokenizer
 from mnemojax.executor import Executor, RowResult
 from mnemojax.kv_manager import KVCacheManager
+from mnemojax.loader import LoadedModel, load
 from mnemojax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mnemojax.request import Request, RequestStatus
 from mnemojax.sampling_params import ParamError, SamplingParams
 from mnemojax.predictor import HARDWARE
 from mnemojax.scheduler import POLICIES, Scheduler, SchedulerConfig
-from models import checkpoint, orbax_io
 from models.attention import ATTENTION_IMPLS, check_attention_impl
-from models.config import PRESETS, LlamaConfig, preset
-from models.llama import ModelSpec
-from models.params import init_params, mesh_layout, to_mesh_layout
-from models.tokenizer import load_tokenizer
-from shardings.mesh import make_mesh
-from shardings.specs import ShardingTable
+from models.config import LlamaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -121,49 +115,31 @@ def detect_hardware() -> str:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    """Requests in, outputs out: a scheduler, a KV page manager and an executor over loaded parts.
+
+    `loaded` is what `mnemojax.loader.load(config)` resolved (model, mesh, weights, tokenizer, KV sizing); given,
+    nothing is loaded again. `channel` (multi-host serving: process 0's `mnemojax.multihost.Leader`) receives every
+    step's arrays so the other processes run the same step.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, channel=None):
         self.config = config
-        is_preset = config.model in PRESETS
-        self.model_config: LlamaConfig = preset(config.model) if is_preset else \
-            LlamaConfig.from_pretrained(config.model)
-        mc = self.model_config
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({mc.max_position_embeddings})")
+        loaded = loaded if loaded is not None else load(config)
+        self.model_config: LlamaConfig = loaded.model_config
+        self.max_model_len = loaded.max_model_len
+        self.mesh = loaded.mesh
+        self.tokenizer = loaded.tokenizer
         pages_per_seq = -(-self.max_model_len // config.page_size)
-        self.mesh = make_mesh(config.kvp, config.spp, config.tp)
-        table = ShardingTable()
-        num_layers, kv_heads = mesh_layout(mc, tp=config.tp, spp=config.spp)
-
-        def named(specs):
-            return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
-
-        # Load the checkpoint layout sharded as far as it divides, then pad / repeat into the mesh layout.
-        canonical = named(table.params(mc.tie_word_embeddings, split_layers=num_layers == mc.num_layers,
-                                       split_kv_heads=kv_heads == mc.num_kv_heads))
-        dtype = jnp.dtype(config.dtype)
-        if is_preset:
-            params = init_params(mc, dtype=dtype, seed=config.seed, shardings=canonical)
-        elif orbax_io.is_orbax_checkpoint(config.model):
-            params = orbax_io.restore_params(config.model, mc, dtype, canonical)
-        else:
-            params = checkpoint.load_hf_params(config.model, mc, dtype, canonical)
-        params = to_mesh_layout(params, mc, tp=config.tp, spp=config.spp,
-                                shardings=named(table.params(mc.tie_word_embeddings)))
-        num_pages = config.num_pages or 1 + 4 * pages_per_seq
-        if config.kv_memory_fraction is not None:
-            num_pages = self._pages_from_memory(config, num_layers, kv_heads)
-        self.tokenizer = load_tokenizer(config.model) if (config.model == "tiny" or not is_preset) else None
-        spec = ModelSpec(mc, config.dtype, config.block_pages, config.attention)
-        self.kv = KVCacheManager(config.kvp, num_pages, config.page_size, config.max_tokens_per_kvp_rank)
+        self.kv = KVCacheManager(config.kvp, loaded.num_pages, config.page_size, config.max_tokens_per_kvp_rank)
         if config.max_tokens_per_kvp_rank is not None:
             pages_per_seq = min(pages_per_seq, config.max_tokens_per_kvp_rank // config.page_size)
-        self.executor = Executor(spec, params, self.mesh, num_pages=num_pages, page_size=config.page_size,
-                                 max_num_seqs=config.max_num_seqs, max_pages_per_seq=pages_per_seq,
-                                 max_num_batched_tokens=config.max_num_batched_tokens,
-                                 max_tokens_per_rank=config.max_tokens_per_kvp_rank, table=table)
-        self.predictor = self._make_predictor(config, mc) if config.target_batch_time_ms is not None else None
+        self.executor = Executor(loaded.spec, loaded.params, self.mesh, num_pages=loaded.num_pages,
+                                 page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+                                 max_pages_per_seq=pages_per_seq, max_num_batched_tokens=config.max_num_batched_tokens,
+                                 max_tokens_per_rank=config.max_tokens_per_kvp_rank, table=loaded.table,
+                                 channel=channel)
+        self.predictor = self._make_predictor(config, self.model_config) \
+            if config.target_batch_time_ms is not None else None
         sched = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             chunk_size=config.chunk_size, policy=config.scheduler_policy,
@@ -175,27 +151,7 @@ class LLMEngine:
         self._detokenizers: dict[str, Detokenizer] = {}  # of unfinished requests, when there is a tokenizer
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
-        self.eos_token_ids = set(mc.eos_token_ids)
-
-    def _pages_from_memory(self, config: EngineConfig, num_layers: int, kv_heads: int) -> int:
-        """KV pages per device filling `kv_memory_fraction` of the memory the weights left free."""
-        mc = self.model_config
-        free = []
-        for d in self.mesh.devices.flat:
-            stats = d.memory_stats() if hasattr(d, "memory_stats") else None
-            if not stats or "bytes_limit" not in stats:
-                raise ValueError(f"kv_memory_fraction needs a device that reports its memory; {d.device_kind} does "
-                                 "not: give num_pages instead")
-            free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-        page_bytes = (2 * (num_layers // config.spp) * config.page_size * (kv_heads // config.tp) * mc.head_dim
-                      * jnp.dtype(config.dtype).itemsize)
-        pages = int(config.kv_memory_fraction * min(free) // page_bytes)
-        if pages < 2:
-            raise ValueError(f"kv_memory_fraction {config.kv_memory_fraction} leaves room for {pages} KV pages of "
-                             f"{page_bytes} bytes per device; at least 2 are needed")
-        logger.info("KV cache: %d pages of %d tokens per device (%.2f GiB)", pages, config.page_size,
-                    pages * page_bytes / 2**30)
-        return pages
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
 
     @staticmethod
     def _make_predictor(config: EngineConfig, mc: LlamaConfig):

@@ -85,7 +85,7 @@ def _bucket(n: int, minimum: int) -> int:
 class Executor:
     def __init__(self, spec: ModelSpec, params: dict, mesh, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_pages_per_seq: int, max_num_batched_tokens: int,
-                 max_tokens_per_rank: int | None, table: ShardingTable = ShardingTable()):
+                 max_tokens_per_rank: int | None, table: ShardingTable = ShardingTable(), channel=None):
         self.spec = spec
         self.params = params
         self.mesh = mesh
@@ -105,7 +105,7 @@ class Executor:
                         out_shardings=NamedSharding(mesh, table.kv_lpskh))
         self.k_cache, self.v_cache = alloc(), alloc()
         self.register = None
-        self.channel = None  # multi-host: process 0's `mnemojax.multihost.Leader`, which broadcasts each step
+        self.channel = channel  # multi-host: process 0's `mnemojax.multihost.Leader`, which broadcasts each step
         self.in_flight: deque[MicroBatch] = deque()  # newest first; stage s holds in_flight[s]
         self._step = self._build_step()
 

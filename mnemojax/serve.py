@@ -93,16 +93,15 @@ def main(argv):
     from mnemojax.engine import LLMEngine
     from mnemojax.serving.app import build_app
 
-    engine = LLMEngine(config)
     leader = None
     if num_processes > 1:
         from mnemojax import multihost
 
         if mh.process_id != 0:
-            multihost.follow(engine.executor)
+            multihost.follow(LLMEngine(config).executor)
             return
         leader = multihost.Leader()
-        engine.executor.channel = leader
+    engine = LLMEngine(config, channel=leader)
     llm = AsyncLLM(engine=engine, idle_tick=None if leader is None else leader.noop)
     name = server.served_model_name or config.model
     fastapi_app = build_app(llm, served_model_name=name, api_key=server.api_key, max_queue=server.max_queue,

@@ -193,6 +193,31 @@ class LlamaConfig:
             config = dataclasses.replace(config, eos_token_ids=eos)
         return config
 
+    def mesh_layout(self, *, tp: int, spp: int) -> tuple[int, int]:
+        """(layers, kv heads) of the parameters as laid out on a mesh with these tp and spp degrees.
+
+        Layers are padded with zero layers to a multiple of `spp` (uneven stages). A zero layer is an exact
+        identity: its attention and MLP outputs are 0 and the residual passes through unchanged. KV heads are
+        repeated when `tp` exceeds their number, so each tp rank holds the one KV head its query heads use.
+        """
+        if self.num_heads % tp:
+            raise ValueError(f"tp ({tp}) must divide the number of attention heads ({self.num_heads})")
+        if tp <= self.num_kv_heads and self.num_kv_heads % tp:
+            raise ValueError(f"tp ({tp}) must divide the number of KV heads ({self.num_kv_heads}) or be a multiple "
+                             "of it")
+        if tp > self.num_kv_heads and tp % self.num_kv_heads:
+            raise ValueError(f"tp ({tp}) must be a multiple of the number of KV heads ({self.num_kv_heads}) or "
+                             "divide it")
+        if spp > self.num_layers:
+            raise ValueError(f"spp ({spp}) exceeds the number of layers ({self.num_layers})")
+        return -(-self.num_layers // spp) * spp, max(self.num_kv_heads, tp)
+
+    def kv_page_bytes(self, *, page_size: int, tp: int, spp: int, dtype_bytes: int) -> int:
+        """Bytes of one KV page on one device: K and V of its stage's layers and its tp share of the KV heads, in
+        the mesh layout. The engine sizes its cache and the simulator its page pool with this one formula."""
+        num_layers, kv_heads = self.mesh_layout(tp=tp, spp=spp)
+        return 2 * (num_layers // spp) * page_size * (kv_heads // tp) * self.head_dim * dtype_bytes
+
     def to_hf_dict(self) -> dict[str, Any]:
         """Keyword arguments for `transformers.LlamaConfig(**d)`; `from_hf_config` reads them back unchanged.
 

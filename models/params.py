@@ -77,22 +77,8 @@ def init_params(config: LlamaConfig, *, dtype=jnp.float32, seed: int = 0, init_s
 
 
 def mesh_layout(config: LlamaConfig, *, tp: int, spp: int) -> tuple[int, int]:
-    """(layers, kv heads) of the parameters as laid out on a mesh with these tp and spp degrees.
-
-    Layers are padded with zero layers to a multiple of `spp` (uneven stages). A zero layer is an exact
-    identity: its attention and MLP outputs are 0 and the residual passes through unchanged. KV heads are
-    repeated when `tp` exceeds their number, so each tp rank holds the one KV head its query heads use.
-    """
-    c = config
-    if c.num_heads % tp:
-        raise ValueError(f"tp ({tp}) must divide the number of attention heads ({c.num_heads})")
-    if tp <= c.num_kv_heads and c.num_kv_heads % tp:
-        raise ValueError(f"tp ({tp}) must divide the number of KV heads ({c.num_kv_heads}) or be a multiple of it")
-    if tp > c.num_kv_heads and tp % c.num_kv_heads:
-        raise ValueError(f"tp ({tp}) must be a multiple of the number of KV heads ({c.num_kv_heads}) or divide it")
-    if spp > c.num_layers:
-        raise ValueError(f"spp ({spp}) exceeds the number of layers ({c.num_layers})")
-    return -(-c.num_layers // spp) * spp, max(c.num_kv_heads, tp)
+    """(layers, kv heads) of the parameters on a (tp, spp) mesh: `LlamaConfig.mesh_layout`."""
+    return config.mesh_layout(tp=tp, spp=spp)
 
 
 def to_mesh_layout(params: dict, config: LlamaConfig, *, tp: int, spp: int, shardings) -> dict:

@@ -1,0 +1,95 @@
+"""Loading, separated from running: resolves an `EngineConfig` into the parts an engine runs on.
+
+`load(config)` does everything that reads files or touches devices before the first step: the model's
+configuration (a preset or a checkpoint's `config.json`), the device mesh, the weights (random for presets, a
+Hugging Face directory, or an Orbax checkpoint) laid out on the mesh, the tokenizer, and the KV cache's size.
+`LLMEngine(config, loaded)` then only wires them to an executor, a KV page manager, a predictor and a scheduler.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from models import checkpoint, orbax_io
+from models.config import PRESETS, LlamaConfig, preset
+from models.llama import ModelSpec
+from models.params import init_params, mesh_layout, to_mesh_layout
+from models.tokenizer import load_tokenizer
+from shardings.mesh import make_mesh
+from shardings.specs import ShardingTable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """What `load` resolved: everything an engine needs that came from files or devices."""
+
+    model_config: LlamaConfig
+    max_model_len: int  # prompt + generated tokens of one request
+    mesh: jax.sharding.Mesh
+    table: ShardingTable
+    spec: ModelSpec
+    params: dict  # in the mesh layout, on the mesh
+    tokenizer: object | None  # None: token-id prompts only
+    num_pages: int  # KV pages per device (page 0 reserved)
+
+
+def load(config) -> LoadedModel:
+    """Resolves model, mesh, weights, tokenizer and KV sizing of an `EngineConfig`."""
+    is_preset = config.model in PRESETS
+    mc = preset(config.model) if is_preset else LlamaConfig.from_pretrained(config.model)
+    max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
+    if max_model_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
+                         f"max_position_embeddings ({mc.max_position_embeddings})")
+    mesh = make_mesh(config.kvp, config.spp, config.tp)
+    table = ShardingTable()
+    num_layers, kv_heads = mesh_layout(mc, tp=config.tp, spp=config.spp)
+
+    def named(specs):
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+    # Load the checkpoint layout sharded as far as it divides, then pad / repeat into the mesh layout.
+    canonical = named(table.params(mc.tie_word_embeddings, split_layers=num_layers == mc.num_layers,
+                                   split_kv_heads=kv_heads == mc.num_kv_heads))
+    dtype = jnp.dtype(config.dtype)
+    if is_preset:
+        params = init_params(mc, dtype=dtype, seed=config.seed, shardings=canonical)
+    elif orbax_io.is_orbax_checkpoint(config.model):
+        params = orbax_io.restore_params(config.model, mc, dtype, canonical)
+    else:
+        params = checkpoint.load_hf_params(config.model, mc, dtype, canonical)
+    params = to_mesh_layout(params, mc, tp=config.tp, spp=config.spp,
+                            shardings=named(table.params(mc.tie_word_embeddings)))
+    if config.kv_memory_fraction is not None:
+        num_pages = _pages_from_memory(config, mc, mesh)
+    else:
+        num_pages = config.num_pages or 1 + 4 * -(-max_model_len // config.page_size)
+    tokenizer = load_tokenizer(config.model) if (config.model == "tiny" or not is_preset) else None
+    spec = ModelSpec(mc, config.dtype, config.block_pages, config.attention)
+    return LoadedModel(mc, max_model_len, mesh, table, spec, params, tokenizer, num_pages)
+
+
+def _pages_from_memory(config, mc: LlamaConfig, mesh) -> int:
+    """KV pages per device filling `kv_memory_fraction` of the memory the weights left free."""
+    free = []
+    for d in mesh.devices.flat:
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            raise ValueError(f"kv_memory_fraction needs a device that reports its memory; {d.device_kind} does "
+                             "not: give num_pages instead")
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    page_bytes = mc.kv_page_bytes(page_size=config.page_size, tp=config.tp, spp=config.spp,
+                                  dtype_bytes=jnp.dtype(config.dtype).itemsize)
+    pages = int(config.kv_memory_fraction * min(free) // page_bytes)
+    if pages < 2:
+        raise ValueError(f"kv_memory_fraction {config.kv_memory_fraction} leaves room for {pages} KV pages of "
+                         f"{page_bytes} bytes per device; at least 2 are needed")
+    logger.info("KV cache: %d pages of %d tokens per device (%.2f GiB)", pages, config.page_size,
+                pages * page_bytes / 2**30)
+    return pages
