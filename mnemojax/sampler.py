@@ -96,13 +96,15 @@ def sample(
 
 
 def logprobs(
-    logits: jax.Array, sampled: jax.Array, targets: jax.Array, num_top: int
+    logits: jax.Array, sampled: jax.Array, targets: jax.Array, num_top: int, want_top: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Log-probs from the raw model distribution, `log_softmax(logits)`.
 
     logits f32[N, V]; sampled i32[N]; targets i32[N] (a prompt token to score; -1 => score `sampled`);
-    num_top static. Returns (sampled_lp f32[N], target_lp f32[N], top_ids i32[N, num_top],
-    top_lp f32[N, num_top]), top ids by descending log-prob (lower id first on ties).
+    num_top static; want_top bool[] (None => True): whether any row asked for top log-probs. When none did, the
+    top-k over the whole vocabulary (a sort on GPUs) is skipped and the top entries are zeros.
+    Returns (sampled_lp f32[N], target_lp f32[N], top_ids i32[N, num_top], top_lp f32[N, num_top]), top ids
+    by descending log-prob (lower id first on ties).
     """
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [N, V]
 
@@ -114,5 +116,14 @@ def logprobs(
     if num_top == 0:
         n = logits.shape[0]
         return sampled_lp, target_lp, jnp.zeros((n, 0), jnp.int32), jnp.zeros((n, 0), jnp.float32)
-    top_lp, top_ids = jax.lax.top_k(lp, num_top)
-    return sampled_lp, target_lp, top_ids.astype(jnp.int32), top_lp
+    def top():
+        top_lp, top_ids = jax.lax.top_k(lp, num_top)
+        return top_ids.astype(jnp.int32), top_lp
+
+    if want_top is None:
+        top_ids, top_lp = top()
+    else:
+        n = logits.shape[0]
+        top_ids, top_lp = jax.lax.cond(
+            want_top, top, lambda: (jnp.zeros((n, num_top), jnp.int32), jnp.zeros((n, num_top), jnp.float32)))
+    return sampled_lp, target_lp, top_ids, top_lp

@@ -413,3 +413,20 @@ def test_logprobs_ignore_sampling_transforms_and_allow_zero_top():
     np.testing.assert_allclose(np.asarray(s_lp), [np.log(0.25)], atol=1e-6)
     np.testing.assert_allclose(np.asarray(t_lp), [np.log(0.125)], atol=1e-6)
     assert top_ids.shape == (1, 0) and top_lp.shape == (1, 0)
+
+
+def test_logprobs_skip_the_top_k_when_no_row_wants_it():
+    """want_top False: the same sampled / target log-probs, zeros for the top entries (nobody reads them); True:
+    the same top entries as without the flag."""
+    logits = np.log(np.array([[0.5, 0.25, 0.125, 0.125], [0.1, 0.2, 0.3, 0.4]], np.float32))
+    sampled, targets = np.array([1, 3], np.int32), np.array([-1, 0], np.int32)
+    with_flag = jax.jit(sampler.logprobs, static_argnums=3)
+    full = _logprobs(logits, sampled, targets, 2)
+    on = with_flag(logits, sampled, targets, 2, jnp.bool_(True))
+    off = with_flag(logits, sampled, targets, 2, jnp.bool_(False))
+    for a, b in zip(full, on):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(off[0]), np.asarray(full[0]))
+    np.testing.assert_array_equal(np.asarray(off[1]), np.asarray(full[1]))
+    assert not np.asarray(off[2]).any() and not np.asarray(off[3]).any()
+    np.testing.assert_array_equal(np.asarray(full[2]), [[0, 1], [3, 2]])
