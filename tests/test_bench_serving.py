@@ -11,12 +11,9 @@ import asyncio
 import contextlib
 import dataclasses
 import glob
-import importlib.util
 import json
 import os
-import pathlib
 import socket
-import sys
 import threading
 import time
 
@@ -30,11 +27,7 @@ from starlette.routing import Route
 from mnemojax import simulator
 from models.tokenizer import ByteTokenizer
 
-_path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
-_spec = importlib.util.spec_from_file_location("bench_serving", _path)
-bench = sys.modules.setdefault("bench_serving", importlib.util.module_from_spec(_spec))
-if not hasattr(bench, "main"):
-    _spec.loader.exec_module(bench)
+from mnemojax.bench import serving as bench
 
 MODEL = "fake-model"
 

@@ -5,9 +5,6 @@ the context length. Checked on the real engine step: the KVP collectives of a de
 at a 512-token context and at an 8192-token context, where the page table is 16x wider, are the same
 collectives of the same sizes; doubling the step's token rows doubles them.
 """
-import importlib.util
-import pathlib
-import sys
 
 import jax
 import numpy as np
@@ -18,11 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardings.mesh import KVP, SPP, TP, make_mesh
 
-_path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "hlo_comm.py"
-_spec = importlib.util.spec_from_file_location("hlo_comm", _path)
-hlo_comm = sys.modules.setdefault("hlo_comm", importlib.util.module_from_spec(_spec))
-if not hasattr(hlo_comm, "find_collectives"):
-    _spec.loader.exec_module(hlo_comm)
+from mnemojax.bench import hlo_comm
 
 LENS = (512, 8192)
 CHUNK = 32  # prefill chunk rows; a decode step is bucketed to 16 rows

@@ -1,0 +1,330 @@
+"""Attention kernel time vs chunk size at long context (Mnemosyne Figure 7 / Medha Figure 5b), and decode.
+
+    python scripts/bench_attention.py [--contexts 262144,1048576] [--chunks 32,64,128,256,512,1024,2048,4096]
+        [--impl pallas] [--repeats 5] [--decode_batches 1,8] [--no_baselines]
+    python scripts/bench_attention.py --small     # tiny shapes, interpreted kernels: runs on a CPU (tests)
+
+Meant for an NVIDIA H200 at Llama-3-8B attention shapes (32 query heads, 8 KV heads, head dim 128, bf16, pages
+of 16). One layer's paged KV cache holds one sequence of the largest context; a chunk of c query tokens is
+timed at the end of an x-token context (its own keys included, bottom-right causal), i.e. one chunked-prefill
+step's attention for one layer, metadata and split-K merge included, median of `--repeats` after a warm-up.
+
+Figure 7 plots the *total* attention time of prefilling an n-token prompt in chunks of c: the sum over the
+n/c chunks of the time of chunk i at context i*c. The script measures the chunk time at a few contexts
+(`--samples` points from c to n), interpolates linearly in the context (the time of a chunk is affine in it)
+and sums over all chunk ends; "vs 2048" is that total over the total with chunks of 2048 (Medha reports +11%
+for chunks of 32 with Llama-3-70B on 8 H100s). The per-chunk table also gives the time per query token at
+context n relative to chunks of 2048, achieved TFLOP/s (4 N H x visible (query, key) pairs) and bytes/s (K and V
+of the context read once, q and out once).
+
+Baselines on the same shapes (contiguous, unpaged K/V; only on a GPU): `jax.nn.dot_product_attention(
+implementation="cudnn")` (causal is top-left there, so history keys unmasked + the chunk causal, merged by
+log-sum-exp) and PyTorch `scaled_dot_product_attention` with the flash backend (bottom-right causal bias,
+grouped-query), each shown with which variant ran; one that cannot run says why in its column.
+Decode: B sequences of one query token at each context, time and bytes/s.
+
+Prints the command, the hardware, and the tables last.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+# JAX takes 75% of GPU memory up front by default; leave room for the PyTorch baseline's own allocator.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from models.attention import AttentionMetadata, attention  # noqa: E402
+from models.kernels import ATTENTION_IMPLS  # noqa: E402
+
+SMALL = dict(contexts="256", chunks="4,16,64", decode_batches="1,3", num_heads=4, num_kv_heads=2, head_dim=16,
+             page_size=4, impl="pallas_interpret", repeats=2, samples=3, dtype="float32")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="262144,1048576", help="comma-separated context lengths (tokens)")
+    p.add_argument("--chunks", default="32,64,128,256,512,1024,2048,4096", help="comma-separated chunk sizes")
+    p.add_argument("--decode_batches", default="1,8", help="comma-separated decode batch sizes")
+    p.add_argument("--impl", default="pallas", choices=ATTENTION_IMPLS)
+    p.add_argument("--num_heads", type=int, default=32)
+    p.add_argument("--num_kv_heads", type=int, default=8)
+    p.add_argument("--head_dim", type=int, default=128)
+    p.add_argument("--page_size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
+    p.add_argument("--samples", type=int, default=6, help="contexts per chunk size for the Figure 7 total")
+    p.add_argument("--no_baselines", action="store_true", help="skip cuDNN and PyTorch")
+    p.add_argument("--block_q", type=int, default=None, help="kernel option: query tokens per prefill tile")
+    p.add_argument("--block_k", type=int, default=None, help="kernel option: keys per prefill block")
+    p.add_argument("--decode_block_k", type=int, default=None, help="kernel option: keys per decode block")
+    p.add_argument("--small", action="store_true", help="tiny shapes, interpreted kernels (runs on a CPU)")
+    args = p.parse_args(argv)
+    if args.small:
+        for k, v in SMALL.items():
+            if getattr(args, k) == p.get_default(k):
+                setattr(args, k, v)
+    return args
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def hardware() -> list[str]:
+    d = jax.devices()[0]
+    return [f"device: {d.device_kind} ({d.platform}, {jax.device_count()} devices), jax {jax.__version__}, "
+            f"python {platform.python_version()}"]
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median seconds of `fn()` (blocked until ready) over `repeats` runs after one warm-up run."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------------ ceilings
+def matmul_ceiling(dtype, sizes=(4096, 8192, 16384), repeats: int = 5) -> float:
+    """Best measured FLOP/s of a square matmul in `dtype` over `sizes` (the device's practical peak)."""
+    best = 0.0
+    for n in sizes:
+        a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+        f = jax.jit(lambda x, y: x @ y)
+        best = max(best, 2 * n ** 3 / median_time(lambda: f(a, a), repeats))
+    return best
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Measured bytes/s of reading and writing an `nbytes` array once (y = x + 1: both counted)."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1)
+    return 2 * x.nbytes / median_time(lambda: f(x), repeats)
+
+
+# ------------------------------------------------------------------------------------------------ shapes
+def attn_flops(num_heads, head_dim, chunk, context) -> float:
+    """4 N H x the (query, key) pairs a chunk of `chunk` tokens ending at `context` keys sees (causal)."""
+    pairs = chunk * (context - chunk) + chunk * (chunk + 1) / 2
+    return 4.0 * num_heads * head_dim * pairs
+
+
+def attn_bytes(args, itemsize, chunk, context, batch=1) -> float:
+    kv = 2 * context * args.num_kv_heads * args.head_dim * itemsize * batch
+    return kv + chunk * batch * args.num_heads * args.head_dim * (itemsize + 4)  # q in, f32 out
+
+
+class PagedLayer:
+    """One layer's paged cache holding `batch` sequences of up to `max_context` keys, random K/V."""
+
+    def __init__(self, args, max_context: int, batch: int = 1, seed: int = 0):
+        S, K, H = args.page_size, args.num_kv_heads, args.head_dim
+        self.args, self.batch, self.dtype = args, batch, jnp.dtype(args.dtype)
+        self.pages = -(-max_context // S)
+        shape = (1, 1 + batch * self.pages, S, K, H)
+        kk, kv, self.kq = jax.random.split(jax.random.key(seed), 3)
+        self.k = jax.random.normal(kk, shape, self.dtype)
+        self.v = jax.random.normal(kv, shape, self.dtype)
+        # Sequence b owns pages 1 + b*pages ... in a shuffled order (pages are not contiguous in a real pool).
+        perm = np.random.default_rng(seed).permutation(batch * self.pages) + 1
+        self.table = jnp.asarray(perm.reshape(batch, self.pages), jnp.int32)
+        opts = {name: getattr(args, name) for name in ("block_q", "block_k", "decode_block_k")
+                if getattr(args, name) is not None}
+        self.fn = jax.jit(functools.partial(attention, args.impl, block_pages=8, **opts))
+
+    def step(self, chunk: int, context: int):
+        """Arguments of one step: every sequence's last `chunk` tokens at `context` keys."""
+        B = self.batch
+        q = jax.random.normal(self.kq, (B * chunk, self.args.num_heads, self.args.head_dim), self.dtype)
+        positions = jnp.tile(jnp.arange(context - chunk, context, dtype=jnp.int32), B)
+        return q, AttentionMetadata(seq_ids=jnp.repeat(jnp.arange(B, dtype=jnp.int32), chunk), positions=positions,
+                                    page_table=self.table, kv_lens=jnp.full((B,), context, jnp.int32),
+                                    kv_start=jnp.zeros((B,), jnp.int32))
+
+    def time(self, chunk: int, context: int, repeats: int) -> float:
+        q, meta = self.step(chunk, context)
+        return median_time(lambda: self.fn(q, self.k, self.v, jnp.int32(0), meta), repeats)
+
+
+# ------------------------------------------------------------------------------------------------ baselines
+def split_causal_attention(q, k, v, implementation=None):
+    """Bottom-right causal attention of q [B, c, N, H] over k, v [B, n, K, H] (q = the last c tokens) with
+    `jax.nn.dot_product_attention`, whose causal mask is top-left: the history keys unmasked plus the chunk's
+    own keys causal, merged by log-sum-exp."""
+    c, n = q.shape[1], k.shape[1]
+    dpa = functools.partial(jax.nn.dot_product_attention, implementation=implementation, return_residual=True)
+    o2, l2 = dpa(q, k[:, n - c:], v[:, n - c:], is_causal=c > 1)
+    if n == c:
+        return o2
+    o1, l1 = dpa(q, k[:, :n - c], v[:, :n - c])
+    l1, l2 = l1.astype(jnp.float32), l2.astype(jnp.float32)  # [B, c, N] (the residual is BTN since jax 0.7)
+    m = jnp.maximum(l1, l2)
+    w1, w2 = jnp.exp(l1 - m), jnp.exp(l2 - m)
+    return o1 * (w1 / (w1 + w2))[..., None] + o2 * (w2 / (w1 + w2))[..., None]
+
+
+def cudnn_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, str]:
+    """jax cuDNN flash attention on contiguous K/V (`split_causal_attention`)."""
+    if jax.default_backend() not in ("gpu", "cuda"):
+        return None, "no GPU"
+    try:
+        N, K, H, dt = args.num_heads, args.num_kv_heads, args.head_dim, jnp.dtype(args.dtype)
+        ks = jax.random.split(jax.random.key(1), 3)
+        q = jax.random.normal(ks[0], (batch, chunk, N, H), dt)
+        k = jax.random.normal(ks[1], (batch, context, K, H), dt)
+        v = jax.random.normal(ks[2], (batch, context, K, H), dt)
+        f = jax.jit(functools.partial(split_causal_attention, implementation="cudnn"))
+        return median_time(lambda: f(q, k, v), repeats), "cudnn split+lse"
+    except Exception as e:  # a baseline that cannot run is reported, not fatal
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+
+
+def torch_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, str]:
+    """PyTorch SDPA, flash backend only: bottom-right causal bias with grouped-query attention."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+    except ImportError as e:
+        return None, f"no torch ({e.name})"
+    if not torch.cuda.is_available():
+        return None, "torch without CUDA"
+    try:
+        N, K, H = args.num_heads, args.num_kv_heads, args.head_dim
+        dt = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        q = torch.randn(batch, N, chunk, H, device="cuda", dtype=dt)
+        k = torch.randn(batch, K, context, H, device="cuda", dtype=dt)
+        v = torch.randn(batch, K, context, H, device="cuda", dtype=dt)
+        mask = causal_lower_right(chunk, context) if chunk > 1 else None
+        variant = "flash lower-right gqa"
+
+        def run():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+        try:
+            run()
+        except RuntimeError:  # no GQA in this flash build: repeat the KV heads (reads G times the bytes)
+            k, v = (x.repeat_interleave(N // K, dim=1) for x in (k, v))
+            variant = "flash lower-right, kv repeated"
+            run()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), variant
+    except Exception as e:  # reported in the table, not fatal
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+
+
+# ------------------------------------------------------------------------------------------------ main
+def figure7_total(times_at: dict[int, float], chunk: int, n: int) -> float:
+    """Sum over the n/chunk chunks of the chunk time at context i*chunk, interpolated linearly in the context
+    between the measured contexts `times_at` (context -> seconds)."""
+    xs = sorted(times_at)
+    ends = np.arange(1, n // chunk + 1) * chunk
+    return float(np.interp(ends, xs, [times_at[x] for x in xs]).sum())
+
+
+def sample_contexts(chunk: int, n: int, samples: int) -> list[int]:
+    """`samples` contexts from `chunk` to `n` (n itself included), on chunk boundaries."""
+    pts = np.linspace(chunk, n, max(2, samples))[:-1]
+    return sorted({int(min(n, max(chunk, round(x / chunk) * chunk))) for x in pts} | {n})
+
+
+def fmt(x, spec=".3f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    print("command:", shlex.join([os.path.basename(sys.argv[0]) if argv is None else "bench_attention.py",
+                                  *(sys.argv[1:] if argv is None else argv)]))
+    for line in hardware():
+        print(line)
+    itemsize = jnp.dtype(args.dtype).itemsize
+    contexts, chunks = ints(args.contexts), ints(args.chunks)
+    ref_chunk = 2048 if 2048 in chunks else max(chunks)
+    results = {"prefill": [], "decode": [], "figure7": []}
+
+    for n in contexts:
+        layer = PagedLayer(args, n)
+        totals = {}
+        for c in chunks:
+            if c > n:
+                continue
+            times = {x: layer.time(c, x, args.repeats) for x in sample_contexts(c, n, args.samples)}
+            t = times[n]
+            if n % c == 0:  # the chunks tile the prompt exactly
+                totals[c] = figure7_total(times, c, n)
+            base = {} if args.no_baselines else {"cudnn": cudnn_time(args, c, n, args.repeats),
+                                                 "torch": torch_time(args, c, n, args.repeats)}
+            results["prefill"].append(dict(
+                context=n, chunk=c, ms=t * 1e3, us_per_token=t / c * 1e6,
+                tflops=attn_flops(args.num_heads, args.head_dim, c, n) / t / 1e12,
+                gbps=attn_bytes(args, itemsize, c, n) / t / 1e9, base=base))
+            print(f"  context {n} chunk {c}: {t * 1e3:.3f} ms", flush=True)
+        for row in results["prefill"]:
+            if row["context"] == n and ref_chunk in totals:
+                ref = next(r for r in results["prefill"] if r["context"] == n and r["chunk"] == ref_chunk)
+                row["per_token_vs_ref"] = row["us_per_token"] / ref["us_per_token"]
+                row["total_s"] = totals.get(row["chunk"])
+                row["total_vs_ref"] = totals[row["chunk"]] / totals[ref_chunk] if row["chunk"] in totals else None
+        for B in ints(args.decode_batches):
+            dec = PagedLayer(args, n, batch=B, seed=1)
+            t = dec.time(1, n, args.repeats)
+            base = {} if args.no_baselines else {"cudnn": cudnn_time(args, 1, n, args.repeats, batch=B),
+                                                 "torch": torch_time(args, 1, n, args.repeats, batch=B)}
+            results["decode"].append(dict(context=n, batch=B, ms=t * 1e3,
+                                          gbps=attn_bytes(args, itemsize, 1, n, batch=B) / t / 1e9, base=base))
+            del dec
+        del layer
+
+    print(f"\nattention ({args.impl}), {args.num_heads} q heads, {args.num_kv_heads} kv heads, head dim "
+          f"{args.head_dim}, {args.dtype}, page {args.page_size}; one layer, one sequence; median of "
+          f"{args.repeats}")
+    print(f"{'context':>8} {'chunk':>6} {'ms/chunk':>9} {'us/token':>9} {'TFLOP/s':>8} {'GB/s':>7} "
+          f"{'tok vs ' + str(ref_chunk):>12} {'fig7 total s':>12} {'fig7 vs ' + str(ref_chunk):>13} "
+          f"{'cudnn ms':>9} {'x cudnn':>8} {'torch ms':>9} {'x torch':>8}  baselines")
+    for r in results["prefill"]:
+        cu, cu_how = r["base"].get("cudnn", (None, "skipped"))
+        to, to_how = r["base"].get("torch", (None, "skipped"))
+        print(f"{r['context']:>8} {r['chunk']:>6} {r['ms']:>9.3f} {r['us_per_token']:>9.2f} {r['tflops']:>8.4g} "
+              f"{r['gbps']:>7.4g} {fmt(r.get('per_token_vs_ref'), '.3f'):>12} {fmt(r.get('total_s'), '.3f'):>12} "
+              f"{fmt(r.get('total_vs_ref'), '.3f'):>13} {fmt(cu and cu * 1e3):>9} "
+              f"{fmt(cu and r['ms'] / (cu * 1e3), '.2f'):>8} {fmt(to and to * 1e3):>9} "
+              f"{fmt(to and r['ms'] / (to * 1e3), '.2f'):>8}  {cu_how}; {to_how}")
+    for n in contexts:
+        rows = {r["chunk"]: r for r in results["prefill"] if r["context"] == n}
+        lo = min(rows)
+        if ref_chunk in rows and lo != ref_chunk and rows[lo].get("total_vs_ref") is not None:
+            f7 = dict(context=n, small=lo, ref=ref_chunk, per_token=rows[lo]["per_token_vs_ref"],
+                      total=rows[lo]["total_vs_ref"])
+            results["figure7"].append(f7)
+            print(f"Figure 7 at {n} tokens: chunk {lo} vs {ref_chunk}: whole-prefill attention time x"
+                  f"{f7['total']:.3f}, time per token at the full context x{f7['per_token']:.3f}")
+    print(f"\ndecode ({args.impl}): B sequences of one query token")
+    print(f"{'context':>8} {'B':>4} {'ms':>9} {'GB/s':>7} {'cudnn ms':>9} {'torch ms':>9}  baselines")
+    for r in results["decode"]:
+        cu, cu_how = r["base"].get("cudnn", (None, "skipped"))
+        to, to_how = r["base"].get("torch", (None, "skipped"))
+        print(f"{r['context']:>8} {r['batch']:>4} {r['ms']:>9.3f} {r['gbps']:>7.4g} {fmt(cu and cu * 1e3):>9} "
+              f"{fmt(to and to * 1e3):>9}  {cu_how}; {to_how}")
+    return results
