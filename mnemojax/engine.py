@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 
 from mnemojax.detokenizer import Detokenizer
-from mnemojax.executor import Executor, RowResult
+from mnemojax.executor import Executor
 from mnemojax.kv_manager import KVCacheManager
 from mnemojax.loader import LoadedModel, load
 from mnemojax.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from mnemojax.request import Request, RequestStatus
+from mnemojax.request import Request
 from mnemojax.sampling_params import ParamError, SamplingParams
 from mnemojax.predictor import HARDWARE
 from mnemojax.scheduler import POLICIES, Scheduler, SchedulerConfig
@@ -145,13 +145,14 @@ class LLMEngine:
             chunk_size=config.chunk_size, policy=config.scheduler_policy,
             target_batch_time=None if config.target_batch_time_ms is None else config.target_batch_time_ms / 1e3,
             min_chunk_size=min(32, config.chunk_size), ppb_max_share=config.ppb_max_share,
-            ttft_slo_min=config.ttft_slo_min_s, ttft_slo_per_token=config.ttft_slo_per_token_s, spp=config.spp)
-        self.scheduler = Scheduler(sched, self.kv, self.predictor, clock=time.perf_counter)
+            ttft_slo_min=config.ttft_slo_min_s, ttft_slo_per_token=config.ttft_slo_per_token_s, spp=config.spp,
+            max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(sched, self.kv, self.predictor, clock=time.perf_counter,
+                                   eos_token_ids=self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}  # of unfinished requests, when there is a tokenizer
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
 
     @staticmethod
     def _make_predictor(config: EngineConfig, mc: LlamaConfig):
@@ -212,7 +213,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is not None and not req.is_finished:
-            self._finish(req, "abort")
+            self.scheduler.finish(req, "abort")
+            self._close_detokenizer(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self.executor.has_in_flight()
@@ -223,62 +225,32 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty and not self.executor.has_in_flight():
             return []
-        now = time.perf_counter()
-        for ch in plan.chunks:
-            if ch.request.first_scheduled_time is None:
-                ch.request.first_scheduled_time = now
-        done, results = self.executor.execute(plan)  # the micro-batch leaving the pipeline
-        now = time.perf_counter()
-        self.scheduler.finish_micro_batch(done)
-        for ref, res in results:
-            req = done.chunks[ref.chunk].request
-            if req.is_finished:
-                continue
-            if ref.is_sample:
-                self._append_token(req, res, now)
-            else:
-                req.prompt_logprobs.append(
-                    self._logprob_dict(res.top_ids, res.top_logprobs, req.params.prompt_logprobs,
-                                       req.prompt_token_ids[ref.token_index], res.target_logprob))
+        done, outputs = self.executor.execute(plan)  # the micro-batch leaving the pipeline
+        for req in self.scheduler.update_from_output(done, outputs):
+            self._detokenize(req)
         return [self.output(ch.request) for ch in done.chunks]
 
-    @staticmethod
-    def _logprob_dict(top_ids, top_lps, k: int, token: int, token_lp: float) -> dict[int, float]:
-        d = {int(i): float(lp) for i, lp in zip(top_ids[:k], top_lps[:k])}
-        d[token] = token_lp
-        return d
-
-    def _append_token(self, req: Request, res: RowResult, now: float) -> None:
-        p = req.params
-        req.output_token_ids.append(res.token)
-        req.token_times.append(now)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        if req.logprobs is not None:
-            req.logprobs.append(self._logprob_dict(res.top_ids, res.top_logprobs, p.logprobs, res.token,
-                                                   res.token_logprob))
+    def _detokenize(self, req: Request) -> None:
+        """Text for `req`'s new token. A stop string it completes ends the request, and names the reason even
+        when the token also stopped it otherwise (EOS, a stop token, a length limit)."""
         detok = self._detokenizers.get(req.request_id)
-        if detok is not None:
-            stop = detok.add([res.token])
-            req.output_text = detok.stable_text  # never shows what a later token could change
-            if stop is not None:
-                return self._finish(req, "stop", stop)
-        if res.token in self.eos_token_ids and not p.ignore_eos:
-            return self._finish(req, "stop")
-        if res.token in p.stop_token_ids:
-            return self._finish(req, "stop", res.token)
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return self._finish(req, "length")
+        if detok is None:
+            return
+        stop = detok.add(req.output_token_ids[-1:])
+        req.output_text = detok.stable_text  # never shows what a later token could change
+        if stop is not None:
+            if req.is_finished:
+                req.finish_reason, req.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(req, "stop", stop)
+        if req.is_finished:
+            self._close_detokenizer(req)
 
-    def _finish(self, req: Request, reason: str, stop_reason=None) -> None:
+    def _close_detokenizer(self, req: Request) -> None:
         detok = self._detokenizers.pop(req.request_id, None)
         if detok is not None:
             detok.flush()
             req.output_text = detok.text
-        req.finish_reason, req.stop_reason = reason, stop_reason
-        req.status = RequestStatus.FINISHED
-        req.finished_time = time.perf_counter()
-        self.scheduler.remove(req)
 
     # ---------------------------------------------------------------- outputs out
     def output(self, req: Request) -> RequestOutput:

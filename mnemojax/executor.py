@@ -1,7 +1,8 @@
 """The executor: turns step plans into fixed-shape arrays and runs one jitted, shard_map-ed step.
 
 Each call feeds one micro-batch (a `StepPlan`) into the first pipeline stage and advances the pipeline by one
-stage; it returns the results of the micro-batch that leaves the last stage (with spp = 1, the same one).
+stage; it returns the micro-batch that leaves the last stage (with spp = 1, the same one) and what the step gave
+back for each of its chunks, as the scheduler's `update_from_output` takes it.
 
 Rows, per KVP rank: a request whose KV spans several ranks puts its query tokens in a *shared* row range,
 aligned on every rank (first in the batch); each of its ranks computes attention over its own KV there and
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import deque
+from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,9 @@ from jax.sharding import NamedSharding
 
 from mnemojax import sampler
 from mnemojax.kv_manager import DUMMY_PAGE
+from mnemojax.pipeline import Pipeline
 from mnemojax.sampling_params import MAX_LOGPROBS
-from mnemojax.scheduler import StepPlan
+from mnemojax.scheduler import ChunkOutput, StepPlan
 from models.llama import ModelSpec, StepBatch, forward
 from shardings.collectives import pipeline_shift
 from shardings.mesh import KVP, SPP, TP
@@ -43,17 +45,6 @@ class RowSampling:
     seeds: jax.Array  # u32[R]
     steps: jax.Array  # i32[R] index of the generated token (keys the sampler's random stream)
     targets: jax.Array  # i32[R] prompt token scored by this row; -1 => score the sampled token
-
-
-@dataclasses.dataclass(frozen=True)
-class RowResult:
-    """Host-side results of one logits row."""
-
-    token: int
-    token_logprob: float
-    target_logprob: float
-    top_ids: np.ndarray
-    top_logprobs: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +73,13 @@ def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+def _logprob_dict(top_ids: np.ndarray, top_lps: np.ndarray, k: int, token: int, token_lp: float) -> dict[int, float]:
+    """The `k` top log-probs of a row, and the log-prob of `token` (the sampled or scored one)."""
+    d = {int(i): float(lp) for i, lp in zip(top_ids[:k], top_lps[:k])}
+    d[token] = token_lp
+    return d
+
+
 class Executor:
     def __init__(self, spec: ModelSpec, params: dict, mesh, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_pages_per_seq: int, max_num_batched_tokens: int,
@@ -106,7 +104,7 @@ class Executor:
         self.k_cache, self.v_cache = alloc(), alloc()
         self.register = None
         self.channel = channel  # multi-host: process 0's `mnemojax.multihost.Leader`, which broadcasts each step
-        self.in_flight: deque[MicroBatch] = deque()  # newest first; stage s holds in_flight[s]
+        self.in_flight: Pipeline[MicroBatch] = Pipeline(self.spp)
         self._step = self._build_step()
 
     # ---------------------------------------------------------------- device side
@@ -235,10 +233,7 @@ class Executor:
     def _host_args(self, plan: StepPlan):
         """Pushes `plan` into the pipeline; returns (T, the step's host arrays, the micro-batch leaving)."""
         T = self.pipeline_tokens or _bucket(self._rows_needed(plan), 16)
-        self.in_flight.appendleft(self.prepare(plan, T))
-        while len(self.in_flight) < self.spp:
-            self.in_flight.append(self.prepare(StepPlan([], []), T))  # an empty pipeline fills with padding
-        leaving = self.in_flight[-1]
+        leaving = self.in_flight.push(self.prepare(plan, T), lambda: self.prepare(StepPlan([], []), T))
         # Stage s works on the micro-batch that entered s steps ago: stack them along the spp axis.
         stages = jax.tree.map(lambda *a: np.stack(a, axis=1), *(m.batch for m in self.in_flight))
         return T, (stages, leaving.rows, leaving.sampling), leaving
@@ -283,18 +278,18 @@ class Executor:
 
     def lower(self, plan: StepPlan) -> jax.stages.Lowered:
         """The step as it would run for `plan`, lowered but not run (for inspecting its HLO); state unchanged."""
-        saved = deque(self.in_flight)
+        saved = self.in_flight.copy()
         try:
             T, host, _ = self._host_args(plan)
             return self._step.lower(*self.put(T, host))
         finally:
             self.in_flight = saved
 
-    def execute(self, plan: StepPlan) -> tuple[StepPlan, list[tuple[RowRef, RowResult]]]:
+    def execute(self, plan: StepPlan) -> tuple[StepPlan, list[ChunkOutput]]:
         """Feeds `plan` into stage 0 and advances the pipeline one stage.
 
-        Returns the plan whose micro-batch left the last stage in this step, with the result of each of its
-        logits rows (an empty plan while the pipeline fills).
+        Returns the plan whose micro-batch left the last stage in this step (an empty plan while the pipeline
+        fills) and one `ChunkOutput` per chunk of it: the sampled token, the log-probs asked for.
         """
         T, host, leaving = self._host_args(plan)
         fetch = bool(leaving.refs)
@@ -302,11 +297,24 @@ class Executor:
             self.channel.step(T, leaving.rows.shape[1], host, fetch)
         out = self.run(self.put(T, host), fetch)
         self.in_flight.pop()
-        if not fetch:
-            return leaving.plan, []
+        return leaving.plan, self._chunk_outputs(leaving, out) if fetch else [ChunkOutput()] * len(leaving.plan.chunks)
+
+    @staticmethod
+    def _chunk_outputs(mb: MicroBatch, out) -> list[ChunkOutput]:
+        """The fetched results of `mb`'s logits rows, gathered per chunk as plain values."""
         tokens, tok_lp, tgt_lp, top_ids, top_lp = out
-        return leaving.plan, [
-            (ref, RowResult(int(tokens[ref.rank, ref.row]), float(tok_lp[ref.rank, ref.row]),
-                            float(tgt_lp[ref.rank, ref.row]), top_ids[ref.rank, ref.row],
-                            top_lp[ref.rank, ref.row]))
-            for ref in leaving.refs]
+        sampled: dict[int, int] = {}
+        logprobs: dict[int, dict[int, float]] = {}
+        prompt: dict[int, list[dict[int, float]]] = defaultdict(list)
+        for ref in mb.refs:
+            p = mb.plan.chunks[ref.chunk].request.params
+            at = ref.rank, ref.row
+            if ref.is_sample:
+                sampled[ref.chunk] = token = int(tokens[at])
+                if p.logprobs is not None:
+                    logprobs[ref.chunk] = _logprob_dict(top_ids[at], top_lp[at], p.logprobs, token, float(tok_lp[at]))
+            else:
+                scored = mb.plan.chunks[ref.chunk].request.prompt_token_ids[ref.token_index]
+                prompt[ref.chunk].append(_logprob_dict(top_ids[at], top_lp[at], p.prompt_logprobs, scored,
+                                                       float(tgt_lp[at])))
+        return [ChunkOutput(sampled.get(i), logprobs.get(i), tuple(prompt[i])) for i in range(len(mb.plan.chunks))]

@@ -28,6 +28,12 @@ several steps: `num_computed` counts tokens scheduled, a request waits for its s
 scheduled again, a request with chunks in flight is never preempted, and a step's target is the batch time
 divided by spp (a decode crosses every stage).
 
+The update half of a step is `update_from_output(plan, outputs)`, called when a plan's micro-batch leaves the
+last stage, with what the step gave back for each chunk (`ChunkOutput`): the chunks stop being in flight, sampled
+tokens and log-probs are appended and stamped, the token-level stop conditions are checked (EOS, stop token ids,
+`max_tokens`, `max_model_len`), and stopped requests are finished, their pages freed. The engine, the simulator and
+the tests all call it; stop strings, which need text, are the engine's detokenizer's.
+
 Memory pressure: a request that cannot get a page preempts, by recompute, the most recently admitted request
 that was admitted after it, holds pages on a rank that is short, and has nothing in flight; with none it
 waits. A preempted request returns to the front of the queue and computes its prompt and generated tokens
@@ -41,7 +47,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 
 from mnemojax.kv_manager import KVCacheManager
 from mnemojax.predictor import ChunkShape
@@ -82,6 +88,16 @@ class StepPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkOutput:
+    """What a step gave back for one chunk of its plan, as plain values (the executor converts its device results;
+    a model-free caller, the simulator or a test, gives tokens only)."""
+
+    token: int | None = None  # the token sampled after the chunk (a chunk with `sample`); None for the others
+    logprobs: dict[int, float] | None = None  # that token's top log-probs and its own, when the request asks
+    prompt_logprobs: tuple[dict[int, float], ...] = ()  # entries of the prompt tokens the chunk scored, in order
+
+
+@dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 512  # the per-step token budget of each KVP rank
     max_num_seqs: int = 64  # requests running at once (sequence rows of each rank's batch)
@@ -94,11 +110,14 @@ class SchedulerConfig:
     ttft_slo_per_token: float = 1e-3  # seconds per prompt token added to the TTFT deadline
     ttft_slo_prefill_factor: float = 0.0  # deadline at least this x the predicted isolated prefill time
     spp: int = 1  # pipeline stages (a step's target is target_batch_time / spp)
+    max_model_len: int | None = None  # a request whose prompt + output reaches this finishes; None: no limit
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "min_chunk_size", "spp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler_policy must be one of {POLICIES}, got {self.policy!r}")
         if self.target_batch_time is not None and not self.target_batch_time > 0:
@@ -111,14 +130,17 @@ class SchedulerConfig:
 
 
 class Scheduler:
+    """`eos_token_ids`: the model's end-of-sequence tokens (a sampled one finishes a request not ignoring EOS)."""
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, predictor=None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, eos_token_ids: Collection[int] = ()):
         if config.target_batch_time is not None and predictor is None:
             raise ValueError("target_batch_time needs a runtime predictor")
         self.config = config
         self.kv = kv
         self.predictor = predictor
         self.clock = clock
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._order = itertools.count()
@@ -150,8 +172,34 @@ class Scheduler:
         if request.in_flight == 0:
             self.kv.free(request)
 
-    def finish_micro_batch(self, plan: StepPlan) -> None:
-        """Bookkeeping when `plan`'s micro-batch leaves the last stage (before its tokens are appended)."""
+    def finish(self, request: Request, reason: str, stop_reason: str | int | None = None,
+               now: float | None = None) -> None:
+        """Ends `request`: `reason` "stop" (`stop_reason`: the stop string or token id, None for EOS), "length" or
+        "abort". It leaves the queues; its pages are freed once nothing of it is in flight."""
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        request.status = RequestStatus.FINISHED
+        request.finished_time = self.clock() if now is None else now
+        self.remove(request)
+
+    # ---------------------------------------------------------------- the update half of a step
+    def update_from_output(self, plan: StepPlan, outputs: Sequence[ChunkOutput],
+                           now: float | None = None) -> list[Request]:
+        """`plan`'s micro-batch has left the last pipeline stage; `outputs[i]` is what the step gave back for
+        `plan.chunks[i]`.
+
+        First every chunk stops being in flight (a request aborted meanwhile gets its pages back). Then, for each
+        request still running, in plan order: its prompt log-probs are appended; a sampling chunk appends its
+        token (and log-probs), stamped `now` (default: the clock), and the request stops at the first of: an EOS
+        token (unless `ignore_eos`), a stop token id, `max_tokens` generated, `max_model_len` tokens in all.
+
+        Returns the requests that got a token, in plan order (what the detokenizer reads next).
+        """
+        if len(outputs) != len(plan.chunks):
+            raise ValueError(f"{len(outputs)} outputs for a plan of {len(plan.chunks)} chunks")
+        for ch, out in zip(plan.chunks, outputs):
+            if ch.sample and out.token is None and not ch.request.is_finished:
+                raise ValueError(f"no sampled token for request {ch.request.request_id}'s sampling chunk")
+        now = self.clock() if now is None else now
         for ch in plan.chunks:
             req = ch.request
             req.in_flight -= 1
@@ -159,6 +207,33 @@ class Scheduler:
                 req.awaiting_sample = False
             if req.is_finished and req.in_flight == 0:
                 self.kv.free(req)  # aborted while in flight
+        sampled = []
+        for ch, out in zip(plan.chunks, outputs):
+            req = ch.request
+            if req.is_finished:
+                continue
+            if out.prompt_logprobs:
+                req.prompt_logprobs.extend(out.prompt_logprobs)
+            if ch.sample:
+                self._append_token(req, out, now)
+                sampled.append(req)
+        return sampled
+
+    def _append_token(self, req: Request, out: ChunkOutput, now: float) -> None:
+        p = req.params
+        req.output_token_ids.append(out.token)
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.logprobs is not None:
+            req.logprobs.append(out.logprobs)
+        max_len = self.config.max_model_len
+        if out.token in self.eos_token_ids and not p.ignore_eos:
+            self.finish(req, "stop", None, now)
+        elif out.token in p.stop_token_ids:
+            self.finish(req, "stop", out.token, now)
+        elif len(req.output_token_ids) >= p.max_tokens or (max_len is not None and req.num_tokens >= max_len):
+            self.finish(req, "length", None, now)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -372,4 +447,7 @@ class Scheduler:
                 self._admit(req)
             if self._schedule(req, n, budgets, chunks, preempted):
                 scheduled.add(id(req))
+        for ch in chunks:
+            if ch.request.first_scheduled_time is None:
+                ch.request.first_scheduled_time = now
         return StepPlan(chunks, preempted)

@@ -5,20 +5,21 @@ model: the simulator asks the `Predictor` how long each step would take and adva
 deployment far beyond one machine (1M-token prompts on 128 GPUs) can be planned, and the papers' scheduling
 results reproduced, on a laptop.
 
-What one simulated step does, mirroring `LLMEngine.step()` and the executor's clocked pipeline:
+The loop is the engine's (`LLMEngine.step()`: schedule, execute, update) with a `PredictedExecutor` in place of
+the executor, an executor whose clock is the predictor. One simulated step:
 
 1. Requests whose arrival time has come are added to the `Scheduler` (a request that can never fit the KV
    pages, `KVCacheManager.capacity_error`, is *rejected*, as the engine's `validate` would refuse it).
-2. `Scheduler.schedule(now)` plans one micro-batch; it enters pipeline stage 0. The pipeline holds `spp`
-   micro-batches (empty ones while it fills, as the executor pads it).
+2. `Scheduler.schedule(now)` plans one micro-batch; it enters pipeline stage 0 (`mnemojax.pipeline.Pipeline`,
+   the executor's: `spp` micro-batches in flight, empty ones while it fills).
 3. **Clocked pipeline**: every stage works at once, each on its own micro-batch, so the step lasts as long as
    the slowest: `max` over the micro-batches in flight of `predictor.stage_time(its chunks)`, each chunk as
    `ChunkShape(num_tokens, start + num_tokens, len(request.kv_ranks))`, and with KV parallelism the busiest
    KVP rank's time (a request spanning several ranks has its rows on every rank, as in the executor). A
    micro-batch's time is computed when it is planned (its requests' KV placement is known then).
-4. The micro-batch leaving the last stage (the one that entered `spp - 1` steps earlier) is finished:
-   `scheduler.finish_micro_batch(plan)`; each sampling chunk appends a (fake) token to its request at the
-   step's end time; a request with `max_tokens` tokens is FINISHED and `scheduler.remove`d.
+4. The micro-batch leaving the last stage (the one that entered `spp - 1` steps earlier) comes back with token
+   0 for each sampling chunk, and `scheduler.update_from_output` does what it does in the engine: tokens
+   appended at the step's end time, a request with `max_tokens` tokens finished and its pages freed.
 5. With nothing planned and nothing in flight the clock jumps to the next arrival (a plan that only preempted
    is planned again; with no arrival left and requests still waiting for KV pages, the run ends: "deadlock").
 
@@ -44,16 +45,17 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from mnemojax.kv_manager import KVCacheManager
+from mnemojax.pipeline import Pipeline
 from mnemojax.predictor import HARDWARE, ChunkShape, Predictor
-from mnemojax.request import Request, RequestStatus
+from mnemojax.request import Request
 from mnemojax.sampling_params import SamplingParams
-from mnemojax.scheduler import POLICIES, Scheduler, SchedulerConfig, StepPlan
+from mnemojax.scheduler import POLICIES, ChunkOutput, Scheduler, SchedulerConfig, StepPlan
 from models.config import LlamaConfig, preset
 
 # ShareGPT4 (openchat_sharegpt4, the short trace of Medha and Sarathi-Serve; Sarathi-Serve's Table 2): prompt
@@ -263,10 +265,35 @@ def kv_pages_per_rank(config: SimConfig, model: LlamaConfig | None = None) -> in
 
 
 # ------------------------------------------------------------------------------------------------ the loop
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _MicroBatch:
     plan: StepPlan
     stage_time: float  # seconds one stage takes on it
+
+
+class PredictedExecutor:
+    """The executor's interface with the predictor as its clock; nothing runs.
+
+    `execute(plan)` feeds the plan's micro-batch into stage 0, advances `now` by the clocked step's predicted time
+    (its slowest micro-batch's `stage_time`) and returns the micro-batch leaving the last stage, with token 0 for
+    each of its sampling chunks, as the executor returns it.
+    """
+
+    def __init__(self, stage_time: Callable[[StepPlan], float], num_stages: int, now: float = 0.0):
+        self.stage_time = stage_time
+        self.now = now
+        self.pipeline: Pipeline[_MicroBatch] = Pipeline(num_stages)
+        empty = StepPlan([], [])
+        self._padding = _MicroBatch(empty, stage_time(empty))
+
+    def has_in_flight(self) -> bool:
+        return any(mb.plan.chunks for mb in self.pipeline)
+
+    def execute(self, plan: StepPlan) -> tuple[StepPlan, list[ChunkOutput]]:
+        self.pipeline.push(_MicroBatch(plan, self.stage_time(plan)), lambda: self._padding)
+        self.now += max(mb.stage_time for mb in self.pipeline)
+        done = self.pipeline.pop().plan
+        return done, [ChunkOutput(0 if ch.sample else None) for ch in done.chunks]
 
 
 @dataclasses.dataclass
@@ -290,7 +317,8 @@ class SimResult:
 class Simulator:
     """Drives the engine's `Scheduler` and `KVCacheManager` over a trace with the predictor as the clock.
 
-    `scheduler`, `kv` and `predictor` are the real objects (inspect them in tests); `run()` simulates once.
+    `scheduler`, `kv` and `predictor` are the real objects (inspect them in tests), `executor` the predicted one;
+    `run()` simulates once.
     """
 
     def __init__(self, config: SimConfig, trace: Sequence[TraceRequest], *, predictor: Predictor | None = None):
@@ -299,7 +327,8 @@ class Simulator:
         self.predictor = predictor or make_predictor(config, self.model)
         self.num_pages = kv_pages_per_rank(config, self.model)
         self.kv = KVCacheManager(config.kvp, self.num_pages, config.page_size, config.max_tokens_per_kvp_rank)
-        self.now = 0.0
+        self._empty_time = self.predictor.stage_time([])
+        self.executor = PredictedExecutor(self.stage_time, config.spp)
         # As in the engine, the scheduler gets the predictor with a target batch time (without one, its LRS /
         # ILRS remaining prefill time is its per-token fallback); also for predicted TTFT deadlines.
         uses_predictor = config.target_batch_time_ms is not None or config.ttft_slo_prefill_factor > 0
@@ -307,7 +336,15 @@ class Simulator:
                                    clock=lambda: self.now)
         self.trace = sorted(trace, key=lambda r: r.arrival_time)
         self.steps = 0
-        self._empty_time = self.predictor.stage_time([])
+
+    @property
+    def now(self) -> float:
+        """The simulated clock (seconds): the predicted executor's."""
+        return self.executor.now
+
+    @now.setter
+    def now(self, t: float) -> None:
+        self.executor.now = t
 
     # One micro-batch's stage time: its busiest KVP rank.
     def stage_time(self, plan: StepPlan) -> float:
@@ -322,14 +359,13 @@ class Simulator:
         return max(self.predictor.stage_time(shapes) for shapes in by_rank.values())
 
     def run(self) -> SimResult:
-        cfg, sched = self.config, self.scheduler
+        cfg, sched, executor = self.config, self.scheduler, self.executor
         wall0, cpu0 = time.perf_counter(), time.process_time()
         pending = deque(self.trace)
         reqs: list[Request] = []
         kinds: list[str] = []
         rejected: list[tuple[TraceRequest, str]] = []
         first_token_step: dict[int, int] = {}
-        pipeline: deque[_MicroBatch] = deque()  # newest first; the last one leaves next
         timeline: list[tuple[float, int, int]] = []
         active = 0
         horizon = cfg.max_simulated_s if cfg.max_simulated_s is not None else math.inf
@@ -358,8 +394,7 @@ class Simulator:
                 stop_reason = "horizon"
                 break
             plan = sched.schedule(self.now)
-            busy = any(mb.plan.chunks for mb in pipeline)
-            if plan.is_empty and not busy:
+            if plan.is_empty and not executor.has_in_flight():
                 if plan.preempted:
                     continue  # pages were freed while planning: plan again (as the engine's next step would)
                 if not pending:
@@ -368,32 +403,16 @@ class Simulator:
                     break
                 self.now = max(self.now, min(pending[0].arrival_time, horizon))
                 continue
-            for ch in plan.chunks:
-                if ch.request.first_scheduled_time is None:
-                    ch.request.first_scheduled_time = self.now
-            pipeline.appendleft(_MicroBatch(plan, self.stage_time(plan)))
-            while len(pipeline) < cfg.spp:
-                pipeline.append(_MicroBatch(StepPlan([], []), self._empty_time))  # the pipeline fills with padding
-            self.now += max(mb.stage_time for mb in pipeline)
+            done, outputs = executor.execute(plan)
             self.steps += 1
-            done = pipeline.pop().plan
-            sched.finish_micro_batch(done)
-            for ch in done.chunks:
-                req = ch.request
-                if req.is_finished or not ch.sample:
-                    continue
-                req.output_token_ids.append(0)
-                req.token_times.append(self.now)
-                if req.first_token_time is None:
-                    req.first_token_time = self.now
+            running = len(sched.running)
+            for req in sched.update_from_output(done, outputs):
+                if len(req.output_token_ids) == 1:
                     first_token_step[id(req)] = self.steps
-                if len(req.output_token_ids) >= req.params.max_tokens:
-                    req.finish_reason = "length"
-                    req.status = RequestStatus.FINISHED
-                    req.finished_time = self.now
-                    sched.remove(req)
+                if req.is_finished:
                     active -= 1
-                    note()
+                    running -= 1  # (the timeline counts the finished requests out one by one)
+                    timeline.append((self.now, active, running))
         end = self.now
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         records = [self._record(r, k, first_token_step.get(id(r))) for r, k in zip(reqs, kinds)]

@@ -6,7 +6,7 @@ import pytest
 from mnemojax.kv_manager import KVCacheManager
 from mnemojax.request import Request
 from mnemojax.sampling_params import SamplingParams
-from mnemojax.scheduler import Scheduler, SchedulerConfig
+from mnemojax.scheduler import ChunkOutput, Scheduler, SchedulerConfig
 
 
 class LinearPredictor:
@@ -37,13 +37,9 @@ def _sched(policy="ilrs", pages=4096, page_size=16, predictor=None, clock=lambda
     return Scheduler(cfg, KVCacheManager(1, pages, page_size), predictor, clock=clock)
 
 
-def _complete(plan):
-    """What the engine does when the micro-batch comes back (spp = 1): append a token to sampling chunks."""
-    for ch in plan.chunks:
-        ch.request.in_flight -= 1
-        if ch.sample:
-            ch.request.awaiting_sample = False
-            ch.request.output_token_ids.append(7)
+def _complete(s: Scheduler, plan):
+    """What the engine does when the micro-batch comes back (spp = 1): the scheduler's update, token 7 sampled."""
+    s.update_from_output(plan, [ChunkOutput(7 if ch.sample else None) for ch in plan.chunks])
 
 
 # ------------------------------------------------------------------------------------------------ orders
@@ -129,7 +125,7 @@ def test_adaptive_chunks_shrink_with_context_and_meet_the_target():
         sizes.append(ch.num_tokens)
         if ch.sample:
             break  # the chunk that completes the prompt
-        _complete(plan)
+        _complete(s, plan)
     assert sum(sizes) == 60_000
     # By hand: the first chunk solves 0.002 + 1e-5 n + 1e-8 n^2 = 0.02 (n = 931); at 60K context
     # 0.002 + n (1e-5 + 6e-4) = 0.02 gives n = 29, below the floor of 32.
@@ -206,7 +202,7 @@ def _ttft_of_short(policy, ppb):
         dt = p.step_time([ChunkShape(c.num_tokens, c.start + c.num_tokens) for c in plan.chunks])
         longest = max(longest, dt)
         clock[0] += dt
-        _complete(plan)
+        _complete(s, plan)
         if short is not None and short.output_token_ids:
             return clock[0] - short.arrival_time, p.prefill_time(500, 2048), longest
     raise AssertionError("unreachable")

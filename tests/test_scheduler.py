@@ -1,25 +1,27 @@
 """Scheduler: plain-Python unit tests (no jax, no model).
 
 `Sim` drives the scheduler the way the engine does: `schedule()` (which marks the chunks' tokens computed and
-in flight), then, when a micro-batch leaves the `spp`-stage pipeline, each of its chunks stops being in
-flight and a chunk with `sample=True` gets a fake sampled token appended; finished requests are removed with
-`scheduler.remove(req)` and status FINISHED. `Sim.schedule` asserts the invariants every plan must keep.
+in flight), then, when a micro-batch leaves the `spp`-stage pipeline (`mnemojax.pipeline.Pipeline`, the
+executor's), `update_from_output` with a fake sampled token for each chunk with `sample=True`: the same method
+the engine calls, so these tests check the engine's update, not a copy of it. Aborts go through
+`scheduler.finish(req, "abort")`. `Sim.schedule` asserts the invariants every plan must keep.
 """
 import logging
 import os
 import random
 import subprocess
 import sys
-from collections import deque
 
 import pytest
 
 from mnemojax.kv_manager import DUMMY_PAGE, KVCacheManager
+from mnemojax.pipeline import Pipeline
 from mnemojax.request import Request, RequestStatus
 from mnemojax.sampling_params import SamplingParams
-from mnemojax.scheduler import Scheduler, SchedulerConfig
+from mnemojax.scheduler import ChunkOutput, Scheduler, SchedulerConfig, StepPlan
 
 FAKE_TOKEN = 7
+EOS_TOKEN = 2  # the scheduler's end-of-sequence token in `Sim`
 LOGGER = "mnemojax.scheduler"
 
 
@@ -38,9 +40,9 @@ class Sim:
     def __init__(self, *, budget=512, max_num_seqs=64, chunk_size=256, num_pages=1024, page_size=4, kvp=1,
                  max_tokens_per_rank=None, spp=1):
         self.kv = KVCacheManager(kvp, num_pages, page_size, max_tokens_per_rank)
-        self.sched = Scheduler(SchedulerConfig(budget, max_num_seqs, chunk_size), self.kv)
-        self.spp = spp
-        self.pipe: deque = deque()  # plans in flight, oldest first
+        self.sched = Scheduler(SchedulerConfig(budget, max_num_seqs, chunk_size), self.kv,
+                               eos_token_ids=[EOS_TOKEN])
+        self.pipe: Pipeline[StepPlan] = Pipeline(spp)  # plans in flight
         self.zombies: list[Request] = []  # finished while in flight: their pages free when they drain
         self.num_preempted = 0
 
@@ -53,41 +55,43 @@ class Sim:
         return self.sched.num_unfinished > 0 or any(p.chunks for p in self.pipe)
 
     def finish(self, req: Request) -> None:
-        """What the engine does when a request stops or is aborted."""
-        req.status = RequestStatus.FINISHED
-        self.sched.remove(req)
-        assert req not in self.sched.running and req not in self.sched.waiting
+        """What the engine does when a request is aborted."""
+        self.sched.finish(req, "abort")
+        self.check_finished(req)
+        self.check_pages()
+
+    def check_finished(self, req: Request) -> None:
+        assert req.is_finished and req not in self.sched.running and req not in self.sched.waiting
         if req.in_flight:
             assert held(req) or req.num_computed == 0  # still being written: not freed yet
             self.zombies.append(req)
         else:
             assert held(req) == 0
-        self.check_pages()
 
     def complete(self, plan, eos=None) -> list[Request]:
-        """The executor takes `plan`; the micro-batch leaving the last stage comes back. Returns finished."""
-        self.pipe.append(plan)
-        if len(self.pipe) < self.spp:
-            return []
-        leaving = self.pipe.popleft()
-        for c in leaving.chunks:
-            r = c.request
-            r.in_flight -= 1
-            assert r.in_flight >= 0
-            if c.sample:
-                r.awaiting_sample = False
-            if r.is_finished and r.in_flight == 0:
-                self.kv.free(r)
-                self.zombies.remove(r)
-        done = []
+        """The executor takes `plan`; the micro-batch leaving the last stage comes back, with FAKE_TOKEN sampled
+        (EOS_TOKEN where `eos(request)` says so, asked only when max_tokens is not reached anyway). Returns the
+        requests it finished."""
+        self.pipe.push(plan, lambda: StepPlan([], []))
+        leaving = self.pipe.pop()
+        outputs = []
         for c in leaving.chunks:
             r = c.request
             if c.sample and not r.is_finished:
                 assert r.num_computed == r.num_tokens  # nothing else scheduled while its sample was out
-                r.output_token_ids.append(FAKE_TOKEN)
-                if len(r.output_token_ids) >= r.params.max_tokens or (eos is not None and eos(r)):
-                    self.finish(r)
-                    done.append(r)
+                stop = eos is not None and len(r.output_token_ids) + 1 < r.params.max_tokens and eos(r)
+                outputs.append(ChunkOutput(EOS_TOKEN if stop else FAKE_TOKEN))
+            else:
+                outputs.append(ChunkOutput())
+        sampled = self.sched.update_from_output(leaving, outputs)
+        for c in leaving.chunks:
+            assert c.request.in_flight >= 0
+        for r in [z for z in self.zombies if z.in_flight == 0]:
+            assert held(r) == 0  # the last chunk in flight drained: pages back
+            self.zombies.remove(r)
+        done = [r for r in sampled if r.is_finished]
+        for r in done:
+            self.check_finished(r)
         self.check_pages()
         return done
 
@@ -641,6 +645,102 @@ def test_random_runs_do_preempt():
     assert sim.kv.num_used == 0
 
 
+# ---------------------------------------------------------------------------- the update half of a step
+def _update_fixture(max_model_len=None, **params):
+    """A scheduler (page_size 4, EOS token 2) and one 10-token request prefilled and sampled in one step."""
+    kv = KVCacheManager(1, 64, 4)
+    sched = Scheduler(SchedulerConfig(64, 8, 64, max_model_len=max_model_len), kv, clock=lambda: 99.0,
+                      eos_token_ids=[EOS_TOKEN])
+    req = Request("r", list(range(100, 110)), SamplingParams(**{"max_tokens": 16, **params}), 0.0, seed=0)
+    sched.add(req)
+    return sched, kv, req
+
+
+def _decode(sched, req, token, now):
+    """One step of `req` alone: schedule it, the token comes back; returns what update_from_output returned."""
+    plan = sched.schedule(now=now)
+    assert [c.request for c in plan.chunks] == [req] and plan.chunks[0].sample
+    return sched.update_from_output(plan, [ChunkOutput(token)], now=now + 0.5)
+
+
+def test_update_appends_stamps_and_stops_at_max_tokens_freeing_pages():
+    sched, kv, req = _update_fixture(max_tokens=3)
+    assert _decode(sched, req, 40, now=1.0) == [req]
+    # The 10-token prompt and its first token: 3 pages of 4; nothing in flight, the next token may be scheduled.
+    assert (req.output_token_ids, held(req), req.in_flight, req.awaiting_sample) == ([40], 3, 0, False)
+    assert (req.first_scheduled_time, req.first_token_time, req.token_times) == (1.0, 1.5, [1.5])
+    assert _decode(sched, req, 41, now=2.0) == [req] and not req.is_finished
+    assert _decode(sched, req, 42, now=3.0) == [req]
+    assert req.output_token_ids == [40, 41, 42] and req.token_times == [1.5, 2.5, 3.5]
+    assert (req.status, req.finish_reason, req.stop_reason, req.finished_time) == \
+        (RequestStatus.FINISHED, "length", None, 3.5)
+    assert held(req) == 0 and kv.num_used == 0 and sched.num_unfinished == 0
+
+
+def test_update_stops_at_max_model_len():
+    sched, kv, req = _update_fixture(max_model_len=12)  # 10 prompt tokens: room for 2 generated
+    _decode(sched, req, 40, now=1.0)
+    assert not req.is_finished and req.num_tokens == 11
+    _decode(sched, req, 41, now=2.0)
+    assert (req.num_tokens, req.finish_reason, held(req), kv.num_used) == (12, "length", 0, 0)
+
+
+@pytest.mark.parametrize("params, token, want", [
+    ({}, EOS_TOKEN, ("stop", None)),  # EOS: stop, no stop reason
+    ({"stop_token_ids": [55]}, 55, ("stop", 55)),  # a stop token id names itself
+    ({"stop_token_ids": [EOS_TOKEN]}, EOS_TOKEN, ("stop", None)),  # EOS is checked first
+    ({"ignore_eos": True, "stop_token_ids": [EOS_TOKEN]}, EOS_TOKEN, ("stop", EOS_TOKEN)),
+    ({"ignore_eos": True}, EOS_TOKEN, None),  # generation goes on
+    ({"max_tokens": 1, "stop_token_ids": [55]}, 55, ("stop", 55)),  # a stop token before the length limit
+    ({"max_tokens": 1}, 56, ("length", None)),
+], ids=str)
+def test_update_token_stops(params, token, want):
+    sched, kv, req = _update_fixture(**params)
+    _decode(sched, req, token, now=1.0)
+    assert req.output_token_ids == [token]  # the stopping token is part of the output
+    if want is None:
+        assert not req.is_finished and req.finish_reason is None and held(req) == 3
+    else:
+        assert (req.finish_reason, req.stop_reason, req.finished_time) == (*want, 1.5)
+        assert req.is_finished and held(req) == 0 and kv.num_used == 0 and not sched.running
+
+
+def test_update_appends_log_probs_and_returns_sampled_requests_in_plan_order():
+    kv = KVCacheManager(1, 64, 4)
+    sched = Scheduler(SchedulerConfig(64, 8, 4), kv, clock=lambda: 5.0)
+    a = Request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=4, prompt_logprobs=1), 0.0, seed=0)
+    b = Request("b", [7, 8], SamplingParams(max_tokens=4, logprobs=1), 0.0, seed=0)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule(now=0.0)  # a's first chunk of 4 (no sample), b's whole prompt (sample)
+    assert [(c.request, c.num_tokens, c.sample) for c in plan.chunks] == [(a, 4, False), (b, 2, True)]
+    scored = tuple({t: -0.5} for t in (2, 3, 4))  # a's chunk scores prompt tokens 1..3
+    got = sched.update_from_output(plan, [ChunkOutput(prompt_logprobs=scored), ChunkOutput(9, {9: -0.1, 3: -2.0})])
+    assert got == [b]
+    assert a.prompt_logprobs == [None, {2: -0.5}, {3: -0.5}, {4: -0.5}] and a.output_token_ids == []
+    assert b.output_token_ids == [9] and b.logprobs == [{9: -0.1, 3: -2.0}] and b.token_times == [5.0]
+    with pytest.raises(ValueError, match="0 outputs for a plan of 2 chunks"):
+        sched.update_from_output(sched.schedule(now=1.0), [])
+
+
+def test_update_frees_a_request_aborted_in_flight_and_skips_its_token():
+    sched, kv, req = _update_fixture()
+    plan = sched.schedule(now=1.0)
+    sched.finish(req, "abort", now=1.2)
+    assert held(req) == 3  # its chunk is still being computed: the pages stay until it comes back
+    assert sched.update_from_output(plan, [ChunkOutput(40)], now=2.0) == []
+    assert req.output_token_ids == [] and held(req) == 0 and kv.num_used == 0
+    assert (req.finish_reason, req.finished_time, req.in_flight) == ("abort", 1.2, 0)
+
+
+def test_update_without_a_sampled_token_raises():
+    sched, _, req = _update_fixture()
+    plan = sched.schedule(now=1.0)
+    with pytest.raises(ValueError, match="no sampled token for request r"):
+        sched.update_from_output(plan, [ChunkOutput()])
+    assert (req.in_flight, req.awaiting_sample) == (1, True)  # checked before anything changed
+
+
 # ------------------------------------------------------------------------------------------ no jax here
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -651,7 +751,7 @@ import sys, types
 pkg = types.ModuleType("mnemojax")
 pkg.__path__ = [{os.path.join(_REPO, "mnemojax")!r}]
 sys.modules["mnemojax"] = pkg
-import mnemojax.scheduler, mnemojax.kv_manager, mnemojax.request, mnemojax.sampling_params
+import mnemojax.scheduler, mnemojax.kv_manager, mnemojax.request, mnemojax.sampling_params, mnemojax.pipeline
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "flax"))
 assert not heavy, heavy
 print("ok")

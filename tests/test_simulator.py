@@ -182,13 +182,13 @@ def test_kvp_request_spans_ranks_and_drains():
     trace = [TraceRequest(0.0, 50_000, 4), TraceRequest(0.5, 2000, 8), TraceRequest(0.6, 3000, 8)]
     sim = Simulator(cfg, trace)
     seen = []
-    real = sim.scheduler.finish_micro_batch
+    real = sim.scheduler.update_from_output
 
-    def spy(plan):
+    def spy(plan, outputs, now=None):
         seen.extend(len(ch.request.kv_ranks) for ch in plan.chunks)
-        real(plan)
+        return real(plan, outputs, now)
 
-    sim.scheduler.finish_micro_batch = spy
+    sim.scheduler.update_from_output = spy
     m = sim.run().metrics
     assert m["completed"] == 3 and max(seen) == 2
     assert sim.kv.num_used == 0
