@@ -20,8 +20,8 @@ from mnemojax.request import Request
 from mnemojax.sampling_params import ParamError, SamplingParams
 from mnemojax.predictor import HARDWARE
 from mnemojax.scheduler import POLICIES, Scheduler, SchedulerConfig
-from models.attention import ATTENTION_IMPLS, check_attention_impl
 from models.config import LlamaConfig
+from models.kernels import ATTENTION_IMPLS, AUTO, check_attention_impl
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,10 @@ class EngineConfig:
     """Random weights of presets, and sampling seeds of requests that give none."""
     block_pages: int = 8
     """KV pages per block of the reference attention."""
-    attention: str = dataclasses.field(default="reference", metadata={"choices": ATTENTION_IMPLS})
-    """Attention kernels: reference (jax.numpy, any backend), pallas (Pallas GPU kernels, NVIDIA only: raises
-    elsewhere), pallas_interpret (the same kernels interpreted; slow, for tests)."""
+    attention: str = dataclasses.field(default=AUTO, metadata={"choices": ATTENTION_IMPLS})
+    """Attention kernels: auto (pallas on an NVIDIA GPU, reference elsewhere), reference (jax.numpy, any backend),
+    pallas (Pallas GPU kernels, NVIDIA only: raises elsewhere), pallas_interpret (the same kernels interpreted;
+    slow, for tests)."""
     tp: int = 1
     """Tensor parallelism: attention heads and MLP columns split over this many devices."""
     spp: int = 1

@@ -28,6 +28,7 @@ from mnemojax.kv_manager import DUMMY_PAGE
 from mnemojax.pipeline import Pipeline
 from mnemojax.sampling_params import MAX_LOGPROBS
 from mnemojax.scheduler import ChunkOutput, StepPlan
+from models.attention import AttentionMetadata
 from models.llama import ModelSpec, StepBatch, forward
 from shardings.collectives import pipeline_shift
 from shardings.mesh import KVP, SPP, TP
@@ -110,9 +111,7 @@ class Executor:
     # ---------------------------------------------------------------- device side
     def _build_step(self):
         t, spec = self.table, self.spec
-        stage = StepBatch(token_ids=t.stage_kst, positions=t.stage_kst, seq_ids=t.stage_kst,
-                          write_pages=t.stage_kst, write_slots=t.stage_kst, shared=t.stage_kst,
-                          page_table=t.stage_ksbm, kv_lens=t.stage_kst, kv_start=t.stage_kst)
+        stage = StepBatch.partition_specs(t)
         samp = RowSampling(*([t.rows_kr] * 6))
         param_specs = jax.tree.map(lambda a: a.sharding.spec, self.params)
 
@@ -223,8 +222,9 @@ class Executor:
             pad_rows[r, :len(rows[r])] = rows[r]
             for j, values in enumerate(zip(*samp[r])) if samp[r] else []:
                 cols[j][r, :len(values)] = values
-        batch = StepBatch(token_ids=tok, positions=pos, seq_ids=seq, write_pages=wpage, write_slots=wslot,
-                          shared=shared, page_table=table, kv_lens=kv_lens, kv_start=kv_start)
+        batch = StepBatch(token_ids=tok, write_pages=wpage, write_slots=wslot, shared=shared,
+                          attn=AttentionMetadata(seq_ids=seq, positions=pos, page_table=table, kv_lens=kv_lens,
+                                                 kv_start=kv_start))
         return MicroBatch(plan, batch, pad_rows, RowSampling(*cols), refs)
 
     def has_in_flight(self) -> bool:

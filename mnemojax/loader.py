@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from models import checkpoint, orbax_io
+from models.attention import resolve_attention
 from models.config import PRESETS, LlamaConfig, preset
 from models.llama import ModelSpec
 from models.params import init_params, mesh_layout, to_mesh_layout
@@ -71,7 +72,9 @@ def load(config) -> LoadedModel:
     else:
         num_pages = config.num_pages or 1 + 4 * -(-max_model_len // config.page_size)
     tokenizer = load_tokenizer(config.model) if (config.model == "tiny" or not is_preset) else None
-    spec = ModelSpec(mc, config.dtype, config.block_pages, config.attention)
+    attention = resolve_attention(config.attention)
+    logger.info("attention: %s%s", attention, " (auto)" if attention != config.attention else "")
+    spec = ModelSpec(mc, config.dtype, config.block_pages, attention)
     return LoadedModel(mc, max_model_len, mesh, table, spec, params, tokenizer, num_pages)
 
 

@@ -12,7 +12,8 @@ The cost model, for one micro-batch on one device (one KVP rank, one pipeline st
   pipeline register's size when spp > 1), the LM head's rows `R` likewise (at least `pad_rows_min`). The LM
   head and the sampler run on *every* stage: the step is SPMD and each stage computes them on the
   last stage's rows (`from_last_stage`), so they are part of every stage's time.
-* **Attention**, per layer, per request: with `attention="paged"` (an ideal ragged kernel) the causal work
+* **Attention**, per layer, per request, by the engine's kernel names (`models.kernels`): with
+  `attention="pallas"` (the Pallas kernels, costed as an ideal ragged paged kernel) the causal work
   of its query tokens over the keys on this rank, FLOPs `4 x visible_keys x heads x head_dim` (per tp shard)
   and its KV read once, `ctx x 2 x kv_heads x head_dim x dtype_bytes`. With `attention="reference"` (the
   plain-jnp blockwise kernel of `models/attention.py`) every one of the T padded rows loops over the blocks
@@ -45,6 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from models.config import LlamaConfig
+from models.kernels import AUTO, PALLAS, PALLAS_INTERPRET, REFERENCE, check_attention_impl, resolve_attention_impl
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 """Where shipped profiles live: `Predictor(..., profile="cpu")` reads `PROFILE_DIR/cpu.json`."""
@@ -75,6 +77,8 @@ class Hardware:
     """Seconds of fixed cost per collective call."""
     memory_bytes: float
     """Device memory, bytes."""
+    nvidia_gpu: bool = False
+    """An NVIDIA GPU: attention "auto" is costed as the Pallas kernels that run there (elsewhere, the reference)."""
 
 
 HARDWARE: dict[str, Hardware] = {
@@ -82,16 +86,16 @@ HARDWARE: dict[str, Hardware] = {
     # (300e9 each way), DGX A100 one 200 Gb/s HDR InfiniBand port per GPU (25e9). We take 90% of the
     # datasheet compute and bandwidth as the measured ceilings (the ratio the H200 measurements below show).
     "a100": Hardware("a100", matmul_flops=280e12, memory_bandwidth=1.8e12, tp_bandwidth=300e9,
-                     net_bandwidth=25e9, collective_latency=10e-6, memory_bytes=81920 * 2**20),
+                     net_bandwidth=25e9, collective_latency=10e-6, memory_bytes=81920 * 2**20, nvidia_gpu=True),
     # H100 SXM5 80GB. Datasheet: 989e12 bf16 dense, 3.35e12 B/s HBM3, NVLink 4 900 GB/s both directions
     # (450e9 each way), DGX H100 one 400 Gb/s NDR port per GPU (50e9). Same GH100 die and 700 W limit as the
     # H200, so its measured matmul ceiling applies; copy bandwidth ~90% of the datasheet, as on the H200.
     "h100": Hardware("h100", matmul_flops=790e12, memory_bandwidth=3.0e12, tp_bandwidth=450e9,
-                     net_bandwidth=50e9, collective_latency=10e-6, memory_bytes=81559 * 2**20),
+                     net_bandwidth=50e9, collective_latency=10e-6, memory_bytes=81559 * 2**20, nvidia_gpu=True),
     # H200 SXM 141GB: 790e12 bf16 matmul and 4.3e12 B/s device-to-device copy measured (datasheet 989e12,
     # 4.8e12); NVLink 4 and 400 Gb/s NDR per GPU as on H100; 143771 MiB as nvidia-smi reports it.
     "h200": Hardware("h200", matmul_flops=790e12, memory_bandwidth=4.3e12, tp_bandwidth=450e9,
-                     net_bandwidth=50e9, collective_latency=10e-6, memory_bytes=143771 * 2**20),
+                     net_bandwidth=50e9, collective_latency=10e-6, memory_bytes=143771 * 2**20, nvidia_gpu=True),
     # The 2-core AMD EPYC (Zen 5, AVX-512) KVM guest this project develops on, float32. numpy's 1024^3 sgemm
     # measured 64e9 FLOP/s on it under load (theoretical 2 cores x 2.6 GHz x 64 = 333e9); numpy copy 30e9 B/s
     # (read + write). "Collectives" between fake host devices are memory copies. Rough by design: the
@@ -133,9 +137,11 @@ class Profile:
     """Seconds per request (chunk) in the step: host-side bookkeeping of its rows and pages."""
     per_row_overhead_s: float = 2e-6
     """Seconds per padded logits row: sampling, log-probs, reading the result back."""
-    attention: str = "paged"
-    """"paged": an ideal ragged paged kernel (each request's own causal work); "reference": the executor's
-    plain-jnp blockwise kernel (every padded row runs the longest sequence's blocks)."""
+    attention: str = PALLAS
+    """The engine's attention kernels, by their names (`models.kernels`): "pallas" is costed as an ideal ragged
+    paged kernel (each request's own causal work); "reference" as the plain-jnp blockwise kernel (every padded row
+    runs the longest sequence's blocks); "auto" as what it runs on the predicted hardware (pallas on an NVIDIA GPU,
+    the reference elsewhere). "pallas_interpret" (Pallas' interpreter, for tests) has no cost model."""
     block_tokens: int = 128
     """Keys per block of the reference kernel: `block_pages x page_size` (8 x 16 by default)."""
     pad_tokens_min: int = 16
@@ -144,8 +150,10 @@ class Profile:
     """Logits rows likewise; 0: no padding."""
 
     def __post_init__(self):
-        if self.attention not in ("paged", "reference"):
-            raise ValueError(f"attention must be 'paged' or 'reference', got {self.attention!r}")
+        check_attention_impl(self.attention)
+        if self.attention == PALLAS_INTERPRET:
+            raise ValueError(f"attention {PALLAS_INTERPRET!r} has no cost model (Pallas' interpreter is for tests); "
+                             f"give {AUTO!r}, {REFERENCE!r} or {PALLAS!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name == "attn_gather_cache_bytes":
@@ -250,6 +258,7 @@ class Predictor:
                 self.profile = Profile.from_dict(info)
         if block_tokens is not None:
             self.profile = dataclasses.replace(self.profile, block_tokens=block_tokens)
+        self.attention = resolve_attention_impl(self.profile.attention, hardware.nvidia_gpu)  # the kernels costed
         fitted_on = self.profile_info.get("hardware", hardware.name)
         if fitted_on != hardware.name:
             raise ValueError(f"the profile was fitted on hardware {fitted_on!r}, not {hardware.name!r}")
@@ -323,7 +332,7 @@ class Predictor:
         kv_row = 2 * self.kv_heads * c.head_dim  # K and V elements per key
         local = [-(-ch.context_len // ch.num_ranks) for ch in chunks]
         kv_bytes = sum(local) * kv_row * b
-        if p.attention == "paged":
+        if self.attention == PALLAS:
             attn = 0.0
             for ch, ctx in zip(chunks, local):
                 q = ch.query_tokens

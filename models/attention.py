@@ -1,8 +1,9 @@
-"""Paged attention: the reference implementation of the attention contract (DESIGN.md).
+"""Paged attention: the reference implementation of the attention contract (DESIGN.md), and the one switch.
 
-`paged_attention(q, cache, ...) -> (out, lse)`: every query token attends to the keys of its own sequence that
-sit in the paged cache at absolute positions <= its own (bottom-right causal: a step's query tokens are the
-last tokens of their sequence), grouped-query, accumulated in float32, log-sum-exp in natural log.
+`paged_attention(q, cache, layer, meta) -> (out, lse)`: every query token attends to the keys of its own sequence
+that sit in the paged cache at absolute positions <= its own (bottom-right causal: a step's query tokens are the
+last tokens of their sequence), grouped-query, accumulated in float32, log-sum-exp in natural log. Where each
+query token's keys are travels as one `AttentionMetadata`, passed whole to every implementation.
 
 The work is blockwise over KV pages with an online softmax, so memory is (query tokens x block), never
 (query tokens x context); the loop runs only as many blocks as the longest sequence of the step needs. The
@@ -13,52 +14,66 @@ A token whose sequence has no visible key (an empty KVP shard, a padding row) ge
 i.e. weight 0 in a log-sum-exp merge.
 
 `attention(impl, ...)` is the one switch between this reference and the Pallas GPU kernels
-(`models.pallas_attention`); a kernel that was asked for and cannot run raises, it never falls back.
+(`models.pallas_attention`), by the names of `models.kernels`; `auto` is the only name that chooses, and a
+kernel that was asked for and cannot run raises, it never falls back.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Large finite negative instead of -inf: a block with no valid key gives weight 0, not NaN (JAX_NOTES.md).
-NEG_INF = -1e30
-
-ATTENTION_IMPLS = ("reference", "pallas", "pallas_interpret")
-"""reference: `paged_attention` below (plain jax.numpy, any backend); pallas: the Pallas Triton kernels of
-`models.pallas_attention`, compiled (NVIDIA GPU only); pallas_interpret: the same kernels in Pallas' interpreter
-(any backend: slow, for tests)."""
+from models import pallas_attention
+from models.kernels import NEG_INF, PALLAS, PALLAS_INTERPRET, REFERENCE, resolve_attention_impl
 
 
-def check_attention_impl(impl: str) -> None:
-    """Raises ValueError unless `impl` is one of ATTENTION_IMPLS (touches no device)."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"unknown attention implementation {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each query token of a step finds its keys, on one KVP rank: device arrays, passed whole.
+
+    T query tokens of B sequences laid end to end (any order); M page-table columns. Every field is an array
+    (a pytree leaf); what is static about a step, its shapes, the arrays carry.
+    """
+
+    seq_ids: jax.Array  # i32[T] row of `page_table` each query token belongs to
+    positions: jax.Array  # i32[T] absolute position of each query token in its sequence
+    page_table: jax.Array  # i32[B, M] local page ids of each sequence, in token order; unused columns any id
+    kv_lens: jax.Array  # i32[B] keys of each sequence held in this cache (this step's tokens included)
+    kv_start: jax.Array  # i32[B] absolute position of each sequence's first key held here (0 unless KV-parallel)
 
 
-def attention(impl: str, q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start, seq_ids, positions,
-              block_pages: int, precision=None, **kernel_options):
-    """Paged attention by the implementation `impl` (see ATTENTION_IMPLS); arguments and results as
-    `paged_attention`. `impl="pallas"` without an NVIDIA GPU raises instead of running something else.
+def on_nvidia_gpu() -> bool:
+    """Whether jax's default backend is an NVIDIA (CUDA) GPU, where the compiled Pallas kernels run."""
+    return (jax.default_backend() in ("gpu", "cuda")
+            and "cuda" in jax.devices()[0].client.platform_version.lower())
+
+
+def resolve_attention(impl: str) -> str:
+    """The implementation that runs for `impl` on this machine (`auto`: pallas on an NVIDIA GPU, else reference)."""
+    return resolve_attention_impl(impl, on_nvidia_gpu())
+
+
+def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *, block_pages: int,
+              precision=None, **kernel_options):
+    """Paged attention by the implementation `impl` (see `models.kernels.ATTENTION_IMPLS`); arguments and results
+    as `paged_attention`. `impl="pallas"` without an NVIDIA GPU raises instead of running something else.
     `kernel_options` (tile and block sizes, for tuning) go to `models.pallas_attention.paged_attention_pallas`."""
-    check_attention_impl(impl)
-    kw = dict(page_table=page_table, kv_lens=kv_lens, kv_start=kv_start, seq_ids=seq_ids, positions=positions,
-              block_pages=block_pages, precision=precision)
-    if impl == "reference":
+    impl = resolve_attention(impl)
+    if impl == REFERENCE:
         if kernel_options:
             raise TypeError(f"the reference attention takes no kernel options, got {sorted(kernel_options)}")
-        return paged_attention(q, k_cache, v_cache, layer, **kw)
-    if impl == "pallas" and jax.default_backend() not in ("gpu", "cuda"):
+        return paged_attention(q, k_cache, v_cache, layer, meta, block_pages=block_pages, precision=precision)
+    if impl == PALLAS and not on_nvidia_gpu():
         raise RuntimeError("attention='pallas' needs an NVIDIA GPU; use 'reference' or 'pallas_interpret' "
                            f"(the default backend is {jax.default_backend()!r})")
-    from models.pallas_attention import paged_attention_pallas  # imports this module: not at the top
-
-    return paged_attention_pallas(q, k_cache, v_cache, layer, interpret=impl == "pallas_interpret", **kw,
-                                  **kernel_options)
+    return pallas_attention.paged_attention_pallas(q, k_cache, v_cache, layer, meta, precision=precision,
+                                                   interpret=impl == PALLAS_INTERPRET, **kernel_options)
 
 
-def paged_attention(q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start, seq_ids, positions,
-                    block_pages: int, precision=None):
+def paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadata, *, block_pages: int, precision=None):
     """Reference paged attention over one layer of the cache.
 
     Args:
@@ -66,11 +81,7 @@ def paged_attention(q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start
       k_cache, v_cache: [L, P, S, K, H] paged cache (L local layers, P pages of S slots, K kv heads); this
         step's own K/V must already be written.
       layer: scalar index of the layer in the cache.
-      page_table: i32[B, M] local page ids of each sequence, in token order; unused columns may hold any id.
-      kv_lens: i32[B] number of keys of each sequence held in this cache (this step's tokens included).
-      kv_start: i32[B] absolute position of each sequence's first key held here (0 unless KV-parallel).
-      seq_ids: i32[T] row of `page_table` each query token belongs to.
-      positions: i32[T] absolute position of each query token.
+      meta: where each query token's keys are (`AttentionMetadata`).
       block_pages: pages per block of the online softmax (static).
       precision: matmul precision for the two einsums.
 
@@ -80,15 +91,15 @@ def paged_attention(q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start
     T, N, H = q.shape
     _, _, S, K, _ = k_cache.shape
     G = N // K
-    M = page_table.shape[1]
+    M = meta.page_table.shape[1]
     bp = min(block_pages, M)
     C = bp * S  # keys per block
 
     qg = (q.astype(jnp.float32) * (H ** -0.5)).reshape(T, K, G, H)
-    tok_len = kv_lens[seq_ids]  # [T]
-    tok_rel = positions - kv_start[seq_ids]  # [T] a key at local index i is visible iff i <= tok_rel
-    tok_table = page_table[seq_ids]  # [T, M]
-    num_blocks = (jnp.max(kv_lens) + C - 1) // C  # only the blocks the longest sequence needs
+    tok_len = meta.kv_lens[meta.seq_ids]  # [T]
+    tok_rel = meta.positions - meta.kv_start[meta.seq_ids]  # [T] a key at local index i is visible iff i <= tok_rel
+    tok_table = meta.page_table[meta.seq_ids]  # [T, M]
+    num_blocks = (jnp.max(meta.kv_lens) + C - 1) // C  # only the blocks the longest sequence needs
 
     def body(j, carry):
         m, l, acc = carry

@@ -16,10 +16,12 @@ import numpy as np
 from jax import lax
 
 from models import rope
-from models.attention import attention, check_attention_impl
+from models.attention import AttentionMetadata, attention
 from models.config import LlamaConfig
+from models.kernels import AUTO, check_attention_impl
 from shardings.collectives import from_last_stage, kvp_merge
 from shardings.mesh import SPP, TP
+from shardings.specs import ShardingTable
 
 
 @jax.tree_util.register_dataclass
@@ -33,14 +35,18 @@ class StepBatch:
     """
 
     token_ids: jax.Array  # i32[T] input token of each row
-    positions: jax.Array  # i32[T] absolute position of each token in its sequence
-    seq_ids: jax.Array  # i32[T] row of page_table each token belongs to
     write_pages: jax.Array  # i32[T] page that receives the token's K/V (0 = dummy page: not this rank's token)
     write_slots: jax.Array  # i32[T] slot within that page
     shared: jax.Array  # bool[T] the row's request spans several KVP ranks: merge its attention over them
-    page_table: jax.Array  # i32[B, M] this rank's pages of each sequence, in token order
-    kv_lens: jax.Array  # i32[B] keys of each sequence on this rank after this step's writes
-    kv_start: jax.Array  # i32[B] absolute position of each sequence's first key on this rank
+    attn: AttentionMetadata  # each row's sequence and position, this rank's pages and keys of each sequence
+
+    @staticmethod
+    def partition_specs(table: ShardingTable) -> StepBatch:
+        """The partition specs of a step's stacked micro-batches, [kvp, spp, ...] arrays, from `table`."""
+        rows = table.stage_kst
+        return StepBatch(token_ids=rows, write_pages=rows, write_slots=rows, shared=rows,
+                         attn=AttentionMetadata(seq_ids=rows, positions=rows, page_table=table.stage_ksbm,
+                                                kv_lens=rows, kv_start=rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +56,7 @@ class ModelSpec:
     config: LlamaConfig
     dtype: str = "float32"  # parameter, activation and KV-cache dtype
     block_pages: int = 8  # KV pages per block of the reference attention's online softmax
-    attention: str = "reference"  # "reference", "pallas" (GPU kernels) or "pallas_interpret" (models.attention)
+    attention: str = AUTO  # a name of models.kernels.ATTENTION_IMPLS (auto: the GPU kernels on an NVIDIA GPU)
 
     def __post_init__(self):
         check_attention_impl(self.attention)
@@ -82,13 +88,12 @@ def _layer(spec: ModelSpec, batch: StepBatch, carry, layer):
     q = jnp.einsum("td,dnh->tnh", h, p["wq"], precision=prec)
     k = jnp.einsum("td,dkh->tkh", h, p["wk"], precision=prec)
     v = jnp.einsum("td,dkh->tkh", h, p["wv"], precision=prec)
-    q = rope.apply_rope(q, batch.positions, inv_freq)
-    k = rope.apply_rope(k, batch.positions, inv_freq)
+    q = rope.apply_rope(q, batch.attn.positions, inv_freq)
+    k = rope.apply_rope(k, batch.attn.positions, inv_freq)
     k_cache = k_cache.at[idx, batch.write_pages, batch.write_slots].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[idx, batch.write_pages, batch.write_slots].set(v.astype(v_cache.dtype))
-    o, lse = attention(spec.attention, q, k_cache, v_cache, idx, page_table=batch.page_table,
-                       kv_lens=batch.kv_lens, kv_start=batch.kv_start, seq_ids=batch.seq_ids,
-                       positions=batch.positions, block_pages=spec.block_pages, precision=prec)
+    o, lse = attention(spec.attention, q, k_cache, v_cache, idx, batch.attn, block_pages=spec.block_pages,
+                       precision=prec)
     o = kvp_merge(o, lse, batch.shared)
     attn = jnp.einsum("tnh,nhd->td", o.astype(dt), p["wo"], precision=prec)
     x = x + lax.psum(attn, TP)

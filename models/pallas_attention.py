@@ -1,8 +1,9 @@
 """Paged attention as Pallas GPU (Triton) kernels: the attention contract of DESIGN.md, fast.
 
-Same arguments and results as the reference `models.attention.paged_attention`: every query token attends to the
-keys of its own sequence held in the paged cache [L, P, S, K, H] at local index i < kv_lens[seq] and
-i <= positions[t] - kv_start[seq] (bottom-right causal, KVP shards included); out f32[T, N, H], lse f32[T, N]
+Same arguments and results as the reference `models.attention.paged_attention` (the step's layout as one
+`models.attention.AttentionMetadata`, `meta`): every query token attends to the keys of its own sequence held in
+the paged cache [L, P, S, K, H] at local index i < kv_lens[seq] and i <= positions[t] - kv_start[seq]
+(bottom-right causal, KVP shards included); out f32[T, N, H], lse f32[T, N]
 in natural log; a token with no visible key gets out = 0 and lse = NEG_INF. Keys and values are read straight
 from the cache through the page table, one key row per page-table lookup, so a key block need not align with
 pages and any page size works.
@@ -49,7 +50,7 @@ from jax import lax
 from jax._src import config as jax_config  # `_check_vma`, see _interpret_call
 from jax.experimental import pallas as pl
 
-from models.attention import NEG_INF
+from models.kernels import NEG_INF
 
 try:  # jax >= 0.4.31 names the Triton flavour `triton`; older ones `gpu`.
     from jax.experimental.pallas import triton as _pltriton
@@ -194,13 +195,13 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, q_ref, table_ref, k_r
     l_ref[...] = l
 
 
-def _attend_tiles(q, k_cache, v_cache, layer, page_table, kv_lens, kv_start, seq_ids, positions, tile_tok, *,
-                  block_k: int, num_partitions: int | None, precision, interpret: bool):
+def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, num_partitions: int | None,
+                  precision, interpret: bool):
     """Attention of the tokens laid out in tiles; tile_tok i32[nt, BQ] holds token indices (T = empty slot),
     all of one sequence per tile. Returns out f32[nt, BQ, N, H] and lse f32[nt, BQ, N]."""
     T, N, H = q.shape
     L, P, S, K, _ = k_cache.shape
-    B, M = page_table.shape
+    B, M = meta.page_table.shape
     nt, bq = tile_tok.shape
     G = N // K
     R = _next_pow2(max(16, bq * G))
@@ -213,8 +214,8 @@ def _attend_tiles(q, k_cache, v_cache, layer, page_table, kv_lens, kv_start, seq
     # Per-tile metadata.
     valid = tile_tok < T  # [nt, BQ]
     tok = jnp.minimum(tile_tok, T - 1)
-    tile_seq = jnp.where(valid[:, 0], seq_ids[tok[:, 0]], 0).astype(jnp.int32)  # [nt]
-    lim = jnp.minimum(kv_lens[tile_seq][:, None], positions[tok] - kv_start[tile_seq][:, None] + 1)
+    tile_seq = jnp.where(valid[:, 0], meta.seq_ids[tok[:, 0]], 0).astype(jnp.int32)  # [nt]
+    lim = jnp.minimum(meta.kv_lens[tile_seq][:, None], meta.positions[tok] - meta.kv_start[tile_seq][:, None] + 1)
     lim = jnp.where(valid, jnp.maximum(lim, 0), 0).astype(jnp.int32)  # [nt, BQ] keys each token sees
     kv_hi = lim.max(axis=1)
     kv_full = jnp.where(valid.any(axis=1), jnp.where(valid, lim, jnp.iinfo(jnp.int32).max).min(axis=1), 0)
@@ -257,7 +258,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, page_table, kv_lens, kv_start, seq
         name=f"paged_attention_r{R}_k{block_k}",
     )
     operands = (jnp.reshape(layer, (1,)).astype(jnp.int32), tile_seq, kv_full.astype(jnp.int32), kv_hi,
-                lim_rows, qt, page_table.astype(jnp.int32), k_cache, v_cache)
+                lim_rows, qt, meta.page_table.astype(jnp.int32), k_cache, v_cache)
     acc, m, l = _interpret_call(call, operands) if interpret else call(_typed_like(operands))(*operands)
 
     out, lse = _merge(acc[..., :bq * G, :], m[..., :bq * G], l[..., :bq * G])  # [nt, K, BQ*G, (H)]
@@ -317,7 +318,7 @@ def _default_block_q(num_heads: int, num_kv_heads: int) -> int:
     return max(1, ROWS_PER_TILE // (num_heads // num_kv_heads))
 
 
-def _check(q, k_cache, v_cache, page_table, interpret: bool):
+def _check(q, k_cache, v_cache, meta, interpret: bool):
     T, N, H = q.shape
     if k_cache.shape != v_cache.shape or k_cache.ndim != 5:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be [L, P, S, K, H]")
@@ -325,74 +326,65 @@ def _check(q, k_cache, v_cache, page_table, interpret: bool):
         raise ValueError(f"q {q.shape} does not fit the cache {k_cache.shape} (N % K == 0, same head dim)")
     if not interpret and (H < 16 or H & (H - 1)):
         raise ValueError(f"the compiled kernels need a head dim that is a power of two >= 16, got {H}")
-    if page_table.shape[0] < 1 or page_table.shape[1] < 1:
-        raise ValueError(f"page_table must be [B >= 1, M >= 1], got {page_table.shape}")
+    if meta.page_table.shape[0] < 1 or meta.page_table.shape[1] < 1:
+        raise ValueError(f"page_table must be [B >= 1, M >= 1], got {meta.page_table.shape}")
 
 
 def _jit(fn):
-    """jax.jit with every keyword-only argument except the step's arrays static."""
-    arrays = {"page_table", "kv_lens", "kv_start", "seq_ids", "positions"}
-    static = [n for n, p in inspect.signature(fn).parameters.items()
-              if p.kind is p.KEYWORD_ONLY and n not in arrays]
+    """jax.jit with every keyword-only argument (the kernel's options) static."""
+    static = [n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY]
     return jax.jit(fn, static_argnames=static)
 
 
 @_jit
-def prefill_attention(q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start, seq_ids, positions,
-                      block_pages: int | None = None, precision=None, interpret: bool = False,
+def prefill_attention(q, k_cache, v_cache, layer, meta, *, precision=None, interpret: bool = False,
                       block_q: int | None = None, block_k: int = BLOCK_K, num_partitions: int | None = None):
     """Chunked-prefill attention: every sequence's tokens in tiles of `block_q` (default 128 // G), split-K
     over `num_partitions` KV partitions (default: enough for ~TARGET_PROGRAMS programs). Any ragged batch.
 
-    Arguments and results as `models.attention.paged_attention`; `block_pages` (the reference's block) is
-    accepted and unused, the kernel's key block is `block_k` keys.
+    Arguments and results as `models.attention.paged_attention`, whose `block_pages` has no use here: the
+    kernel's key block is `block_k` keys.
     """
-    del block_pages
-    _check(q, k_cache, v_cache, page_table, interpret)
+    _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
-    B = page_table.shape[0]
+    B = meta.page_table.shape[0]
     bq = block_q or _default_block_q(N, k_cache.shape[3])
-    tiles = _sequence_tiles(seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
-    out, lse = _attend_tiles(q, k_cache, v_cache, layer, page_table, kv_lens, kv_start, seq_ids, positions,
-                             tiles, block_k=block_k, num_partitions=num_partitions, precision=precision,
-                             interpret=interpret)
+    tiles = _sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
+    out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, tiles, block_k=block_k,
+                             num_partitions=num_partitions, precision=precision, interpret=interpret)
     return _scatter(T, N, H, [(tiles, out, lse)])
 
 
 @_jit
-def decode_attention(q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start, seq_ids, positions,
-                     block_pages: int | None = None, precision=None, interpret: bool = False,
+def decode_attention(q, k_cache, v_cache, layer, meta, *, precision=None, interpret: bool = False,
                      block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None):
     """Decode attention (FlashDecoding): one tile per query token, its G heads as rows, the keys split over
     `num_partitions` partitions. Correct for any batch; efficient when each sequence has one query token.
 
-    Arguments and results as `models.attention.paged_attention` (`block_pages` accepted, unused).
+    Arguments and results as `models.attention.paged_attention` (but `block_pages`).
     """
-    del block_pages
-    _check(q, k_cache, v_cache, page_table, interpret)
+    _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
     tiles = _token_tiles(jnp.ones(T, bool), T)
-    out, lse = _attend_tiles(q, k_cache, v_cache, layer, page_table, kv_lens, kv_start, seq_ids, positions,
-                             tiles, block_k=block_k, num_partitions=num_partitions, precision=precision,
-                             interpret=interpret)
+    out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, tiles, block_k=block_k,
+                             num_partitions=num_partitions, precision=precision, interpret=interpret)
     return _scatter(T, N, H, [(tiles, out, lse)])
 
 
 @_jit
-def paged_attention_pallas(q, k_cache, v_cache, layer, *, page_table, kv_lens, kv_start, seq_ids, positions,
-                           block_pages: int | None = None, precision=None, interpret: bool = False,
+def paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None, interpret: bool = False,
                            block_q: int | None = None, block_k: int = BLOCK_K,
                            decode_block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None,
                            decode_partitions: int | None = None):
     """A mixed step: tokens of one-token sequences (decodes) through decode tiles, the others through prefill
     tiles, both kernels launched with grids fixed by (T, B, M). Arguments and results as
-    `models.attention.paged_attention` (`block_pages` accepted, unused)."""
-    del block_pages
-    _check(q, k_cache, v_cache, page_table, interpret)
+    `models.attention.paged_attention` (but `block_pages`)."""
+    _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
-    B = page_table.shape[0]
+    B = meta.page_table.shape[0]
     bq = block_q or _default_block_q(N, k_cache.shape[3])
-    args = (q, k_cache, v_cache, layer, page_table, kv_lens, kv_start, seq_ids, positions)
+    args = (q, k_cache, v_cache, layer, meta)
+    seq_ids = meta.seq_ids
     counts = jnp.zeros(B, jnp.int32).at[seq_ids].add(1)
     is_decode = counts[seq_ids] == 1
     parts = []

@@ -1,10 +1,12 @@
-"""The reference paged attention against plain dense softmax attention."""
+"""The reference paged attention against plain dense softmax attention; the kernel names and `auto`."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.attention import NEG_INF, dense_attention_reference, paged_attention
+from models.attention import (AttentionMetadata, attention, dense_attention_reference, on_nvidia_gpu,
+                              paged_attention, resolve_attention)
+from models.kernels import ATTENTION_IMPLS, NEG_INF, resolve_attention_impl
 
 PAGE = 4
 
@@ -42,11 +44,11 @@ def test_paged_matches_dense(num_heads, num_kv_heads, block_pages):
         positions += list(range(kv_start[b] + n - q, kv_start[b] + n))
     T = len(seq_ids)
     q = rng.standard_normal((T, num_heads, H)).astype(np.float32)
-    out, lse = paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), layer,
-                               page_table=jnp.asarray(table), kv_lens=jnp.asarray(lens, jnp.int32),
-                               kv_start=jnp.asarray(kv_start), seq_ids=jnp.asarray(seq_ids, jnp.int32),
-                               positions=jnp.asarray(positions, jnp.int32), block_pages=block_pages,
-                               precision=jax.lax.Precision.HIGHEST)
+    meta = AttentionMetadata(seq_ids=jnp.asarray(seq_ids, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
+                             page_table=jnp.asarray(table), kv_lens=jnp.asarray(lens, jnp.int32),
+                             kv_start=jnp.asarray(kv_start))
+    out, lse = paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), layer, meta,
+                               block_pages=block_pages, precision=jax.lax.Precision.HIGHEST)
     t = 0
     for b, (n, nq) in enumerate(seqs):
         pages = table[b, :-(-n // PAGE)]
@@ -79,9 +81,36 @@ def test_numpy_softmax_cross_check():
 def test_no_visible_key_gives_zero_weight():
     """A token with no visible key (empty shard) returns out 0 and lse NEG_INF, never NaN."""
     k_cache = jnp.ones((1, 3, PAGE, 1, 8))
-    out, lse = paged_attention(jnp.ones((2, 2, 8)), k_cache, k_cache, 0, page_table=jnp.array([[1, 2]]),
-                               kv_lens=jnp.array([0]), kv_start=jnp.array([0]), seq_ids=jnp.array([0, 0]),
-                               positions=jnp.array([0, 1]), block_pages=1)
+    meta = AttentionMetadata(seq_ids=jnp.array([0, 0]), positions=jnp.array([0, 1]), page_table=jnp.array([[1, 2]]),
+                             kv_lens=jnp.array([0]), kv_start=jnp.array([0]))
+    out, lse = paged_attention(jnp.ones((2, 2, 8)), k_cache, k_cache, 0, meta, block_pages=1)
     assert not np.isnan(np.asarray(out)).any()
     np.testing.assert_array_equal(out, 0.0)
     np.testing.assert_array_equal(lse, np.float32(NEG_INF))
+
+
+def test_kernel_names_and_what_auto_means():
+    assert ATTENTION_IMPLS == ("auto", "reference", "pallas", "pallas_interpret")
+    assert resolve_attention_impl("auto", nvidia_gpu=False) == "reference"
+    assert resolve_attention_impl("auto", nvidia_gpu=True) == "pallas"
+    for name in ATTENTION_IMPLS[1:]:  # only auto chooses: a named implementation is itself everywhere
+        assert resolve_attention_impl(name, nvidia_gpu=False) == resolve_attention_impl(name, nvidia_gpu=True) == name
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'; valid: auto, reference, pallas, "
+                                         "pallas_interpret$"):
+        resolve_attention_impl("flash", nvidia_gpu=True)
+
+
+@pytest.mark.skipif(on_nvidia_gpu(), reason="auto is the Pallas kernels on an NVIDIA GPU")
+def test_auto_is_the_reference_off_nvidia_gpus():
+    assert resolve_attention("auto") == "reference"
+    rng = np.random.default_rng(1)
+    cache = jnp.asarray(rng.standard_normal((1, 4, PAGE, 1, 8)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((3, 2, 8)), jnp.float32)
+    meta = AttentionMetadata(seq_ids=jnp.array([0, 0, 0]), positions=jnp.array([3, 4, 5]),
+                             page_table=jnp.array([[1, 3]]), kv_lens=jnp.array([6]), kv_start=jnp.array([0]))
+    got = attention("auto", q, cache, cache, 0, meta, block_pages=1)
+    want = paged_attention(q, cache, cache, 0, meta, block_pages=1)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(TypeError, match="the reference attention takes no kernel options"):
+        attention("auto", q, cache, cache, 0, meta, block_pages=1, block_q=2)

@@ -23,6 +23,7 @@ def _run(engine, prompt):
 def test_engines_share_loaded_parts_and_agree():
     loaded = load(CFG)
     assert (loaded.max_model_len, loaded.num_pages) == (64, 1 + 4 * 16)  # default: 4 full-length requests
+    assert CFG.attention == "auto" and loaded.spec.attention == "reference"  # auto, resolved: no GPU in the tests
     a, b = LLMEngine(CFG, loaded), LLMEngine(CFG, loaded)
     assert a.executor.params is b.executor.params is loaded.params  # nothing loaded twice
     prompt = list(range(40, 60))

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from models import pallas_attention as pa
-from models.attention import ATTENTION_IMPLS, NEG_INF, attention, dense_attention_reference, paged_attention
+from models.attention import AttentionMetadata, attention, dense_attention_reference, paged_attention
+from models.kernels import ATTENTION_IMPLS, NEG_INF
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -55,8 +56,9 @@ def make_step(rng, seqs, *, num_heads, num_kv_heads, head_dim, page, dtype=np.fl
 
 
 def run(fn, step, **kw):
+    """`fn(q, k_cache, v_cache, layer, meta, **kw)` on a `make_step` step."""
     s = dict(step)
-    return fn(s.pop("q"), s.pop("k_cache"), s.pop("v_cache"), s.pop("layer"), **s, **kw)
+    return fn(s.pop("q"), s.pop("k_cache"), s.pop("v_cache"), s.pop("layer"), AttentionMetadata(**s), **kw)
 
 
 def f32(step):
@@ -172,10 +174,10 @@ def test_no_visible_key_gives_zero_weight():
     """Tokens of an empty sequence and tokens before a KVP shard's first key (prefill and decode tiles both):
     out 0, lse NEG_INF, never NaN."""
     k_cache = jnp.ones((1, 4, 4, 1, 8))
-    kw = dict(page_table=jnp.array([[1, 3], [2, 3], [1, 3]]), kv_lens=jnp.array([0, 5, 3]),
-              kv_start=jnp.array([0, 10, 10]), seq_ids=jnp.array([0, 0, 1, 1, 2]),
-              positions=jnp.array([0, 1, 3, 9, 5]))
-    out, lse = pa.paged_attention_pallas(jnp.ones((5, 2, 8)), k_cache, k_cache, 0, interpret=True, **kw)
+    meta = AttentionMetadata(page_table=jnp.array([[1, 3], [2, 3], [1, 3]]), kv_lens=jnp.array([0, 5, 3]),
+                             kv_start=jnp.array([0, 10, 10]), seq_ids=jnp.array([0, 0, 1, 1, 2]),
+                             positions=jnp.array([0, 1, 3, 9, 5]))
+    out, lse = pa.paged_attention_pallas(jnp.ones((5, 2, 8)), k_cache, k_cache, 0, meta, interpret=True)
     np.testing.assert_array_equal(out, 0.0)
     np.testing.assert_array_equal(lse, np.float32(NEG_INF))
 
@@ -221,8 +223,9 @@ def test_compiled_kernels_lower_to_triton(dtype):
 
     for fn, kernels in ((pa.paged_attention_pallas, 2), (pa.prefill_attention, 1), (pa.decode_attention, 1)):
         def local(q, k, v, table, lens, start, seq_ids, positions, fn=fn):
-            out, lse = fn(q[0], k, v, jnp.int32(1), page_table=table[0], kv_lens=lens[0], kv_start=start[0],
-                          seq_ids=seq_ids[0], positions=positions[0])
+            meta = AttentionMetadata(seq_ids=seq_ids[0], positions=positions[0], page_table=table[0],
+                                     kv_lens=lens[0], kv_start=start[0])
+            out, lse = fn(q[0], k, v, jnp.int32(1), meta)
             return out[None], lse[None]
 
         step = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs[n] for n in names),
@@ -234,9 +237,9 @@ def test_compiled_kernels_lower_to_triton(dtype):
 
 def test_switch_refuses_what_it_cannot_run():
     step = make_step(np.random.default_rng(0), [(5, 2, 0)], num_heads=2, num_kv_heads=1, **SMALL)
-    with pytest.raises(ValueError, match="valid: reference, pallas, pallas_interpret"):
+    with pytest.raises(ValueError, match="valid: auto, reference, pallas, pallas_interpret"):
         run(functools.partial(attention, "cudnn"), step, block_pages=1)
-    assert ATTENTION_IMPLS == ("reference", "pallas", "pallas_interpret")
+    assert ATTENTION_IMPLS == ("auto", "reference", "pallas", "pallas_interpret")
     if jax.default_backend() != "gpu":
         with pytest.raises(RuntimeError, match="attention='pallas' needs an NVIDIA GPU; use 'reference' or "
                                                "'pallas_interpret'"):
@@ -248,6 +251,7 @@ def test_switch_refuses_what_it_cannot_run():
         EngineConfig(attention="flash")
     with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
         ModelSpec(preset("tiny"), attention="flash")
+    assert EngineConfig().attention == ModelSpec(preset("tiny")).attention == "auto"  # the one that chooses
 
 
 def test_engine_with_interpreted_kernels_matches_reference():

@@ -170,6 +170,27 @@ def test_pipeline_pads_every_micro_batch_to_the_register():
 
 
 # ---------------------------------------------------------------------- profiles
+def test_attention_cost_models_by_the_engines_kernel_names():
+    """The predictor reads the engine's names (`models.kernels`): pallas is the ragged kernel's cost (the
+    default), reference the blockwise reference's, auto whichever runs on the hardware predicted."""
+    plan = [ChunkShape(100, 5000), ChunkShape(1, 300)]
+
+    def attention_s(hardware, name):
+        return Predictor(LLAMA8B, hardware, profile=dataclasses.replace(NO_OVERHEAD, attention=name)).breakdown(
+            plan)["attention"]
+
+    assert Profile().attention == "pallas"
+    assert attention_s("h100", "reference") > attention_s("h100", "pallas")  # padded rows x the longest's blocks
+    for hardware, runs in (("h100", "pallas"), ("a100", "pallas"), ("h200", "pallas"), ("cpu", "reference")):
+        assert HARDWARE[hardware].nvidia_gpu == (runs == "pallas")
+        assert attention_s(hardware, "auto") == attention_s(hardware, runs)
+        assert Predictor(LLAMA8B, hardware, profile=Profile(attention="auto")).attention == runs
+    with pytest.raises(ValueError, match="unknown attention implementation 'paged'; valid: auto, reference, pallas"):
+        Profile(attention="paged")
+    with pytest.raises(ValueError, match="'pallas_interpret' has no cost model"):
+        Profile(attention="pallas_interpret")
+
+
 def test_profile_round_trip(tmp_path):
     prof = Profile(linear_flops_eff=0.3, attn_block_overhead_s=2e-5, attention="reference", block_tokens=64)
     pred = Predictor(preset("tiny"), "cpu", dtype_bytes=4, profile=prof)

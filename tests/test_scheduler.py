@@ -752,6 +752,7 @@ pkg = types.ModuleType("mnemojax")
 pkg.__path__ = [{os.path.join(_REPO, "mnemojax")!r}]
 sys.modules["mnemojax"] = pkg
 import mnemojax.scheduler, mnemojax.kv_manager, mnemojax.request, mnemojax.sampling_params, mnemojax.pipeline
+import mnemojax.predictor, models.kernels
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "flax"))
 assert not heavy, heavy
 print("ok")

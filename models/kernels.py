@@ -1,0 +1,37 @@
+"""The attention kernels' names and what every implementation shares: plain Python, no jax.
+
+One vocabulary for the kernel choice, read by the model (`models.attention.attention`, `ModelSpec.attention`),
+the engine (`EngineConfig.attention`, `LLM(attention=...)`) and the runtime predictor's cost model
+(`mnemojax.predictor.Profile.attention`, which imports no jax, hence this module).
+"""
+from __future__ import annotations
+
+AUTO = "auto"
+REFERENCE = "reference"
+PALLAS = "pallas"
+PALLAS_INTERPRET = "pallas_interpret"
+
+ATTENTION_IMPLS = (AUTO, REFERENCE, PALLAS, PALLAS_INTERPRET)
+"""auto: `pallas` on an NVIDIA GPU, `reference` anywhere else (the only name that chooses: an explicitly named
+implementation that cannot run raises); reference: `models.attention.paged_attention` (plain jax.numpy, any
+backend); pallas: the Pallas Triton kernels of `models.pallas_attention`, compiled (NVIDIA GPU only);
+pallas_interpret: the same kernels in Pallas' interpreter (any backend: slow, for tests)."""
+
+# Large finite negative instead of -inf: a block with no valid key gives weight 0, not NaN (JAX_NOTES.md). The
+# log-sum-exp of a query token with no visible key, in every implementation.
+NEG_INF = -1e30
+
+
+def check_attention_impl(impl: str) -> None:
+    """Raises ValueError unless `impl` is one of ATTENTION_IMPLS."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention implementation {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+
+
+def resolve_attention_impl(impl: str, nvidia_gpu: bool) -> str:
+    """The implementation that runs for `impl`: `auto` is `pallas` when `nvidia_gpu`, else `reference`; any other
+    name is itself (whether it can run is its own check)."""
+    check_attention_impl(impl)
+    if impl == AUTO:
+        return PALLAS if nvidia_gpu else REFERENCE
+    return impl
