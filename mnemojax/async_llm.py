@@ -1,9 +1,12 @@
 """`AsyncLLM`: the engine in a background thread, streaming outputs to asyncio callers (for the server).
 
 The engine is not thread-safe, so only its thread touches it: callers send commands (add, abort) through a
-thread-safe queue and receive `RequestOutput`s on their own asyncio queue. The thread steps while there is
-work and otherwise blocks on the command queue (no busy-waiting). After every step it publishes a snapshot of
-its counters (`stats()`), which the server's metrics read without touching the engine.
+thread-safe queue and receive `RequestOutput`s on their own event loop. The thread steps while there is work and
+otherwise blocks on the command queue (no busy-waiting). After every step it publishes a snapshot of its counters
+(`stats()`), which the server's metrics read without touching the engine.
+
+A caller that reads slowly (or not at all) never makes outputs pile up: what it has not taken yet is one output,
+to which newer DELTA outputs are added and which a newer CUMULATIVE output replaces.
 """
 from __future__ import annotations
 
@@ -18,11 +21,41 @@ from typing import Any, Protocol
 
 from mnemojax.engine import EngineConfig, LLMEngine
 from mnemojax.outputs import RequestOutput
-from mnemojax.sampling_params import SamplingParams
+from mnemojax.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _ADD, _ABORT, _ABORT_ALL, _STOP = "add", "abort", "abort_all", "stop"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (its failure is logged, and chained as `__cause__`); no request can run."""
+
+    def __init__(self):
+        super().__init__("the engine thread has stopped")
+
+
+class _Stream:
+    """One request's outputs on their way to its caller: the output not taken yet (later ones merged into it), and
+    an event saying there is one. Touched only on the caller's event loop."""
+
+    def __init__(self, delta: bool):
+        self.delta = delta
+        self.pending: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if self.delta and isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
+            self.pending.add(item)
+        else:
+            self.pending = item  # a newer cumulative output holds all an older one did; a failure ends the stream
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self.ready.wait()
+        self.ready.clear()
+        item, self.pending = self.pending, None
+        return item
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +104,7 @@ class AsyncLLM:
                  idle_tick: Callable[[], None] | None = None, idle_tick_s: float = 1.0, **kwargs):
         self.engine = engine if engine is not None else LLMEngine(EngineConfig(model=model, **kwargs))
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._idle_tick, self._idle_tick_s = idle_tick, idle_tick_s
@@ -126,22 +159,24 @@ class AsyncLLM:
                        prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's output each time it makes progress; the last one has `finished` set.
 
-        Bad input raises ValueError (naming the field and the limit) before anything is yielded. If the
-        caller stops iterating (a client went away), the request is aborted and its pages are freed.
+        Bad input raises ValueError (naming the field and the limit) before anything is yielded; a failed
+        engine raises `EngineDeadError`. If the caller stops iterating (a client went away), the request is aborted
+        and its pages are freed. Outputs the caller has not taken yet are merged into one (see the module doc).
         """
         if self._error is not None:
-            raise RuntimeError("the engine thread has stopped") from self._error
+            raise EngineDeadError() from self._error
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._commands.put((_ADD, rid, prompt, params or SamplingParams(), prompt_token_ids))
+        params = params or SamplingParams()
+        stream = _Stream(params.output_kind is RequestOutputKind.DELTA)
+        self._streams[rid] = (asyncio.get_running_loop(), stream)
+        self._commands.put((_ADD, rid, prompt, params, prompt_token_ids))
         finished, waiting = False, True
         self.num_waiting += 1
         try:
             while True:
-                item = await q.get()
+                item = await stream.get()
                 if waiting:
                     waiting = False
                     self.num_waiting -= 1
@@ -173,11 +208,11 @@ class AsyncLLM:
 
     # ---------------------------------------------------------------- the engine thread
     def _send(self, rid: str, item) -> None:
-        stream = self._streams.get(rid)
-        if stream is not None:
-            loop, q = stream
+        entry = self._streams.get(rid)
+        if entry is not None:
+            loop, stream = entry
             try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
+                loop.call_soon_threadsafe(stream.put, item)
             except RuntimeError:  # the caller's loop has closed: nobody is listening
                 pass
 
@@ -187,18 +222,20 @@ class AsyncLLM:
                                   kv_pages_used=e.kv.num_used, kv_pages_total=e.kv.num_usable,
                                   preemptions=e.scheduler.num_preemptions)
 
-    def _finish(self, rid: str) -> None:
-        out = self.engine.pop_finished(rid)
+    def _finish(self, rid: str, last: RequestOutput) -> None:
+        """Sends a finished request's last output (a delta, for DELTA requests) to its caller, and its whole output
+        to the finished listeners."""
+        self._send(rid, last)
+        whole = self.engine.pop_finished(rid)
         for fn in self._finished_listeners:
-            fn(out)
-        self._send(rid, out)
+            fn(whole)
 
     def _abort(self, rid: str) -> None:
         e = self.engine
         req = e.requests.get(rid)
         if req is not None:
             e.abort(rid)
-            self._finish(rid)
+            self._finish(rid, e.output(req))
 
     def _handle(self, cmd) -> bool:
         e = self.engine
@@ -243,7 +280,7 @@ class AsyncLLM:
                     if out.request_id not in e.requests:
                         continue  # aborted (and answered) while its chunk was in flight
                     if out.finished:
-                        self._finish(out.request_id)
+                        self._finish(out.request_id, out)
                     else:
                         self._send(out.request_id, out)
                 self._publish()
@@ -251,6 +288,8 @@ class AsyncLLM:
             logger.exception("the engine failed; every request in flight gets an error")
             self._error = err
             for rid in list(self._streams):
-                self._send(rid, RuntimeError(f"engine failed: {err!r}"))
+                dead = EngineDeadError()
+                dead.__cause__ = err
+                self._send(rid, dead)
         finally:
             self._publish()

@@ -17,7 +17,7 @@ from mnemojax.kv_manager import KVCacheManager
 from mnemojax.loader import LoadedModel, load
 from mnemojax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mnemojax.request import Request
-from mnemojax.sampling_params import ParamError, SamplingParams
+from mnemojax.sampling_params import ParamError, RequestOutputKind, SamplingParams
 from mnemojax.predictor import HARDWARE
 from mnemojax.scheduler import POLICIES, Scheduler, SchedulerConfig
 from models.config import LlamaConfig
@@ -152,6 +152,7 @@ class LLMEngine:
                                    eos_token_ids=self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}  # of unfinished requests, when there is a tokenizer
+        self._delta_sent: dict[str, tuple[int, int, int]] = {}  # DELTA requests: prompt log-probs, tokens, chars
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
@@ -254,7 +255,12 @@ class LLMEngine:
             req.output_text = detok.text
 
     # ---------------------------------------------------------------- outputs out
-    def output(self, req: Request) -> RequestOutput:
+    def output(self, req: Request, kind: RequestOutputKind | None = None) -> RequestOutput:
+        """What `req` has produced (`kind` defaults to its `params.output_kind`). CUMULATIVE: everything so far.
+        DELTA: only what is new since its previous output (the prompt's ids in the first one only), so a step's
+        outputs cost what the step added, not copies of whole lists."""
+        if (kind or req.params.output_kind) is RequestOutputKind.DELTA:
+            return self._delta_output(req)
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
@@ -266,7 +272,25 @@ class LLMEngine:
                                    req.finished_time, list(req.token_times)),
             num_preemptions=req.num_preemptions)
 
+    def _delta_output(self, req: Request) -> RequestOutput:
+        first = req.request_id not in self._delta_sent
+        n_plp, n_tok, n_chr = self._delta_sent.get(req.request_id, (0, 0, 0))
+        plps = req.prompt_logprobs
+        self._delta_sent[req.request_id] = (len(plps or ()), len(req.output_token_ids), len(req.output_text))
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt if first else None,
+            prompt_token_ids=list(req.prompt_token_ids) if first else [],
+            prompt_logprobs=None if plps is None else plps[n_plp:],
+            outputs=[CompletionOutput(0, req.output_text[n_chr:], req.output_token_ids[n_tok:],
+                                      None if req.logprobs is None else req.logprobs[n_tok:],
+                                      req.finish_reason, req.stop_reason)],
+            finished=req.is_finished,
+            metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                   req.finished_time, req.token_times[n_tok:]),
+            num_preemptions=req.num_preemptions)
+
     def pop_finished(self, request_id: str) -> RequestOutput:
-        """The final output of a finished request, forgetting it."""
+        """The whole final output of a finished request (CUMULATIVE, whatever it asked for), forgetting it."""
         req = self.requests.pop(request_id)
-        return self.output(req)
+        self._delta_sent.pop(request_id, None)
+        return self.output(req, RequestOutputKind.CUMULATIVE)

@@ -48,3 +48,23 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_preemptions: int = 0
+
+    def add(self, later: RequestOutput) -> None:
+        """Appends `later`, the next DELTA output of the same request, to this one (vLLM's `RequestOutput.add`):
+        what a caller has not taken yet is kept as one output that grows, not a queue of outputs."""
+        mine, new = self.outputs[0], later.outputs[0]
+        mine.text += new.text
+        mine.token_ids.extend(new.token_ids)
+        if new.logprobs is not None:
+            mine.logprobs = mine.logprobs if mine.logprobs is not None else []
+            mine.logprobs.extend(new.logprobs)
+        mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else []
+            self.prompt_logprobs.extend(later.prompt_logprobs)
+        self.finished = later.finished
+        m, n = self.metrics, later.metrics
+        m.first_scheduled_time, m.first_token_time, m.finished_time = \
+            n.first_scheduled_time, n.first_token_time, n.finished_time
+        m.token_times.extend(n.token_times)
+        self.num_preemptions = later.num_preemptions

@@ -6,6 +6,7 @@ Plain Python (no jax): the scheduler and the HTTP front end import this. The dev
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
 
@@ -16,6 +17,15 @@ GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are treated as 0 (greedy argmax), as in vLLM (`_SAMPLING_EPS`)."""
 
 _MAX_SEED = 2**63
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's per-step outputs holds (vLLM's `RequestOutputKind`)."""
+
+    CUMULATIVE = "cumulative"
+    """Everything so far: each output copies the request's lists (the offline `LLM.generate` default)."""
+    DELTA = "delta"
+    """Only what is new since the previous output (the server streams these): a step costs what it added."""
 
 
 class ParamError(ValueError):
@@ -63,6 +73,8 @@ class SamplingParams:
     """Drop special tokens when detokenizing the output."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the output text."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """Whether each per-step output holds everything so far (CUMULATIVE) or only what is new (DELTA)."""
 
     def __post_init__(self):
         if self.stop is None:
@@ -132,6 +144,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ParamError(name, f"{name} must be a bool, got {value!r}")
+
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ParamError("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -1,11 +1,13 @@
 """AsyncLLM: concurrent streams equal the offline results, aborts free pages, bad input is answered alone."""
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
 
 from mnemojax import LLM, SamplingParams
 from mnemojax.async_llm import AsyncLLM
+from mnemojax.sampling_params import RequestOutputKind
 
 KW = dict(max_model_len=128, page_size=4, chunk_size=16, max_num_batched_tokens=32)
 
@@ -70,3 +72,33 @@ def test_bad_input_is_answered_and_others_continue(async_llm):
     outs = asyncio.run(main_engine_checks())
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
     assert async_llm.engine.kv.num_used == 0
+
+
+async def _wait_until_done(llm):
+    while llm.engine.requests or llm.engine.has_unfinished():
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # let the engine thread's last hand-offs reach this loop
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_a_caller_that_does_not_read_holds_one_merged_output(async_llm, kind):
+    """While its caller reads nothing, a request's outputs are merged (deltas added up, a cumulative one replaced
+    by the newer), not queued one per step: memory per request stays bounded by its own output."""
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True, logprobs=2, output_kind=kind)
+
+    async def main():
+        gen = async_llm.generate([5, 6, 7], params)
+        first = await anext(gen)
+        await _wait_until_done(async_llm)  # the request runs to its end meanwhile
+        return first, [o async for o in gen]
+
+    first, rest = asyncio.run(main())
+    assert len(rest) == 1 and rest[0].finished
+    ref = LLM("tiny", **KW).generate([[5, 6, 7]], dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE))
+    ref = ref[0].outputs[0]
+    last = rest[0].outputs[0]
+    if kind is RequestOutputKind.DELTA:
+        first.add(rest[0])
+        last = first.outputs[0]
+    assert last.token_ids == ref.token_ids and last.text == ref.text and len(last.logprobs) == 24
+    assert last.logprobs == ref.logprobs
