@@ -1,8 +1,9 @@
 """Incremental detokenization with stop strings: one request's output text, grown token by token.
 
 The shape of vLLM's `v1/engine/detokenizer.py`: each new token decodes only a short window of the newest
-tokens (not the whole output again), stop strings are searched only where new text could complete them, and
-the text that a later token could still take back is held back here, nowhere else:
+tokens (not the whole output again), stop strings are matched only over the new text (Knuth-Morris-Pratt: a new
+character costs the same whatever a stop string's length), and the text that a later token could still take back
+is held back here, nowhere else:
 - an incomplete UTF-8 character (its bytes decode to U+FFFD until the last one arrives) is not text yet;
 - the longest tail of the text that is the start of a stop string is held back, since a stop string that
   completes later is cut from the output.
@@ -20,13 +21,43 @@ from mnemojax.sampling_params import SamplingParams
 _REPLACEMENT = "\ufffd"
 
 
+class _StopMatcher:
+    """One stop string, matched as the text grows (Knuth-Morris-Pratt). `held` is the length of the longest end of
+    the text so far that is a start of the string: what a later token could still complete."""
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self._fail = [0] * len(stop)  # [i]: the longest proper start of stop[:i + 1] that also ends it
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self._fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self._fail[i] = k
+        self.held = 0
+
+    def feed(self, text: str) -> int:
+        """Reads `text` on; returns where in it the first complete match ends, or -1."""
+        stop, fail, k = self.stop, self._fail, self.held
+        for i, c in enumerate(text):
+            while k and stop[k] != c:
+                k = fail[k - 1]
+            if stop[k] == c:
+                k += 1
+                if k == len(stop):
+                    return i + 1
+        self.held = k
+        return -1
+
+
 class Detokenizer:
     """Turns one request's generated token ids into text and finds its stop strings."""
 
     def __init__(self, tokenizer, params: SamplingParams):
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
-        self._stop = list(params.stop)
+        self._stops = [_StopMatcher(s) for s in params.stop]
         self._include_stop = params.include_stop_str_in_output
         self._ids: list[int] = []
         self._start = 0  # the undecoded window starts at this token (a character boundary)
@@ -59,25 +90,18 @@ class Detokenizer:
         before = len(self.text)
         self.text += new
         self._start = upto
-        for s in self._stop:
-            at = self.text.find(s, max(0, before - len(s) + 1))
-            if at >= 0:
-                self.text = self.text[:at + len(s) if self._include_stop else at]
+        for m in self._stops:  # the first stop string (in the request's order) that the new text completes
+            end = m.feed(new)
+            if end >= 0:
+                at = before + end - len(m.stop)
+                self.text = self.text[:at + len(m.stop) if self._include_stop else at]
                 self.finished = True
-                return s
+                return m.stop
         return None
-
-    def _held_back(self) -> int:
-        """Characters at the end of the text that could still be the start of a stop string."""
-        held = 0
-        for s in self._stop:
-            for k in range(min(len(s) - 1, len(self.text)), held, -1):
-                if self.text.endswith(s[:k]):
-                    held = k
-                    break
-        return held
 
     @property
     def stable_text(self) -> str:
-        """The text no later token can change: all of it once finished."""
-        return self.text if self.finished else self.text[:len(self.text) - self._held_back()]
+        """The text no later token can change (all of it once finished): without the longest end of the text that
+        could still be the start of a stop string."""
+        held = max((m.held for m in self._stops), default=0)
+        return self.text if self.finished or not held else self.text[:len(self.text) - held]

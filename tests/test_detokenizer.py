@@ -85,3 +85,43 @@ def test_adding_after_finish_raises():
     assert stop == "b"
     with pytest.raises(RuntimeError, match="finished"):
         d.add([1])
+
+
+def _time_tokens(stop: list[str], ids: list[int]) -> float:
+    import time
+
+    d = Detokenizer(BYTES, SamplingParams(stop=stop))
+    t0 = time.perf_counter()
+    for t in ids:
+        d.add([t])
+        d.stable_text
+    return time.perf_counter() - t0
+
+
+def test_stop_strings_cost_per_token_does_not_grow_with_their_length():
+    """A long stop string costs about what a short one does per token, not time proportional to its length (here
+    no tail of the output starts it, so a check that tries every possible length of held-back text tries all)."""
+    ids = list(b"b" * 1500)
+    short = min(_time_tokens(["ab"], ids) for _ in range(3))
+    long = min(_time_tokens(["a" * 1023 + "b"], ids) for _ in range(3))
+    assert long < 10 * short, (long, short)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stop_and_held_back_text_match_a_brute_force_reference(seed):
+    rng = np.random.default_rng(seed)
+    alphabet = list(b"ab")
+    stops = ["".join(chr(c) for c in rng.choice(alphabet, int(rng.integers(1, 7)))) for _ in range(3)]
+    ids = [int(c) for c in rng.choice(alphabet, 40)]
+    d = Detokenizer(BYTES, SamplingParams(stop=stops))
+    text = ""
+    for t in ids:
+        text += chr(t)
+        stop = d.add([t])
+        if any(s in text for s in stops):
+            s = next(s for s in stops if s in text)  # the first stop string (in the request's order) present
+            assert stop == s and d.text == text[:text.find(s)]
+            return
+        assert stop is None
+        held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        assert d.stable_text == text[:len(text) - held]
