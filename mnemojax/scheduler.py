@@ -438,7 +438,7 @@ class Scheduler:
                 continue
             if req.status is RequestStatus.WAITING:
                 if not self.kv.can_grow(req, n):
-                    logger.info("request %s waits: not enough free KV pages (%d of %d in use)", req.request_id,
+                    logger.debug("request %s waits: not enough free KV pages (%d of %d in use)", req.request_id,
                                 self.kv.num_used, self.kv.num_usable)
                     req.kv_ranks, req.pages = [], []
                     if c.policy == "fcfs":
