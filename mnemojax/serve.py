@@ -8,12 +8,17 @@ Multi-host: start the same command on every process with `--coordinator_address 
 --process_id i`; process 0 serves HTTP and schedules, the others run its steps (see `mnemojax.multihost`).
 
 SIGTERM (or Ctrl-C) drains: new requests get 503, requests in flight may finish for `--shutdown_grace_s`, then
-the rest are aborted with a final message (finish_reason "abort"), and the process exits 0.
+the rest are aborted with a final message (finish_reason "abort"), and the process exits 0. A second signal ends
+the grace at once (the same final messages); a third stops without them.
+
+The API key is best given by `--api_key_file` or the MNEMOJAX_API_KEY environment variable: `--api_key` shows it
+in the process list.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 from absl import app, flags
@@ -41,41 +46,50 @@ def _init_distributed(mh: MultiHostConfig) -> int:
 
 
 class _Server:
-    """uvicorn, with SIGTERM / SIGINT draining instead of cutting streams (and no re-raised signal at exit)."""
+    """uvicorn with the connection timeouts (`mnemojax.serving.http`), and signals that drain instead of cutting
+    streams: the first SIGTERM / SIGINT drains with a grace period, the second ends the grace (abort now, final
+    chunks still sent), a third exits at once. No signal is re-raised at exit."""
 
-    def __init__(self, fastapi_app, llm, host: str, port: int, grace_s: float):
+    def __init__(self, fastapi_app, llm, config: ServerConfig):
         import uvicorn
+
+        from mnemojax.serving.http import uvicorn_config
 
         outer = self
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):  # runs in the main thread, which runs the event loop
-                if outer.draining:  # a second signal: stop now
-                    self.should_exit = True
-                    self.force_exit = True
-                    return
-                outer.draining = True
-                asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(outer.drain()))
+                outer.signals += 1
+                loop = asyncio.get_event_loop()
+                if outer.signals == 1:
+                    loop.call_soon_threadsafe(lambda: asyncio.ensure_future(outer.drain()))
+                elif outer.signals == 2:
+                    loop.call_soon_threadsafe(outer.hurry.set)
+                else:
+                    self.should_exit = self.force_exit = True
 
-        config = uvicorn.Config(fastapi_app, host=host, port=port, log_level="info",
-                                timeout_graceful_shutdown=5)
-        self.server = Server(config)
-        self.app, self.llm, self.grace_s = fastapi_app, llm, grace_s
-        self.draining = False
+        self.server = Server(uvicorn_config(fastapi_app, config, log_level="info", timeout_graceful_shutdown=5))
+        self.app, self.llm, self.grace_s = fastapi_app, llm, config.shutdown_grace_s
+        self.signals = 0
+        self.hurry = asyncio.Event()  # a second signal: the grace is over
+
+    async def _wait_for_requests(self, seconds: float) -> None:
+        """Until no request is in flight, `seconds` pass, or (the grace only) a second signal comes."""
+        deadline = time.monotonic() + seconds
+        while self.llm.num_active and time.monotonic() < deadline and not self.hurry.is_set():
+            await asyncio.sleep(0.05)
 
     async def drain(self) -> None:
         state = self.app.state.server
-        state.draining = True
-        logger.info("draining: no new requests; %d in flight get up to %.0f s", self.llm.num_active, self.grace_s)
-        deadline = time.monotonic() + self.grace_s
-        while self.llm.num_active and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        state.start_draining()
+        logger.info("draining: no new requests; %d in flight get up to %.0f s (a second signal aborts them now)",
+                    self.llm.num_active, self.grace_s)
+        await self._wait_for_requests(self.grace_s)
         if self.llm.num_active:
             logger.info("aborting %d requests still in flight", self.llm.num_active)
             self.llm.abort_all()
-            deadline = time.monotonic() + 5.0
-            while self.llm.num_active and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            self.hurry.clear()
+            await self._wait_for_requests(5.0)
         await asyncio.sleep(0.1)  # let the last responses flush
         self.server.should_exit = True
 
@@ -87,7 +101,11 @@ def main(argv):
     del argv
     from mnemojax.engine import EngineConfig
 
-    config, server, mh = from_flags(EngineConfig), from_flags(ServerConfig), from_flags(MultiHostConfig)
+    config, mh = from_flags(EngineConfig), from_flags(MultiHostConfig)
+    try:
+        server = from_flags(ServerConfig).with_api_key(os.environ)
+    except (OSError, ValueError) as e:
+        raise app.UsageError(str(e)) from None
     num_processes = _init_distributed(mh)
     from mnemojax.async_llm import AsyncLLM
     from mnemojax.engine import LLMEngine
@@ -103,13 +121,12 @@ def main(argv):
         leader = multihost.Leader()
     engine = LLMEngine(config, channel=leader)
     llm = AsyncLLM(engine=engine, idle_tick=None if leader is None else leader.noop)
-    name = server.served_model_name or config.model
-    fastapi_app = build_app(llm, served_model_name=name, api_key=server.api_key, max_queue=server.max_queue,
-                            max_request_bytes=server.request_bytes_limit(engine.max_model_len))
-    logger.info("serving %r as %r on http://%s:%d (mesh kvp=%d spp=%d tp=%d, max_model_len %d)", config.model, name,
-                server.host, server.port, config.kvp, config.spp, config.tp, engine.max_model_len)
+    fastapi_app = build_app(llm, server)
+    logger.info("serving %r as %r on http://%s:%d (mesh kvp=%d spp=%d tp=%d, max_model_len %d%s)", config.model,
+                fastapi_app.state.server.served_model_name, server.host, server.port, config.kvp, config.spp,
+                config.tp, engine.max_model_len, ", API key required" if server.api_key else "")
     try:
-        _Server(fastapi_app, llm, server.host, server.port, server.shutdown_grace_s).run()
+        _Server(fastapi_app, llm, server).run()
     finally:
         llm.shutdown()
         if leader is not None:

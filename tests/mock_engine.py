@@ -4,6 +4,8 @@
 The byte tokenizer; output token i (from 0) of a request is `(p + 1 + i) % 256`, where p is its last prompt token,
 with log-prob `-(i + 1) / 10` and, as its only other top entry, token `(t + 1) % 256` at that log-prob minus 1.
 It stops at `max_tokens` ("length"), at a stop token id, or at a stop string (the engine's own `Detokenizer`).
+Outputs are cumulative or deltas, as the request's `output_kind` asks. `token_delay_s` paces the tokens (a slow
+engine); `fail_after` makes `generate` raise `failure` after that many tokens (a failing engine).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import asyncio
 from mnemojax.async_llm import EngineStats
 from mnemojax.detokenizer import Detokenizer
 from mnemojax.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from mnemojax.sampling_params import ParamError, SamplingParams
+from mnemojax.sampling_params import ParamError, RequestOutputKind, SamplingParams
 from models.tokenizer import ByteTokenizer
 
 
@@ -22,14 +24,19 @@ def mock_tokens(last_prompt_token: int, n: int) -> list[int]:
 
 class MockEngine:
     model = "mock"
-    max_model_len = 64
     is_alive = True
 
-    def __init__(self):
+    def __init__(self, max_model_len: int = 64, token_delay_s: float = 0.0, fail_after: int | None = None,
+                 failure: BaseException | None = None):
         self.tokenizer = ByteTokenizer()
+        self.max_model_len = max_model_len
+        self.token_delay_s = token_delay_s
+        self.fail_after, self.failure = fail_after, failure
         self.num_waiting = 0
         self.num_active = 0
         self.requests: list[tuple[list[int], SamplingParams]] = []  # what generate() was asked, in order
+        self.finished: list[str] = []  # finish reasons of requests that ran to their end
+        self.dropped = 0  # requests whose caller stopped listening before their end
         self._listeners = []
 
     def validate(self, prompt, params: SamplingParams) -> list[int]:
@@ -44,13 +51,17 @@ class MockEngine:
     async def generate(self, prompt, params=None, request_id=None, *, prompt_token_ids=None):
         ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
         self.requests.append((ids, params))
+        delta = params.output_kind is RequestOutputKind.DELTA
         detok = Detokenizer(self.tokenizer, params)
         out_ids, lps = [], []
         reason = stop_reason = None
+        sent_tokens = sent_text = 0
         self.num_active += 1
         try:
             for i, t in enumerate(mock_tokens(ids[-1], params.max_tokens)):
-                await asyncio.sleep(0)
+                await asyncio.sleep(self.token_delay_s)
+                if self.fail_after is not None and i >= self.fail_after:
+                    raise self.failure
                 lp = -(i + 1) / 10
                 out_ids.append(t)
                 lps.append({t: lp, (t + 1) % 256: lp - 1})
@@ -63,17 +74,29 @@ class MockEngine:
                     reason = "length"
                 if reason is not None:
                     detok.flush()
-                out = RequestOutput(request_id, None, ids, None, [CompletionOutput(
-                    0, detok.stable_text, list(out_ids), list(lps) if params.logprobs is not None else None,
-                    reason, stop_reason)], reason is not None, RequestMetrics(0.0, 0.0, 0.0, None, []))
+                out = self._output(request_id, ids, detok.stable_text, out_ids, lps, params, reason, stop_reason,
+                                   *((sent_tokens, sent_text) if delta else (0, 0)))
+                sent_tokens, sent_text = len(out_ids), len(detok.stable_text)
                 if reason is not None:
+                    self.finished.append(reason)
+                    whole = self._output(request_id, ids, detok.text, out_ids, lps, params, reason, stop_reason)
                     for fn in self._listeners:
-                        fn(out)
+                        fn(whole)
                 yield out
                 if reason is not None:
                     return
         finally:
             self.num_active -= 1
+            if reason is None:
+                self.dropped += 1
+
+    @staticmethod
+    def _output(rid, prompt_ids, text, ids, lps, params, reason, stop_reason, tokens=0, chars=0) -> RequestOutput:
+        """The output from token `tokens` and character `chars` on (all of it by default; the prompt only in an
+        output that starts at the beginning)."""
+        return RequestOutput(rid, None, prompt_ids if tokens == 0 else [], None, [CompletionOutput(
+            0, text[chars:], ids[tokens:], lps[tokens:] if params.logprobs is not None else None, reason, stop_reason)],
+            reason is not None, RequestMetrics(0.0, 0.0, 0.0, None, []))
 
     def stats(self) -> EngineStats:
         return EngineStats()

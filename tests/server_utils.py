@@ -2,6 +2,7 @@
 and reading /metrics."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -22,16 +23,19 @@ def free_port() -> int:
 
 
 class ThreadServer:
-    """A FastAPI app served by uvicorn on a free loopback port, in a background thread."""
+    """An app of `build_app` served by uvicorn on a free loopback port, in a background thread, set up as
+    `python -m mnemojax.serve` sets it up (the connection timeouts of the app's config)."""
 
     def __init__(self, app):
         import uvicorn
 
+        from mnemojax.serving.http import uvicorn_config
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        config = dataclasses.replace(app.state.server.config, host="127.0.0.1", port=self.port)
         # log_config=None: uvicorn's default logging.config.dictConfig would close pytest's log-capture handlers
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    log_config=None))
+        self.server = uvicorn.Server(uvicorn_config(app, config, log_level="warning", log_config=None))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -5,22 +5,29 @@ GET /health, GET /metrics. Streaming responses are server-sent events (`data: {j
 `data: [DONE]`.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`:
-- 400 bad input (the message names the field and the limit): malformed JSON, invalid UTF-8, a wrong type, an
-  empty prompt, prompt + max_tokens beyond max_model_len, temperature / top_p / top_k / max_tokens / n out of
-  range, an unknown model name;
+- 400 bad input (the message names the field and the limit): malformed JSON, invalid UTF-8 or a lone surrogate,
+  a wrong type (types are strict), an empty prompt, prompt + max_tokens beyond max_model_len, a sampling field out
+  of range, more stop strings, stop characters, stop token ids or choices than the server's limits, an unknown
+  model name or chat role;
 - 401 a missing or wrong API key (only when the server has one; /health and /metrics stay open);
+- 408 the body did not arrive within the body timeout;
 - 413 a body larger than the limit;
 - 429 the queue of requests waiting for their first step is full;
+- 500 only the server's own failure, whose text goes to the log, never to the client;
 - 503 the server is shutting down.
-A bad request is answered alone: nothing is queued for it and the engine keeps serving everyone else.
+A bad request is answered alone: nothing is queued for it and the engine keeps serving everyone else. The body is
+read as JSON whatever its Content-Type says.
 
 A client that goes away (mid-stream or while waiting for a whole response) has its requests aborted at the
-engine's next step, which frees their KV pages.
+engine's next step, which frees their KV pages; so does one that reads nothing for the write timeout
+(`mnemojax.serving.http` holds the connection timeouts).
 
 The app talks to the engine only through `mnemojax.async_llm.EngineClient`, so it serves `AsyncLLM` or a mock.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -31,40 +38,50 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mnemojax.async_llm import EngineClient
-from mnemojax.serving.base import APIError, ServerState, error_body
+from mnemojax.serving.base import INTERNAL_ERROR, APIError, ServerState, error_body
 from mnemojax.serving.chat import ServingChat
 from mnemojax.serving.completions import ServingCompletion
-from mnemojax.serving.protocol import ChatCompletionRequest, CompletionRequest
+from mnemojax.serving.config import ServerConfig
+from mnemojax.serving.protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error
 
 logger = logging.getLogger(__name__)
 
 
+_DRAINING = "the server is shutting down and takes no new requests"
+_JSON = (b"content-type", b"application/json")
+
+
 class GuardMiddleware:
-    """Pure ASGI middleware in front of the app: draining -> 503, API key -> 401, body size -> 413, and invalid
-    UTF-8 -> 400, all before any route runs."""
+    """Pure ASGI middleware in front of the app: draining -> 503, API key -> 401, and a POST body read whole
+    before any route runs: over the size limit -> 413, not all there within the body timeout -> 408, draining
+    starts meanwhile -> 503, invalid UTF-8 -> 400. The body then reaches the app as JSON (whatever Content-Type
+    the client sent)."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
 
-    async def _reply(self, send, status: int, message: str, param: str | None = None):
+    async def _reply(self, send, status: int, message: str, param: str | None = None, close: bool = False):
+        """An error response; `close` when the connection cannot serve another request (its body unread)."""
         self.state.metrics.observe_error(status)
         body = json.dumps(error_body(status, message, param)).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        headers = [_JSON, (b"content-length", str(len(body)).encode())] + [(b"connection", b"close")] * close
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    def _authorized(self, authorization: bytes) -> bool:
+        """`Authorization: Bearer <key>`, compared as bytes (a key need not be Latin-1) in constant time."""
+        scheme, _, given = authorization.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given, self.state.api_key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1"):
             return await self.app(scope, receive, send)
         st = self.state
         if st.draining:
-            return await self._reply(send, 503, "the server is shutting down and takes no new requests")
+            return await self._reply(send, 503, _DRAINING)
         headers = dict(scope["headers"])
-        if st.api_key is not None:
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            given = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode("latin-1"), st.api_key.encode("latin-1")):
-                return await self._reply(send, 401, "missing or wrong API key (Authorization: Bearer <key>)")
+        if st.api_key is not None and not self._authorized(headers.get(b"authorization", b"")):
+            return await self._reply(send, 401, "missing or wrong API key (Authorization: Bearer <key>)")
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         limit = st.max_request_bytes
@@ -74,23 +91,16 @@ class GuardMiddleware:
             declared = 0
         if declared > limit:
             return await self._reply(send, 413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            if size > limit:
-                return await self._reply(send, 413, f"request body exceeds the limit of {limit} bytes")
-            if not msg.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        body = await self._read_body(receive, send)
+        if body is None:
+            return
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as e:
             return await self._reply(send, 400, f"request body is not valid UTF-8 (byte {e.start}): {e.reason}",
                                      "body")
+        if st.draining:
+            return await self._reply(send, 503, _DRAINING)
         replayed = False
 
         async def replay():
@@ -100,18 +110,41 @@ class GuardMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
+        scope = {**scope, "headers": [h for h in scope["headers"] if h[0] != b"content-type"] + [_JSON]}
         return await self.app(scope, replay, send)
 
+    async def _read_body(self, receive, send) -> bytes | None:
+        """The whole body; or None, after answering (413, 408, 503) or when the client went away."""
+        st, limit = self.state, self.state.max_request_bytes
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + st.config.body_timeout_s
+        draining = st.drain_started()
+        chunks, size = [], 0
+        while True:
+            message = asyncio.ensure_future(receive())
+            await asyncio.wait({message, draining}, timeout=max(0.0, deadline - loop.time()),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not message.done():
+                message.cancel()
+                if draining.done():
+                    return await self._reply(send, 503, _DRAINING, close=True)
+                return await self._reply(send, 408, f"the request body did not arrive within "
+                                                    f"{st.config.body_timeout_s:g} s", "body", close=True)
+            msg = message.result()
+            if msg["type"] == "http.disconnect":
+                return None
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return await self._reply(send, 413, f"request body exceeds the limit of {limit} bytes")
+            if not msg.get("more_body", False):
+                return b"".join(chunks)
 
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
-
-def build_app(llm: EngineClient, *, served_model_name: str = "tiny", api_key: str | None = None,
-              max_queue: int = 256, max_request_bytes: int = 1 << 22) -> FastAPI:
-    """The FastAPI app serving `llm`. `app.state.server` holds the `ServerState` (draining flag, metrics)."""
-    st = ServerState(llm, served_model_name, api_key, max_queue, max_request_bytes)
+def build_app(llm: EngineClient, config: ServerConfig | None = None, **overrides) -> FastAPI:
+    """The FastAPI app serving `llm` under `config` (keyword arguments override its fields). `app.state.server`
+    holds the `ServerState` (config, draining flag, metrics)."""
+    st = ServerState(llm, dataclasses.replace(config or ServerConfig(), **overrides))
     app = FastAPI(title="mnemojax", version="0.1.0",
                   description="OpenAI-compatible API of mnemojax (exact long-context Llama-3 serving in JAX).")
     app.state.server = st
@@ -129,12 +162,8 @@ def build_app(llm: EngineClient, *, served_model_name: str = "tiny", api_key: st
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        err = exc.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid":
-            return error_response(400, f"malformed JSON in the request body: {err.get('msg')}", "body")
-        param = ".".join(loc) or "body"
-        return error_response(400, f"{param}: {err.get('msg')} (got {_short(err.get('input'))})", param)
+        param, message = describe_validation_error(exc.errors())
+        return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -142,8 +171,8 @@ def build_app(llm: EngineClient, *, served_model_name: str = "tiny", api_key: st
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
-        logger.exception("internal error serving %s", request.url.path)
-        return error_response(500, f"internal error: {exc!r}")
+        logger.error("internal error serving %s: %r (the server logs its traceback)", request.url.path, exc)
+        return error_response(500, INTERNAL_ERROR)
 
     @app.get("/health")
     async def health():
@@ -161,7 +190,7 @@ def build_app(llm: EngineClient, *, served_model_name: str = "tiny", api_key: st
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": st.created,
+        return {"object": "list", "data": [{"id": st.served_model_name, "object": "model", "created": st.created,
                                             "owned_by": "mnemojax", "root": llm.model,
                                             "max_model_len": llm.max_model_len}]}
 

@@ -3,6 +3,11 @@ error bodies, admission (every prompt and field validated before anything is que
 choices, streaming them as server-sent events, usage, and logprob token strings.
 
 An endpoint subclasses `OpenAIServing` and says only how its chunks and its whole response look.
+
+Requests ask the engine for DELTA outputs. A stream takes each choice's output before the next is asked for, so
+what a slow client has not read waits in the engine client, merged into one output per choice (`AsyncLLM`); a
+whole response adds each choice's outputs up as they come. Either way memory grows with the output, never with a
+queue of per-step outputs.
 """
 from __future__ import annotations
 
@@ -17,18 +22,22 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from mnemojax.async_llm import EngineClient
-from mnemojax.outputs import RequestOutput
-from mnemojax.sampling_params import ParamError, SamplingParams
+from mnemojax.async_llm import EngineClient, EngineDeadError
+from mnemojax.outputs import CompletionOutput, RequestOutput
+from mnemojax.sampling_params import ParamError, RequestOutputKind, SamplingParams
+from mnemojax.serving.config import ServerConfig
 from mnemojax.serving.metrics import ServerMetrics
 from models.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                500: "internal_server_error", 503: "service_unavailable"}
+                405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
 DONE = "data: [DONE]\n\n"
+INTERNAL_ERROR = "internal error; the server log has the details"
+"""A 500's whole message: an exception's text may hold anything (paths, keys), so it goes to the log only."""
+ENGINE_STOPPED = "the engine thread has stopped; the server log has the details"
 
 
 class APIError(Exception):
@@ -38,6 +47,9 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error body. The message may quote a client's input, so what UTF-8 cannot encode (a lone surrogate)
+    is written as an escape rather than failing the response."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "param": param,
                       "code": status}}
 
@@ -47,52 +59,81 @@ def bad_request(err: ValueError, prefix: str = "") -> APIError:
     return APIError(400, prefix + str(err), getattr(err, "param", None))
 
 
+def _api_error(e: BaseException) -> BaseException:
+    """A failure of the engine client as the client should see it: bad input is a 400 naming its field; a stopped
+    engine a 500 that says so (its exception is in the log); anything else stays itself (a 500 saying nothing)."""
+    if isinstance(e, ValueError):
+        return bad_request(e)
+    if isinstance(e, EngineDeadError):
+        return APIError(500, ENGINE_STOPPED)
+    return e
+
+
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class ServerState:
-    """What every endpoint reads: the engine client, the server's limits, its draining flag and metrics."""
+    """What every endpoint reads: the engine client, the server's config (limits, API key), its draining flag and
+    metrics."""
 
-    def __init__(self, llm: EngineClient, served_model_name: str, api_key: str | None, max_queue: int,
-                 max_request_bytes: int):
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+    def __init__(self, llm: EngineClient, config: ServerConfig):
         self.llm = llm
-        self.served_model_name = served_model_name
-        self.api_key = api_key
-        self.max_queue = max_queue
-        self.max_request_bytes = max_request_bytes
+        self.config = config
+        self.served_model_name = config.served_model_name or llm.model
+        self.api_key = None if config.api_key is None else config.api_key.encode("utf-8")
+        self.max_request_bytes = config.request_bytes_limit(llm.max_model_len)
         self.draining = False
-        self.metrics = ServerMetrics(llm.stats, served_model_name)
+        self._drain_started: asyncio.Future | None = None
+        self.metrics = ServerMetrics(llm.stats, self.served_model_name)
         self.created = int(time.time())
+
+    def start_draining(self) -> None:
+        """New requests get 503 from now on, and so do requests whose body is still arriving. On the event loop."""
+        self.draining = True
+        if self._drain_started is not None and not self._drain_started.done():
+            self._drain_started.set_result(None)
+
+    def drain_started(self) -> asyncio.Future:
+        """A future that is done once draining starts (a wait for a client ends there)."""
+        if self._drain_started is None:
+            self._drain_started = asyncio.get_running_loop().create_future()
+            if self.draining:
+                self._drain_started.set_result(None)
+        return self._drain_started
 
 
 @dataclasses.dataclass(eq=False)
 class Choice:
-    """One choice's progress: its request, and what has been sent of it so far."""
+    """One choice: its request, and what it has received from the engine and not yet given to the response."""
 
     index: int
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
-    sent_text: int = 0
-    sent_tokens: int = 0
-    output: RequestOutput | None = None
+    pending: RequestOutput | None = None  # received, not taken: the DELTA outputs added up
+    num_tokens: int = 0  # generated so far
+    taken_chars: int = 0  # characters of text taken so far
+    done: bool = False  # its engine request has ended (finished, failed or aborted)
+    emptied: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set while nothing is pending
 
-    def take_new_tokens(self):
-        """The tokens (and their logprob dicts) not yet sent, marked as sent."""
-        co, start = self.output.outputs[0], self.sent_tokens
-        self.sent_tokens = len(co.token_ids)
-        return co.token_ids[start:], (co.logprobs or [])[start:]
+    def receive(self, out: RequestOutput) -> None:
+        self.num_tokens += len(out.outputs[0].token_ids)
+        self.emptied.clear()
+        if self.pending is None:
+            self.pending = out
+        else:
+            self.pending.add(out)
 
-    def take_new_text(self) -> str:
-        """The text not yet sent, marked as sent. The engine's output text never shows what a later token could
-        still change, so it only grows."""
-        text = self.output.outputs[0].text
-        delta = text[self.sent_text:]
-        self.sent_text = len(text)
-        return delta
+    def take(self) -> CompletionOutput | None:
+        """What arrived since the last take (text, tokens, log-probs, finish reason), or None if nothing did. The
+        engine's text never shows what a later token could still change, so text taken is never taken back."""
+        if self.pending is None:
+            return None
+        co, self.pending = self.pending.outputs[0], None
+        self.emptied.set()
+        self.taken_chars += len(co.text)
+        return co
 
 
 class OpenAIServing:
@@ -114,9 +155,28 @@ class OpenAIServing:
             raise APIError(400, f"model {model!r} does not exist; this server serves "
                                 f"{self.state.served_model_name!r}", "model")
 
+    def check_limits(self, params: SamplingParams, num_prompts: int, n: int) -> None:
+        """The server's own limits on one request (400 naming the field and the limit)."""
+        cfg = self.state.config
+        if len(params.stop) > cfg.max_stop_strings:
+            raise APIError(400, f"stop: {len(params.stop)} stop strings; the limit is {cfg.max_stop_strings}", "stop")
+        chars = sum(len(s) for s in params.stop)
+        if chars > cfg.max_stop_chars:
+            raise APIError(400, f"stop: the stop strings have {chars} characters in all; the limit is "
+                                f"{cfg.max_stop_chars}", "stop")
+        if len(params.stop_token_ids) > cfg.max_stop_token_ids:
+            raise APIError(400, f"stop_token_ids: {len(params.stop_token_ids)} ids; the limit is "
+                                f"{cfg.max_stop_token_ids}", "stop_token_ids")
+        most = min(cfg.max_choices, cfg.max_queue)
+        if num_prompts * n > most:
+            raise APIError(400, f"{num_prompts} prompt(s) with n = {n} make {num_prompts * n} choices; this server "
+                                f"takes at most {most} in one request", "n" if n > 1 else "prompt")
+
     def admit(self, prompts: list, base: SamplingParams, n: int) -> list[Choice]:
         """Validates every prompt before anything is queued; 400 or 429 on failure. Each prompt gets `n` choices:
         with a seed, choice j draws with seed + j (choice 0 equals the same request with n = 1)."""
+        self.check_limits(base, len(prompts), n)
+        base = dataclasses.replace(base, output_kind=RequestOutputKind.DELTA)
         params = [base if base.seed is None else dataclasses.replace(base, seed=base.seed + j) for j in range(n)]
         choices: list[Choice] = []
         for pi, prompt in enumerate(prompts):
@@ -128,41 +188,44 @@ class OpenAIServing:
                 raise bad_request(e, "" if len(prompts) == 1 else f"prompt[{pi}]: ") from None
             first = len(choices)
             choices += [Choice(first + j, pi, ids, p) for j, p in enumerate(params)]
-        st = self.state
-        if self.llm.num_waiting + len(choices) > st.max_queue:
+        max_queue = self.state.config.max_queue
+        if self.llm.num_waiting + len(choices) > max_queue:
             raise APIError(429, f"too many requests waiting ({self.llm.num_waiting}, the limit is max_queue = "
-                                f"{st.max_queue}); retry later")
+                                f"{max_queue}); retry later")
         return choices
 
     # ------------------------------------------------------------ running
-    async def run(self, rid: str, choices: list[Choice]) -> AsyncIterator[Choice]:
-        """Runs the choices concurrently; yields a choice each time it makes progress. Leaving early (the client
-        went away) aborts every unfinished one."""
-        q: asyncio.Queue = asyncio.Queue()
+    async def run(self, rid: str, choices: list[Choice], paced: bool = False) -> AsyncIterator[None]:
+        """Runs the choices concurrently; yields each time some have received output (see `Choice.take`). `paced`:
+        a choice asks for its next output only once the last was taken. Leaving early (the client went away)
+        aborts every unfinished one."""
+        progress = asyncio.Event()
+        failures: list[BaseException] = []
 
         async def pump(c: Choice):
             try:
                 async for out in self.llm.generate(None, c.params, f"{rid}-{c.index}", prompt_token_ids=c.prompt_ids):
-                    q.put_nowait((c, out))
+                    c.receive(out)
+                    progress.set()
+                    if paced:
+                        await c.emptied.wait()
             except Exception as e:  # noqa: BLE001 - handed to the consumer
-                q.put_nowait((c, e))
-            else:
-                q.put_nowait((c, None))
+                failures.append(e)
+            finally:
+                c.done = True
+                progress.set()
 
         tasks = [asyncio.create_task(pump(c)) for c in choices]
         try:
-            remaining = len(tasks)
-            while remaining:
-                c, item = await q.get()
-                if item is None:
-                    remaining -= 1
-                    continue
-                if isinstance(item, ValueError):
-                    raise bad_request(item)
-                if isinstance(item, BaseException):
-                    raise item
-                c.output = item
-                yield c
+            while True:
+                await progress.wait()
+                progress.clear()
+                if failures:
+                    raise _api_error(failures[0])
+                ended = all(c.done for c in choices)  # nothing can arrive after this yield
+                yield
+                if ended:
+                    return
         finally:
             for t in tasks:
                 t.cancel()
@@ -204,7 +267,7 @@ class OpenAIServing:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         if not await self.run_to_end(request, rid, choices):
             return Response(status_code=499)  # the client is gone; nobody reads this
-        return {**head, "object": self.object_name, "choices": [self.whole_choice(c) for c in choices],
+        return {**head, "object": self.object_name, "choices": [self.whole_choice(c, c.take()) for c in choices],
                 "usage": self.usage(choices)}
 
     async def _events(self, rid: str, head: dict, choices: list[Choice], include_usage: bool):
@@ -214,14 +277,13 @@ class OpenAIServing:
         for c in choices:
             for pre in self.preamble(c):
                 yield chunk([pre])
-        async for c in self.run(rid, choices):
-            co = c.output.outputs[0]
-            offset = c.sent_text
-            delta = c.take_new_text()
-            ids, lps = c.take_new_tokens()
-            if not delta and not ids and co.finish_reason is None:
-                continue
-            yield chunk([self.stream_choice(c, delta, ids, lps, offset)])
+        async for _ in self.run(rid, choices, paced=True):
+            for c in choices:
+                offset = c.taken_chars
+                co = c.take()
+                if co is None or (not co.text and not co.token_ids and co.finish_reason is None):
+                    continue
+                yield chunk([self.stream_choice(c, co, offset)])
         if include_usage:
             yield chunk([], usage=self.usage(choices))
         yield DONE
@@ -236,25 +298,26 @@ class OpenAIServing:
             self.state.metrics.observe_error(e.status)
             yield sse(error_body(e.status, e.message, e.param))
             yield DONE
-        except Exception as e:  # noqa: BLE001 - reported to the client, logged here
+        except Exception:  # noqa: BLE001 - logged here; the client learns only that it failed
             logger.exception("stream failed")
             self.state.metrics.observe_error(500)
-            yield sse(error_body(500, f"internal error: {e!r}"))
+            yield sse(error_body(500, INTERNAL_ERROR))
             yield DONE
 
     def preamble(self, c: Choice) -> list[dict]:
         return []
 
-    def stream_choice(self, c: Choice, delta: str, ids: list[int], lps: list[dict], offset: int) -> dict:
+    def stream_choice(self, c: Choice, new: CompletionOutput, offset: int) -> dict:
+        """A chunk's choice: `new` is what arrived since the previous chunk, `offset` where its text starts."""
         raise NotImplementedError
 
-    def whole_choice(self, c: Choice) -> dict:
+    def whole_choice(self, c: Choice, whole: CompletionOutput) -> dict:
         raise NotImplementedError
 
     @staticmethod
     def usage(choices: list[Choice]) -> dict:
         prompts = {c.prompt_index: len(c.prompt_ids) for c in choices}  # each prompt counts once, whatever n
-        completion = sum(len(c.output.outputs[0].token_ids) for c in choices if c.output is not None)
+        completion = sum(c.num_tokens for c in choices)
         return {"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
                 "total_tokens": sum(prompts.values()) + completion}
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from mnemojax.outputs import CompletionOutput
 from mnemojax.sampling_params import ParamError
 from mnemojax.serving.base import APIError, Choice, OpenAIServing, bad_request
 from mnemojax.serving.protocol import ChatCompletionRequest
@@ -29,7 +30,7 @@ class ServingChat(OpenAIServing):
             prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         except Exception as e:  # noqa: BLE001 - a template error is the caller's messages
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.token_limit
         if max_tokens is None:
             max_tokens = max(self.llm.max_model_len - len(prompt_ids), 1)
         try:
@@ -55,13 +56,12 @@ class ServingChat(OpenAIServing):
         return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}]
 
-    def stream_choice(self, c: Choice, delta: str, ids: list[int], lps: list[dict], offset: int) -> dict:
-        co = c.output.outputs[0]
-        return {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": self.logprobs(c, ids, lps),
-                "finish_reason": co.finish_reason, "stop_reason": co.stop_reason}
+    def stream_choice(self, c: Choice, new: CompletionOutput, offset: int) -> dict:
+        return {"index": c.index, "delta": {"content": new.text} if new.text else {},
+                "logprobs": self.logprobs(c, new.token_ids, new.logprobs or []),
+                "finish_reason": new.finish_reason, "stop_reason": new.stop_reason}
 
-    def whole_choice(self, c: Choice) -> dict:
-        co = c.output.outputs[0]
-        return {"index": c.index, "message": {"role": "assistant", "content": co.text},
-                "logprobs": self.logprobs(c, co.token_ids, co.logprobs or []),
-                "finish_reason": co.finish_reason, "stop_reason": co.stop_reason}
+    def whole_choice(self, c: Choice, whole: CompletionOutput) -> dict:
+        return {"index": c.index, "message": {"role": "assistant", "content": whole.text},
+                "logprobs": self.logprobs(c, whole.token_ids, whole.logprobs or []),
+                "finish_reason": whole.finish_reason, "stop_reason": whole.stop_reason}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from mnemojax.outputs import CompletionOutput
 from mnemojax.serving.base import Choice, OpenAIServing, bad_request
 from mnemojax.serving.protocol import CompletionRequest
 
@@ -33,12 +34,10 @@ class ServingCompletion(OpenAIServing):
         return {"tokens": tokens, "token_logprobs": [d[t] for t, d in zip(ids, lps)],
                 "top_logprobs": [{self.token_text(k): v for k, v in d.items()} for d in lps], "text_offset": offsets}
 
-    def stream_choice(self, c: Choice, delta: str, ids: list[int], lps: list[dict], offset: int) -> dict:
-        co = c.output.outputs[0]
-        return {"index": c.index, "text": delta, "logprobs": self.logprobs(c, ids, lps, offset),
-                "finish_reason": co.finish_reason, "stop_reason": co.stop_reason}
+    def stream_choice(self, c: Choice, new: CompletionOutput, offset: int) -> dict:
+        lps = self.logprobs(c, new.token_ids, new.logprobs or [], offset)
+        return {"index": c.index, "text": new.text, "logprobs": lps, "finish_reason": new.finish_reason,
+                "stop_reason": new.stop_reason}
 
-    def whole_choice(self, c: Choice) -> dict:
-        co = c.output.outputs[0]
-        return {"index": c.index, "text": co.text, "logprobs": self.logprobs(c, co.token_ids, co.logprobs or [], 0),
-                "finish_reason": co.finish_reason, "stop_reason": co.stop_reason}
+    def whole_choice(self, c: Choice, whole: CompletionOutput) -> dict:
+        return self.stream_choice(c, whole, 0)

@@ -3,6 +3,11 @@ from each field, its help from the docstring under it."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+
+
+API_KEY_ENV = "MNEMOJAX_API_KEY"
+"""The environment variable holding the API key, when neither --api_key nor --api_key_file gives it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,18 +17,64 @@ class ServerConfig:
     port: int = 8000
     """Port to listen on."""
     api_key: str | None = None
-    """Require `Authorization: Bearer <key>` on /v1 endpoints (/health and /metrics stay open)."""
+    """Require `Authorization: Bearer <key>` on /v1 endpoints (/health and /metrics stay open). The process list
+    shows it: prefer --api_key_file or the MNEMOJAX_API_KEY environment variable."""
+    api_key_file: str | None = None
+    """Read the API key from this file (its first line)."""
     served_model_name: str | None = None
     """Model name of the API (default: --model)."""
     max_queue: int = 256
     """Most requests waiting for their first step; more get HTTP 429."""
+    max_choices: int = 256
+    """Most choices one request may ask for (its prompts times n); more is HTTP 400. At most max_queue counts:
+    a request with more choices could never be queued."""
     max_request_bytes: int | None = None
     """Largest request body; larger gets HTTP 413 (default: 1 MiB + 32 bytes per token of max_model_len)."""
+    max_stop_strings: int = 16
+    """Most stop strings one request may give; more is HTTP 400 (every token of every choice is checked
+    against each)."""
+    max_stop_chars: int = 1024
+    """Most characters in all of a request's stop strings together; more is HTTP 400."""
+    max_stop_token_ids: int = 64
+    """Most stop token ids one request may give; more is HTTP 400."""
+    header_timeout_s: float = 10.0
+    """A connection must send a request's line and headers within this many seconds of opening (or of its
+    previous response); else it is closed."""
+    body_timeout_s: float = 30.0
+    """A request's whole body must arrive within this many seconds of its headers; else HTTP 408."""
+    write_timeout_s: float = 30.0
+    """A client that takes none of a response for this many seconds (its socket buffers full) is disconnected,
+    and its requests are aborted, freeing their KV pages."""
     shutdown_grace_s: float = 30.0
-    """On SIGTERM, how long requests in flight may finish before they are aborted."""
+    """On SIGTERM, how long requests in flight may finish before they are aborted (a second signal: at once)."""
+
+    def __post_init__(self):
+        for name in ("max_queue", "max_choices", "header_timeout_s", "body_timeout_s", "write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give the API key by api_key or api_key_file, not both")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty")
 
     def request_bytes_limit(self, max_model_len: int) -> int:
         return self.max_request_bytes or (1 << 20) + 32 * max_model_len
+
+    def with_api_key(self, environ: Mapping[str, str]) -> ServerConfig:
+        """This config with `api_key` resolved: from `api_key`, else the first line of `api_key_file`, else the
+        MNEMOJAX_API_KEY environment variable, else none."""
+        key = self.api_key
+        if self.api_key_file is not None:
+            with open(self.api_key_file, encoding="utf-8") as f:
+                key = f.readline().rstrip("\r\n")
+            if not key:
+                raise ValueError(f"api_key_file {self.api_key_file!r} has an empty first line")
+        elif key is None:
+            key = environ.get(API_KEY_ENV) or None
+        return dataclasses.replace(self, api_key=key, api_key_file=None)
 
 
 @dataclasses.dataclass(frozen=True)

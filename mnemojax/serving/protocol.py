@@ -1,38 +1,59 @@
 """The OpenAI-compatible request bodies the server accepts (pydantic models; they also make its OpenAPI schema).
 
 Field names, types and defaults follow the OpenAI API, plus vLLM's extensions (`top_k`, `ignore_eos`,
-`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`). Unknown fields are ignored, as
+`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`). Types are strict: a wrong type is a 400
+naming the field, never coerced ("2" is not 2, true is not 1; an int is a valid float). Strings must be Unicode
+(JSON's `\ud800` escapes can spell a lone surrogate, which no tokenizer takes). Unknown fields are ignored, as
 OpenAI-compatible servers do; fields we cannot honour (penalties, `echo`, `suffix`, `best_of`) are accepted in
 the schema and rejected with a 400 naming them when set, never silently dropped. Range checks live in
 `SamplingParams` and the engine, so the server and the library share one set of limits and messages.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from mnemojax.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
 
 MAX_N = 8
 """Most choices (`n`) one request may ask for."""
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""Chat roles (OpenAI's); a role goes into the chat template, so no other string may."""
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError("lone_surrogate", "contains a lone surrogate (U+{code:04X} at index {index}), "
+                                  "which is not a Unicode character",
+                                  {"code": ord(text[e.start]), "index": e.start}) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+"""A string of Unicode characters (one that UTF-8 can encode)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
+class _SamplingRequest(_Strict):
+    model: Text | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     n: int = 1
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -43,7 +64,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
 
     def _check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -74,7 +95,7 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, description=f"top log-probs per token, 0..{MAX_LOGPROBS}")
     echo: bool = False
@@ -103,17 +124,15 @@ class CompletionRequest(_SamplingRequest):
             raise ParamError("best_of", "best_of is not supported (only equal to n)")
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+class ChatMessage(_Strict):
+    role: Literal[ROLES]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -138,3 +157,48 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ParamError("messages", "messages must not be empty")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs to be true")
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ParamError(name, f"{name} must be at least 1, got {value}")
+
+    @property
+    def token_limit(self) -> int | None:
+        """`max_completion_tokens` (OpenAI's newer name), else `max_tokens`; None: the rest of max_model_len."""
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+
+FIELD_NAMES = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart,
+                                           StreamOptions) for name in model.model_fields)
+"""Every field name of a request body: what a validation error's location may name (the rest of a location is
+pydantic's tags for the members of a union of types)."""
+
+_UNION_EXPECTS = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": 'a string or a list of text parts ({"type": "text", "text": "..."}); only text is supported',
+}
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def describe_validation_error(errors: list[dict]) -> tuple[str, str]:
+    """(param, message) for a request body that failed validation: `param` is the field's path
+    ("messages.0.content") without pydantic's tags for the members of a union; a field that may have one of
+    several types says which."""
+    err = next((e for e in errors if e["type"] == "lone_surrogate"), errors[0])
+    if err["type"] == "json_invalid":
+        return "body", f"malformed JSON in the request body: {err.get('msg')}"
+    loc = [x for x in err.get("loc", ()) if x != "body"]
+    names = [isinstance(x, int) or x in FIELD_NAMES for x in loc]
+    param = ".".join(str(x) for x, named in zip(loc, names) if named) or "body"
+    if err["type"] == "lone_surrogate":
+        return param, f"{param} {err['msg']}"
+    if not all(names):  # the field has several types, and the value is none of them
+        field = next((x for x in reversed(loc[:names.index(False)]) if isinstance(x, str)), None)
+        if field in _UNION_EXPECTS:
+            return param, f"{param} must be {_UNION_EXPECTS[field]} (got {_short(err.get('input'))})"
+    return param, f"{param}: {err.get('msg')} (got {_short(err.get('input'))})"
