@@ -223,10 +223,10 @@ class AsyncLLM:
                                   preemptions=e.scheduler.num_preemptions)
 
     def _finish(self, rid: str, last: RequestOutput) -> None:
-        """Sends a finished request's last output (a delta, for DELTA requests) to its caller, and its whole output
-        to the finished listeners."""
-        self._send(rid, last)
+        """Forgets a finished request; sends its last output (a delta, for DELTA requests) to its caller, and its
+        whole output to the finished listeners."""
         whole = self.engine.pop_finished(rid)
+        self._send(rid, last)
         for fn in self._finished_listeners:
             fn(whole)
 
