@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -59,9 +60,40 @@ def serve_env(num_cpu_devices: int) -> dict:
     return env
 
 
-def start_serve(flags: list[str], num_cpu_devices: int = 1, log=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mnemojax.serve", *flags], env=serve_env(num_cpu_devices),
-                            cwd=ROOT, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
+def start_serve(flags: list[str], num_cpu_devices: int = 1, log=None, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mnemojax.serve", *flags],
+                            env={**serve_env(num_cpu_devices), **(env or {})}, cwd=ROOT,
+                            stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+class ServeProcess:
+    """`python -m mnemojax.serve` on a free loopback port, as a `with` block: healthy on entry, killed on exit if
+    still running; `output` holds its log after the block. `env` adds environment variables."""
+
+    def __init__(self, flags: list[str], num_cpu_devices: int = 1, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._args = (["--port", str(self.port), *flags], num_cpu_devices)
+        self._env = env
+        self.output = ""
+
+    def __enter__(self) -> ServeProcess:
+        self._log = tempfile.TemporaryFile()
+        self.proc = start_serve(*self._args, log=self._log, env=self._env)
+        try:
+            wait_healthy(self.url, [self.proc])
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.seek(0)
+        self.output = self._log.read().decode(errors="replace")
+        self._log.close()
 
 
 def wait_healthy(url: str, procs=(), timeout: float = 300) -> None:

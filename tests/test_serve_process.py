@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server_utils import free_port, start_serve, wait_healthy
+from tests.server_utils import ServeProcess, free_port, start_serve, wait_healthy
 
 
 def _stream_lines(url, body, lines, first_events: threading.Event):
@@ -25,31 +25,23 @@ def _stream_lines(url, body, lines, first_events: threading.Event):
 
 
 def test_sigterm_stops_intake_answers_in_flight_and_exits_0():
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
-        proc = start_serve(["--port", str(port), "--max_model_len", "4096", "--shutdown_grace_s", "0.5"], log=log)
+    with ServeProcess(["--max_model_len", "4096", "--shutdown_grace_s", "0.5"]) as served:
+        url, proc = served.url, served.proc
+        lines, started = [], threading.Event()
+        body = {"prompt": "a long answer", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        t = threading.Thread(target=_stream_lines, args=(url, body, lines, started))
+        t.start()
+        assert started.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        # intake stops: a new request is refused (503 while draining, or no listener once closed)
         try:
-            wait_healthy(url, [proc])
-            lines, started = [], threading.Event()
-            body = {"prompt": "a long answer", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-            t = threading.Thread(target=_stream_lines, args=(url, body, lines, started))
-            t.start()
-            assert started.wait(60)
-            proc.send_signal(signal.SIGTERM)
-            # intake stops: a new request is refused (503 while draining, or no listener once closed)
-            try:
-                status = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30).status_code
-            except httpx.ConnectError:
-                status = None
-            assert status in (503, None)
-            t.join(60)
-            assert proc.wait(60) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.seek(0)
-            output = log.read().decode(errors="replace")
+            status = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30).status_code
+        except httpx.ConnectError:
+            status = None
+        assert status in (503, None)
+        t.join(60)
+        assert proc.wait(60) == 0
+    output = served.output
     # the stream in flight got a final message (aborted: 4000 tokens do not fit in the 0.5 s grace) and [DONE]
     assert lines[-1] == "data: [DONE]", output[-3000:]
     final = json.loads(lines[-2][6:])["choices"][0]
@@ -66,42 +58,34 @@ def test_a_second_signal_aborts_at_once_and_a_half_sent_body_gets_503():
     """SIGTERM with a long grace: a request whose body is still arriving is answered 503 (JSON) at once, and the
     streams in flight go on; a second signal (SIGINT, as a second Ctrl-C) ends the grace: every stream ends with a
     final chunk (finish_reason "abort") and [DONE], a whole response is still JSON, and the process exits 0."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
-        proc = start_serve(["--port", str(port), "--max_model_len", "4096", "--shutdown_grace_s", "120"], log=log)
-        try:
-            wait_healthy(url, [proc])
-            lines, started = [], threading.Event()
-            body = {"prompt": "a long answer", "max_tokens": 4000, "ignore_eos": True}
-            streaming = threading.Thread(target=_stream_lines, args=(url, {**body, "stream": True}, lines, started))
-            whole: list = []
-            waiting = threading.Thread(target=_whole, args=(url, body, whole))
-            streaming.start()
-            waiting.start()
-            assert started.wait(60)
-            half = socket.create_connection(("127.0.0.1", port), timeout=30)
-            half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100\r\n\r\n{\"prompt\": \"a")
-            time.sleep(0.5)
-            proc.send_signal(signal.SIGTERM)
-            reply = b""
-            while b"}}" not in reply:
-                chunk = half.recv(4096)
-                assert chunk, reply
-                reply += chunk
-            half.close()
-            time.sleep(1.0)
-            assert proc.poll() is None and streaming.is_alive()  # the grace goes on for the streams
-            proc.send_signal(signal.SIGINT)
-            streaming.join(60)
-            waiting.join(60)
-            assert proc.wait(60) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.seek(0)
-            output = log.read().decode(errors="replace")
+    with ServeProcess(["--max_model_len", "4096", "--shutdown_grace_s", "120"]) as served:
+        url, proc = served.url, served.proc
+        lines, started = [], threading.Event()
+        body = {"prompt": "a long answer", "max_tokens": 4000, "ignore_eos": True}
+        streaming = threading.Thread(target=_stream_lines, args=(url, {**body, "stream": True}, lines, started))
+        whole: list = []
+        waiting = threading.Thread(target=_whole, args=(url, body, whole))
+        streaming.start()
+        waiting.start()
+        assert started.wait(60)
+        half = socket.create_connection(("127.0.0.1", served.port), timeout=30)
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": \"a")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        reply = b""
+        while b"}}" not in reply:
+            chunk = half.recv(4096)
+            assert chunk, reply
+            reply += chunk
+        half.close()
+        time.sleep(1.0)
+        assert proc.poll() is None and streaming.is_alive()  # the grace goes on for the streams
+        proc.send_signal(signal.SIGINT)
+        streaming.join(60)
+        waiting.join(60)
+        assert proc.wait(60) == 0
+    output = served.output
     head, _, payload = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503") and json.loads(payload)["error"]["code"] == 503, reply
     assert lines[-1] == "data: [DONE]", output[-3000:]

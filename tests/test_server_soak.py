@@ -5,7 +5,7 @@ are back to zero and the server's memory is back near where it started (a first 
 shapes first: its memory stays).
 
 The API key comes from the environment (MNEMOJAX_API_KEY, not Latin-1), so it is not in the process list.
-Everything is a fixed count of requests against 127.0.0.1, so the test's length is bounded (about 40 s).
+Everything is a fixed count of requests against 127.0.0.1, so the test's length is bounded (40-50 s).
 """
 import asyncio
 import json
@@ -13,15 +13,12 @@ import select
 import signal
 import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
 import pytest
 
-from tests.server_utils import ROOT, free_port, metrics, serve_env, wait_for
+from tests.server_utils import ServeProcess, metrics, wait_for
 
 KEY = "ключ-soak"
 AUTH = {"Authorization": f"Bearer {KEY}".encode()}
@@ -173,42 +170,32 @@ async def _abusers(url: str, port: int) -> list[int]:
 
 @pytest.mark.slow
 def test_abusive_clients_do_not_slow_others_or_hold_memory():
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**serve_env(1), "MNEMOJAX_API_KEY": KEY}
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([sys.executable, "-m", "mnemojax.serve", "--port", str(port), *FLAGS], env=env,
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda: _healthy(url, proc), timeout=300, what="the server up")
-            with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
-                assert KEY.encode() not in f.read()  # the key is not in the process list
-            assert httpx.post(f"{url}/v1/completions", json={"prompt": "a"}).status_code == 401
+    with ServeProcess(FLAGS, env={"MNEMOJAX_API_KEY": KEY}) as served:
+        url, port, proc = served.url, served.port, served.proc
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            assert KEY.encode() not in f.read()  # the key is not in the process list
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "a"}).status_code == 401
 
-            async def abused():
-                normal = asyncio.ensure_future(_normal_load(url))
-                await asyncio.sleep(0.3)  # the abusers arrive while the normal clients stream
-                statuses = await _abusers(url, port)
-                return await normal, statuses
+        async def abused():
+            normal = asyncio.ensure_future(_normal_load(url))
+            await asyncio.sleep(0.3)  # the abusers arrive while the normal clients stream
+            statuses = await _abusers(url, port)
+            return await normal, statuses
 
-            asyncio.run(abused())  # warm-up: compiles every batch shape both loads use
-            _wait_idle(url)
-            rss_start = _rss_mib(proc.pid)
-            quiet = asyncio.run(_normal_load(url))
-            aborted = _aborted(url)
-            loud, statuses = asyncio.run(abused())
-            _wait_idle(url)
-            aborted = _aborted(url) - aborted
-            quiet_again = asyncio.run(_normal_load(url))  # the machine is shared: a quiet run on each side
-            time.sleep(1.0)
-            rss_end = _rss_mib(proc.pid)
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(60) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.seek(0)
-            output = log.read().decode(errors="replace")
+        asyncio.run(abused())  # warm-up: compiles every batch shape both loads use
+        _wait_idle(url)
+        rss_start = _rss_mib(proc.pid)
+        quiet = asyncio.run(_normal_load(url))
+        aborted = _aborted(url)
+        loud, statuses = asyncio.run(abused())
+        _wait_idle(url)
+        aborted = _aborted(url) - aborted
+        quiet_again = asyncio.run(_normal_load(url))  # the machine is shared: a quiet run on each side
+        time.sleep(1.0)
+        rss_end = _rss_mib(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    output = served.output
     q, a = max(statistics.median(quiet), statistics.median(quiet_again)), statistics.median(loud)
     print(f"TBT median quiet {q * 1e3:.2f} ms, with abusers {a * 1e3:.2f} ms; RSS {rss_start:.0f} -> "
           f"{rss_end:.0f} MiB; statuses {sorted(set(statuses))}")
@@ -216,7 +203,9 @@ def test_abusive_clients_do_not_slow_others_or_hold_memory():
     assert all(s < 500 for s in statuses), statuses
     assert {400, 401, 408, 413} <= set(statuses), sorted(set(statuses))
     assert aborted >= 16 + 10  # the unread streams' choices and the dropped streams
-    assert rss_end - rss_start < 48, (rss_start, rss_end)
+    # the allocator keeps some pages of a busy round (tens of MiB, no more over further rounds); two unread
+    # streams alone held +242 MiB when per-step outputs were queued copies
+    assert rss_end - rss_start < 64, (rss_start, rss_end)
     assert "Traceback" not in output, output[-3000:]
 
 
@@ -231,12 +220,3 @@ def _wait_idle(url) -> None:
             m["mnemojax_num_requests_waiting"] == 0
 
     wait_for(idle, timeout=30, what="KV pages and requests back to zero")
-
-
-def _healthy(url, proc) -> bool:
-    if proc.poll() is not None:
-        raise RuntimeError(f"the server exited with {proc.returncode}")
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
