@@ -539,8 +539,7 @@ def predictor(c: Candidate, setup: Setup, sim: SimConfig) -> Predictor:
     hw = dataclasses.replace(hw, tp_bandwidth=intra,
                              net_bandwidth=intra if c.gpus_per_replica <= cl.gpus_per_host else inter)
     page = sim.page_size
-    return Predictor(setup.model, hw, tp=c.tp, spp=c.spp, kvp=c.kvp, dtype_bytes=sim.dtype_bytes,
-                     profile=sim.profile,
+    return Predictor(setup.model, hw, tp=c.tp, spp=c.spp, kvp=c.kvp, dtype_bytes=sim.dtype_bytes, profile=sim.profile,
                      pipeline_tokens=sim.max_num_batched_tokens if sim.pipeline_padding else None,
                      max_tokens_per_kvp_rank=c.max_tokens_per_kvp_rank,
                      block_tokens=min(8, -(-setup.max_model_len // page)) * page)
@@ -930,7 +929,7 @@ class PlanResult:
 
 def plan(config: PlanConfig, *, trace: Sequence[TraceRequest] | None = None) -> PlanResult:
     """Searches `config`'s candidates (see the module docstring); `trace` replaces the workload's requests."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     setup = resolve(config, trace)
     outcomes: list[Outcome] = []

@@ -21,7 +21,7 @@ from absl import flags
 from mnemojax import planner
 from mnemojax.planner import SLO, Candidate, Cluster, PlanConfig, SearchSpace, Workload
 from mnemojax.simulator import TraceRequest
-from tests.server_utils import ROOT, free_port, serve_env, start_serve, wait_healthy
+from tests.server_utils import ROOT, ServeProcess, serve_env
 
 PAGES = 1 + 4 * (4096 // 16)  # the engine's default KV pages for max_model_len 4096
 
@@ -229,25 +229,14 @@ def test_hf_directory_is_priced_as_the_preset_with_its_shapes(tmp_path):
         planner.resolve_model(str(d))
 
 
-def test_emitted_layout_starts_the_server_on_fake_cpu_devices(searched, tmp_path):
+def test_emitted_layout_starts_the_server_on_fake_cpu_devices(searched):
     result, _ = searched
     [o] = [o for o in result.ranked if (o.candidate.tp, o.candidate.kvp, o.candidate.replicas) == (2, 2, 1)][:1]
-    argv = list(result.serve_command(o).argv)
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    proc = start_serve([*argv, f"--port={port}"], num_cpu_devices=o.candidate.gpus_per_replica, log=log)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, [proc], timeout=240)
-        r = httpx.post(f"{url}/v1/completions", timeout=120,
+    with ServeProcess(list(result.serve_command(o).argv), num_cpu_devices=o.candidate.gpus_per_replica) as server:
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120,
                        json={"model": "tiny", "prompt": [65] * 40, "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
-    text = (tmp_path / "serve.log").read_text()
-    assert "mesh kvp=2 spp=1 tp=2" in text, text[-2000:]
+    assert "mesh kvp=2 spp=1 tp=2" in server.output, server.output[-2000:]
 
 
 def test_plan_command_writes_the_table_and_plots(tmp_path):
@@ -273,3 +262,23 @@ def test_plan_command_writes_the_table_and_plots(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mnemojax.plan", "--tp=x"], cwd=ROOT, env=serve_env(1),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "tp: expected comma-separated integers" in bad.stderr
+
+
+@pytest.mark.slow
+def test_plan_notebook_runs():
+    """docs/notebooks/plan.ipynb (8 and 64 H100s, their plots) runs top to bottom; about a minute on 2 cores."""
+    import nbclient
+    import nbformat
+
+    from tests.test_notebook import ThisPythonKernelManager
+
+    nb = nbformat.read(os.path.join(ROOT, "docs", "notebooks", "plan.ipynb"), as_version=4)
+    assert all(not c.get("outputs") and c.get("execution_count") is None
+               for c in nb.cells if c.cell_type == "code"), "save the notebook with its outputs cleared"
+    client = nbclient.NotebookClient(nb, kernel_name="python3", kernel_manager_class=ThisPythonKernelManager,
+                                     timeout=600, startup_timeout=120, resources={"metadata": {"path": ROOT}})
+    client.execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    text = "".join(o.get("text", "") for o in outputs)
+    assert text.count("python -m mnemojax.serve") == 2 and "attain" in text and "TTFT 1M" in text
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # Pareto and capacity, twice

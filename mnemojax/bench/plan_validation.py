@@ -24,7 +24,6 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import platform
 import shlex
 import sys
 import time
@@ -36,7 +35,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported (only th
 import numpy as np  # noqa: E402
 
 from mnemojax import planner  # noqa: E402
-from mnemojax.bench.profile_predictor import OtherLoad, wait_for_quiet  # noqa: E402
+from mnemojax.bench.profile_predictor import OtherLoad, hardware_lines, wait_for_quiet  # noqa: E402
 from mnemojax.bench.serving import LengthMix, synthetic_trace  # noqa: E402
 from mnemojax.simulator import TraceRequest  # noqa: E402
 
@@ -54,12 +53,14 @@ def validation_trace(num_requests: int, rate: float, seed: int = 0) -> list[Trac
 
 def plan_layout(tp: int, spp: int, kvp: int, trace: Sequence[TraceRequest], *, chunk_size: int = 256,
                 max_num_batched_tokens: int = 512, max_num_seqs: int = 16, target_batch_time_ms: float = 50.0,
-                policy: str = "ilrs") -> planner.PlanResult:
-    """The planner's plan of one layout (its only candidate) for the tiny model on CPU devices."""
+                policy: str = "ilrs", predictor_profile: str | None = None) -> planner.PlanResult:
+    """The planner's plan of one layout (its only candidate) for the tiny model on CPU devices; the predictor
+    profile (default: the shipped `cpu`) prices the simulation and goes into the serve command, so the engine's
+    scheduler uses the same one."""
     max_model_len = -(-max(r.prompt_tokens + r.output_tokens for r in trace) // 16) * 16
     devices = tp * spp * kvp
     cfg = planner.PlanConfig(
-        model="tiny", dtype="float32",
+        model="tiny", dtype="float32", predictor_profile=predictor_profile,
         cluster=planner.Cluster(hardware="cpu", num_gpus=devices, gpus_per_host=devices),
         workload=planner.Workload(long_threshold_tokens=LONG_THRESHOLD),
         slo=planner.SLO(ttft_short_s=1.0, ttft_long_s=5.0, tbt_p99_ms=200.0),
@@ -245,20 +246,24 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wait_quiet", type=float, default=0.0, metavar="SECONDS",
                     help="before each measured pass, wait up to this long for other processes to go quiet")
+    ap.add_argument("--predictor_profile", default=None,
+                    help="profile pricing the plan and the engine's scheduler (default: the shipped cpu profile)")
     ap.add_argument("--output_json", default=None)
     args = ap.parse_args(argv)
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
-    print(f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; python "
-          f"{platform.python_version()}")
+    cpu, _, system = hardware_lines()  # (the second line: this process's jax devices, not the children's)
+    import jax
+
+    print(f"{cpu}\njax {jax.__version__}; {system}")
     trace = validation_trace(args.num_requests, args.rate, args.seed)
     n_long = sum(r.prompt_tokens > LONG_THRESHOLD for r in trace)
     print(f"trace: {len(trace)} requests at {args.rate:g}/s ({n_long} long of 3000 tokens), 32 output tokens each; "
-          f"tiny model, float32, predictor profile cpu")
+          f"tiny model, float32, predictor profile {args.predictor_profile or 'cpu (shipped)'}")
     records = []
     for spec in args.layouts.split(":"):
         tp, spp, kvp = (int(x) for x in spec.split(","))
         t = time.perf_counter()
-        rec = validate_layout(tp, spp, kvp, trace, args.wait_quiet)
+        rec = validate_layout(tp, spp, kvp, trace, args.wait_quiet, predictor_profile=args.predictor_profile)
         rec["wall_s"] = time.perf_counter() - t
         records.append(rec)
         print(format_layout(rec), flush=True)
