@@ -282,3 +282,17 @@ def test_plan_notebook_runs():
     text = "".join(o.get("text", "") for o in outputs)
     assert text.count("python -m mnemojax.serve") == 2 and "attain" in text and "TTFT 1M" in text
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # Pareto and capacity, twice
+
+
+@pytest.mark.slow
+def test_validation_replays_the_planned_command_on_the_engine():
+    """scripts/validate_plan.py's machinery on a few requests: the plan's serve command becomes the engine's config,
+    every shape bucket compiles first, and the measured percentiles sit beside the predicted ones."""
+    from mnemojax.bench import plan_validation as pv
+
+    trace = pv.validation_trace(6, 4.0, seed=3)
+    rec = pv.validate_layout(1, 1, 1, trace)
+    assert rec["devices"] == 1 and rec["candidate"].startswith("tp1 spp1 kvp1")
+    measured = {k: m for k, _, m, _ in rec["rows"]}
+    assert measured["ttft_p50_all_s"] > 0 and measured["tbt_p50_ms"] > 0
+    assert "python -m mnemojax.serve --model=tiny" in pv.format_layout(rec)

@@ -127,23 +127,29 @@ def warm_buckets(engine) -> int:
     from mnemojax.scheduler import ScheduledChunk, StepPlan
 
     ex, config = engine.executor, engine.config
+
     def buckets(limit: int, smallest: int) -> list[int]:  # the executor's: powers of two, at least `smallest`
         out = [smallest]
         while out[-1] < limit:
             out.append(out[-1] * 2)
         return out
 
+    cap = ex.max_pages_per_seq * config.page_size  # most tokens of one request
+    usable = engine.kv.ranks[0].num_usable
     n = 0
     for T in buckets(ex.pipeline_tokens or config.max_num_batched_tokens, 16):
         for R in buckets(config.max_num_seqs, 8):
-            rows = min(R, config.max_num_seqs, T)
-            sizes = [T - (rows - 1)] + [1] * (rows - 1)  # one chunk and rows - 1 decodes: T rows, `rows` logits
-            chunks, page = [], 1
-            for i, size in enumerate(sizes):
+            rows = min(R, config.max_num_seqs, T)  # sampling chunks: the logits rows
+            tokens = min(T, rows * cap)  # the token rows, spread over the chunks
+            if tokens <= T // 2:
+                continue  # a bucket no step of this engine can reach
+            chunks, page = [], 0
+            for i in range(rows):
+                size = tokens // rows + (i < tokens % rows)
                 req = Request(f"warm{i}", [1] * size, SamplingParams(temperature=0.0, max_tokens=1), 0.0, seed=i)
-                pages = -(-size // config.page_size)
-                req.kv_ranks, req.pages, req.num_computed = [0], [list(range(page, page + pages))], size
-                page += pages
+                pages = [1 + (page + j) % usable for j in range(-(-size // config.page_size))]
+                req.kv_ranks, req.pages, req.num_computed = [0], [pages], size
+                page += len(pages)
                 chunks.append(ScheduledChunk(req, 0, size, True))
             ex.execute(StepPlan(chunks, []))
             n += 1
