@@ -18,8 +18,9 @@ from mnemojax.loader import LoadedModel, load
 from mnemojax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mnemojax.request import Request
 from mnemojax.sampling_params import ParamError, RequestOutputKind, SamplingParams
-from mnemojax.predictor import HARDWARE
-from mnemojax.scheduler import POLICIES, Scheduler, SchedulerConfig
+from mnemojax.config import ParallelConfig, SchedulerConfig
+from mnemojax.predictor import HARDWARE, default_profile, make_predictor
+from mnemojax.scheduler import Scheduler
 from models.config import LlamaConfig
 from models.kernels import ATTENTION_IMPLS, AUTO, check_attention_impl
 
@@ -30,9 +31,10 @@ HARDWARE_NAMES = tuple(sorted(HARDWARE))
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(SchedulerConfig, ParallelConfig):
     """Everything that shapes an engine. `LLM(...)` keyword arguments and `python -m mnemojax.serve` flags map
-    onto these fields (the flags' help is each field's docstring)."""
+    onto these fields (the flags' help is each field's docstring). The scheduling and mesh fields are those of
+    `mnemojax.config.SchedulerConfig` and `ParallelConfig`, shared with the simulator's `SimConfig`."""
 
     model: str = "tiny"
     """Model: a preset (tiny, llama3-8b, llama3-70b, llama3.2-1b, llama3.2-3b), a Hugging Face Llama directory, or
@@ -47,12 +49,6 @@ class EngineConfig:
     """KV pages per device, page 0 reserved (default: enough for 4 full-length requests)."""
     kv_memory_fraction: float | None = None
     """Instead of num_pages: this fraction of the device memory the weights leave (GPU/TPU only; raises on a CPU)."""
-    chunk_size: int = 256
-    """Largest prefill chunk of one request per step."""
-    max_num_batched_tokens: int = 512
-    """Token budget of a step."""
-    max_num_seqs: int = 16
-    """Requests in one step."""
     seed: int = 0
     """Random weights of presets, and sampling seeds of requests that give none."""
     block_pages: int = 8
@@ -61,24 +57,6 @@ class EngineConfig:
     """Attention kernels: auto (pallas on an NVIDIA GPU, reference elsewhere), reference (jax.numpy, any backend),
     pallas (Pallas GPU kernels, NVIDIA only: raises elsewhere), pallas_interpret (the same kernels interpreted;
     slow, for tests)."""
-    tp: int = 1
-    """Tensor parallelism: attention heads and MLP columns split over this many devices."""
-    spp: int = 1
-    """Sequence pipeline parallelism: layers split into this many pipeline stages."""
-    kvp: int = 1
-    """KV-cache parallelism: ranks, each with its own page pool and a full model replica."""
-    max_tokens_per_kvp_rank: int | None = None
-    """Most tokens of one request on one KVP rank (default: no split)."""
-    scheduler_policy: str = dataclasses.field(default="fcfs", metadata={"choices": POLICIES})
-    """Prefill order: fcfs (arrival), edf (TTFT deadline), lrs (least slack), ilrs (least relative slack)."""
-    target_batch_time_ms: float | None = None
-    """Adaptive chunking: a step's predicted time stays under this (default: fixed chunks)."""
-    ppb_max_share: float = 0.5
-    """Prefill-prefill batching: most of a step for prefills after the most urgent one (0: off)."""
-    ttft_slo_min_s: float = 1.0
-    """TTFT deadline of a request: this + ttft_slo_per_token_s x its prompt tokens."""
-    ttft_slo_per_token_s: float = 1e-3
-    """TTFT deadline seconds per prompt token."""
     hardware: str | None = dataclasses.field(default=None, metadata={"choices": HARDWARE_NAMES})
     """Runtime predictor preset (default: detected from the device)."""
     predictor_profile: str | None = None
@@ -86,10 +64,11 @@ class EngineConfig:
     (scripts/profile_predictor.py)."""
 
     def __post_init__(self):
+        SchedulerConfig.__post_init__(self)
+        ParallelConfig.__post_init__(self)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("page_size", "chunk_size", "max_num_batched_tokens", "max_num_seqs", "block_pages", "tp",
-                     "spp", "kvp"):
+        for name in ("page_size", "block_pages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -141,15 +120,9 @@ class LLMEngine:
                                  channel=channel)
         self.predictor = self._make_predictor(config, self.model_config) \
             if config.target_batch_time_ms is not None else None
-        sched = SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            chunk_size=config.chunk_size, policy=config.scheduler_policy,
-            target_batch_time=None if config.target_batch_time_ms is None else config.target_batch_time_ms / 1e3,
-            min_chunk_size=min(32, config.chunk_size), ppb_max_share=config.ppb_max_share,
-            ttft_slo_min=config.ttft_slo_min_s, ttft_slo_per_token=config.ttft_slo_per_token_s, spp=config.spp,
-            max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(sched, self.kv, self.predictor, clock=time.perf_counter,
-                                   eos_token_ids=self.model_config.eos_token_ids)
+        self.scheduler = Scheduler(config, self.kv, self.predictor, clock=time.perf_counter,
+                                   eos_token_ids=self.model_config.eos_token_ids, spp=config.spp,
+                                   max_model_len=self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}  # of unfinished requests, when there is a tokenizer
         self._delta_sent: dict[str, tuple[int, int, int]] = {}  # DELTA requests: prompt log-probs, tokens, chars
@@ -158,16 +131,13 @@ class LLMEngine:
 
     @staticmethod
     def _make_predictor(config: EngineConfig, mc: LlamaConfig):
-        from mnemojax.predictor import Predictor, default_profile
-
         hardware = config.hardware or detect_hardware()
-        profile = config.predictor_profile or default_profile(hardware)
         pages_per_seq = -(-(config.max_model_len or mc.max_position_embeddings) // config.page_size)
-        return Predictor(mc, hardware, tp=config.tp, spp=config.spp, kvp=config.kvp,
-                         dtype_bytes=jnp.dtype(config.dtype).itemsize, profile=profile,
-                         pipeline_tokens=config.max_num_batched_tokens if config.spp > 1 else None,
-                         max_tokens_per_kvp_rank=config.max_tokens_per_kvp_rank,
-                         block_tokens=min(config.block_pages, pages_per_seq) * config.page_size)
+        # the executor runs every micro-batch at the pipeline register's size when spp > 1
+        return make_predictor(config, mc, hardware=hardware, dtype_bytes=jnp.dtype(config.dtype).itemsize,
+                              profile=config.predictor_profile or default_profile(hardware),
+                              pipeline_padding=config.spp > 1,
+                              block_tokens=min(config.block_pages, pages_per_seq) * config.page_size)
 
     # ---------------------------------------------------------------- requests in
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from mnemojax.buckets import bucket
 from mnemojax import sampler
 from mnemojax.kv_manager import DUMMY_PAGE
 from mnemojax.pipeline import Pipeline
@@ -70,8 +71,6 @@ class MicroBatch:
     refs: list[RowRef]
 
 
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def _logprob_dict(top_ids: np.ndarray, top_lps: np.ndarray, k: int, token: int, token_lp: float) -> dict[int, float]:
@@ -95,7 +94,7 @@ class Executor:
         self.max_pages_per_seq = max_pages_per_seq
         self.max_tokens_per_rank = max_tokens_per_rank
         # Every micro-batch in flight must have the register's shape, so a pipeline fixes T.
-        self.pipeline_tokens = _bucket(max_num_batched_tokens, 16) if self.spp > 1 else None
+        self.pipeline_tokens = bucket(max_num_batched_tokens, 16) if self.spp > 1 else None
         c = spec.config
         num_layers, kv_heads = params["layers"]["wk"].shape[0], params["layers"]["wk"].shape[2]
         cache_shape = (num_layers, self.kvp * num_pages, page_size, kv_heads, c.head_dim)
@@ -213,7 +212,7 @@ class Executor:
                 offsets[r] += ch.num_tokens
         assert max(offsets) <= T, (offsets, T)
 
-        R = _bucket(max(len(x) for x in rows), 8)
+        R = bucket(max(len(x) for x in rows), 8)
         pad_rows = np.zeros((K, R), np.int32)
         cols = [np.zeros((K, R), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32)]
         cols[2][:] = 1.0  # top_p
@@ -232,7 +231,7 @@ class Executor:
 
     def _host_args(self, plan: StepPlan):
         """Pushes `plan` into the pipeline; returns (T, the step's host arrays, the micro-batch leaving)."""
-        T = self.pipeline_tokens or _bucket(self._rows_needed(plan), 16)
+        T = self.pipeline_tokens or bucket(self._rows_needed(plan), 16)
         leaving = self.in_flight.push(self.prepare(plan, T), lambda: self.prepare(StepPlan([], []), T))
         # Stage s works on the micro-batch that entered s steps ago: stack them along the spp axis.
         stages = jax.tree.map(lambda *a: np.stack(a, axis=1), *(m.batch for m in self.in_flight))

@@ -63,10 +63,10 @@ from typing import Any
 
 import numpy as np
 
+from mnemojax.config import POLICIES
 from mnemojax.kv_manager import KVCacheManager
-from mnemojax.predictor import HARDWARE, Predictor, default_profile
+from mnemojax.predictor import HARDWARE, Predictor, default_profile, make_predictor
 from mnemojax.request import Request
-from mnemojax.scheduler import POLICIES
 from mnemojax.simulator import (SHORT_MAX_TOKENS, SimConfig, Simulator, TraceRequest, kv_pages_per_rank,
                                 load_trace, synthetic_trace)
 from models.config import PRESETS, LlamaConfig, preset
@@ -518,12 +518,13 @@ def sim_config(c: Candidate, setup: Setup) -> SimConfig:
     sp = cfg.space
     return SimConfig(
         model=setup.model_name, hardware=cfg.cluster.hardware, tp=c.tp, spp=c.spp, kvp=c.kvp,
-        policy=c.scheduler_policy, target_batch_time_ms=c.target_batch_time_ms, chunk_size=c.chunk_size,
+        scheduler_policy=c.scheduler_policy, target_batch_time_ms=c.target_batch_time_ms, chunk_size=c.chunk_size,
         max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=sp.max_num_seqs,
         ppb_max_share=sp.ppb_max_share, ttft_slo_min_s=setup.deadline_min_s,
         ttft_slo_per_token_s=setup.deadline_per_token_s, page_size=sp.page_size,
         gpu_memory_utilization=cfg.cluster.memory_utilization, num_pages=sp.num_pages,
-        max_tokens_per_kvp_rank=c.max_tokens_per_kvp_rank, dtype_bytes=setup.dtype_bytes, profile=setup.profile,
+        max_tokens_per_kvp_rank=c.max_tokens_per_kvp_rank, dtype_bytes=setup.dtype_bytes,
+        predictor_profile=setup.profile,
         pipeline_padding=sp.pipeline_padding, long_threshold_tokens=cfg.workload.long_threshold_tokens,
         max_simulated_s=setup.horizon_s)
 
@@ -539,10 +540,9 @@ def predictor(c: Candidate, setup: Setup, sim: SimConfig) -> Predictor:
     hw = dataclasses.replace(hw, tp_bandwidth=intra,
                              net_bandwidth=intra if c.gpus_per_replica <= cl.gpus_per_host else inter)
     page = sim.page_size
-    return Predictor(setup.model, hw, tp=c.tp, spp=c.spp, kvp=c.kvp, dtype_bytes=sim.dtype_bytes, profile=sim.profile,
-                     pipeline_tokens=sim.max_num_batched_tokens if sim.pipeline_padding else None,
-                     max_tokens_per_kvp_rank=c.max_tokens_per_kvp_rank,
-                     block_tokens=min(8, -(-setup.max_model_len // page)) * page)
+    return make_predictor(sim, setup.model, hardware=hw, dtype_bytes=sim.dtype_bytes, profile=sim.predictor_profile,
+                          pipeline_padding=sim.pipeline_padding,
+                          block_tokens=min(8, -(-setup.max_model_len // page)) * page)
 
 
 def infeasibility(c: Candidate, setup: Setup) -> str | None:

@@ -45,6 +45,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from mnemojax.buckets import bucket
 from models.config import LlamaConfig
 from models.kernels import AUTO, PALLAS, PALLAS_INTERPRET, REFERENCE, check_attention_impl, resolve_attention_impl
 
@@ -197,11 +198,6 @@ class ChunkShape:
             raise ValueError(f"context_len must include the query tokens: {self}")
 
 
-def _bucket(n: int, minimum: int) -> int:
-    """The executor's padding: the next power of two, at least `minimum` (0: no padding)."""
-    if minimum <= 0:
-        return n
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def _ring_allreduce(nbytes: float, n: int, bandwidth: float, latency: float, calls: int = 1) -> float:
@@ -266,7 +262,7 @@ class Predictor:
             dtype_bytes = _DTYPE_BYTES.get(self.profile_info.get("dtype", "bfloat16"), 2)
         self.dtype_bytes = dtype_bytes
         self.max_tokens_per_kvp_rank = max_tokens_per_kvp_rank
-        self.pipeline_tokens = (_bucket(pipeline_tokens, self.profile.pad_tokens_min)
+        self.pipeline_tokens = (bucket(pipeline_tokens, self.profile.pad_tokens_min)
                                 if pipeline_tokens is not None and spp > 1 else None)
 
         c = model
@@ -308,7 +304,7 @@ class Predictor:
         """Token rows the executor runs for these chunks (T)."""
         if self.pipeline_tokens is not None:
             return self.pipeline_tokens
-        return _bucket(sum(ch.query_tokens for ch in chunks), self.profile.pad_tokens_min)
+        return bucket(sum(ch.query_tokens for ch in chunks), self.profile.pad_tokens_min)
 
     def breakdown(self, chunks: Sequence[ChunkShape]) -> dict[str, float]:
         """Seconds of each component of `stage_time(chunks)` (they add up to it)."""
@@ -317,7 +313,7 @@ class Predictor:
         n_layers = self.layers_per_stage
         tokens = sum(ch.query_tokens for ch in chunks)
         T = self.padded_tokens(chunks)
-        R = _bucket(len(chunks), p.pad_rows_min)
+        R = bucket(len(chunks), p.pad_rows_min)
 
         def roofline(flops, nbytes, flops_eff, bw_eff):
             return max(flops / (hw.matmul_flops * flops_eff), nbytes / (hw.memory_bandwidth * bw_eff))
@@ -408,3 +404,14 @@ class Predictor:
         if self.max_tokens_per_kvp_rank is None:
             return 1
         return min(self.kvp, -(-context_len // self.max_tokens_per_kvp_rank))
+
+
+def make_predictor(config, model: LlamaConfig, *, hardware: Hardware | str, dtype_bytes: int, profile: str | None,
+                   pipeline_padding: bool, block_tokens: int | None = None) -> Predictor:
+    """The runtime predictor of a deployment, for the engine and the simulator alike. `config` has the fields of
+    `mnemojax.config.ParallelConfig` and `SchedulerConfig` (an `EngineConfig` or a `SimConfig`);
+    `pipeline_padding`: cost every micro-batch at the pipeline register's size (`max_num_batched_tokens` rows),
+    as the executor runs it when spp > 1."""
+    return Predictor(model, hardware, tp=config.tp, spp=config.spp, kvp=config.kvp, dtype_bytes=dtype_bytes,
+                     profile=profile, pipeline_tokens=config.max_num_batched_tokens if pipeline_padding else None,
+                     max_tokens_per_kvp_rank=config.max_tokens_per_kvp_rank, block_tokens=block_tokens)

@@ -11,14 +11,14 @@ A step is packed in this order (Medha, section 4.2):
    deadline), `lrs` (least remaining slack: deadline - now - predicted remaining prefill time) or `ilrs`
    (that slack divided by the deadline's duration, so long and short prompts compare fairly). A prefill not
    scheduled in a step keeps its pages and resumes later: preemption at chunk boundaries.
-3. With `target_batch_time` and a runtime predictor, chunks are adaptive: each is the largest whose
+3. With `target_batch_time_ms` and a runtime predictor, chunks are adaptive: each is the largest whose
    predicted step time stays under the target, so chunks shrink as a long prompt's context grows. Without
    them the step's cost is its token count under `max_num_batched_tokens`.
 4. Prefill-prefill batching (any policy but fcfs, `ppb_max_share` > 0): when several prefills wait, those
    after the most urgent one share the step's room in proportion to their urgency (1 / relative slack), in
    total at most `ppb_max_share` of it; the most urgent takes what they leave.
 
-TTFT deadlines: arrival + max(`ttft_slo_min` + `ttft_slo_per_token` x prompt tokens, `ttft_slo_prefill_factor`
+TTFT deadlines: arrival + max(`ttft_slo_min_s` + `ttft_slo_per_token_s` x prompt tokens, `ttft_slo_prefill_factor`
 x the predicted time to prefill the prompt alone).
 
 With KV parallelism each KVP rank has its own token budget and page pool; a request whose KV spans several
@@ -49,13 +49,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
+from mnemojax.config import SchedulerConfig
 from mnemojax.kv_manager import KVCacheManager
 from mnemojax.predictor import ChunkShape
 from mnemojax.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("fcfs", "edf", "lrs", "ilrs")
 # Without a runtime predictor, remaining prefill time is estimated at this many seconds per token.
 DEFAULT_SECONDS_PER_TOKEN = 1e-4
 _MIN_SLACK = 0.05  # relative slack floor in the prefill-prefill sharing weights (1 / slack)
@@ -97,46 +97,22 @@ class ChunkOutput:
     prompt_logprobs: tuple[dict[int, float], ...] = ()  # entries of the prompt tokens the chunk scored, in order
 
 
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 512  # the per-step token budget of each KVP rank
-    max_num_seqs: int = 64  # requests running at once (sequence rows of each rank's batch)
-    chunk_size: int = 256  # largest prefill chunk of one request in a step
-    policy: str = "fcfs"  # prefill order: "fcfs", "edf", "lrs" or "ilrs"
-    target_batch_time: float | None = None  # seconds a step may take (the TBT target); needs a predictor
-    min_chunk_size: int = 32  # adaptive chunks never go below this (unless the prompt's rest is shorter)
-    ppb_max_share: float = 0.5  # prefill-prefill batching: most of a step's room for non-first prefills
-    ttft_slo_min: float = 1.0  # seconds: the TTFT deadline of the shortest prompt
-    ttft_slo_per_token: float = 1e-3  # seconds per prompt token added to the TTFT deadline
-    ttft_slo_prefill_factor: float = 0.0  # deadline at least this x the predicted isolated prefill time
-    spp: int = 1  # pipeline stages (a step's target is target_batch_time / spp)
-    max_model_len: int | None = None  # a request whose prompt + output reaches this finishes; None: no limit
-
-    def __post_init__(self):
-        for name in ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "min_chunk_size", "spp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"scheduler_policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.target_batch_time is not None and not self.target_batch_time > 0:
-            raise ValueError(f"target_batch_time must be positive, got {self.target_batch_time}")
-        if not 0.0 <= self.ppb_max_share < 1.0:
-            raise ValueError(f"ppb_max_share must be in [0, 1), got {self.ppb_max_share}")
-        for name in ("ttft_slo_min", "ttft_slo_per_token", "ttft_slo_prefill_factor"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-
 class Scheduler:
     """`eos_token_ids`: the model's end-of-sequence tokens (a sampled one finishes a request not ignoring EOS)."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, predictor=None,
-                 clock: Callable[[], float] = time.perf_counter, eos_token_ids: Collection[int] = ()):
-        if config.target_batch_time is not None and predictor is None:
-            raise ValueError("target_batch_time needs a runtime predictor")
+                 clock: Callable[[], float] = time.perf_counter, eos_token_ids: Collection[int] = (), *,
+                 spp: int = 1, max_model_len: int | None = None):
+        if config.target_batch_time_ms is not None and predictor is None:
+            raise ValueError("target_batch_time_ms needs a runtime predictor")
+        if spp < 1:
+            raise ValueError(f"spp must be at least 1, got {spp}")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
         self.config = config
+        self.spp = spp  # pipeline stages: a step's target is the batch time / spp
+        self.max_model_len = max_model_len  # a request whose prompt + output reaches this finishes; None: no limit
+        self.target_s = config.target_batch_time_s
         self.kv = kv
         self.predictor = predictor
         self.clock = clock
@@ -155,7 +131,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         c = self.config
         n = request.num_prompt_tokens
-        duration = c.ttft_slo_min + c.ttft_slo_per_token * n
+        duration = c.ttft_slo_min_s + c.ttft_slo_per_token_s * n
         if self.predictor is not None and c.ttft_slo_prefill_factor > 0:
             duration = max(duration, c.ttft_slo_prefill_factor * self.predictor.prefill_time(n, c.chunk_size))
         request.deadline_duration = duration
@@ -227,7 +203,7 @@ class Scheduler:
             req.first_token_time = now
         if req.logprobs is not None:
             req.logprobs.append(out.logprobs)
-        max_len = self.config.max_model_len
+        max_len = self.max_model_len
         if out.token in self.eos_token_ids and not p.ignore_eos:
             self.finish(req, "stop", None, now)
         elif out.token in p.stop_token_ids:
@@ -266,7 +242,7 @@ class Scheduler:
         return (req.ttft_deadline - now - self.remaining_prefill_time(req)) / req.deadline_duration
 
     def _priority(self, req: Request, now: float):
-        p = self.config.policy
+        p = self.config.scheduler_policy
         if p == "fcfs":
             return 0.0  # a stable sort keeps running-then-waiting, each in order
         if p == "edf":
@@ -290,7 +266,7 @@ class Scheduler:
                 by_rank.setdefault(r, []).append((req, n))
         if not by_rank:
             return 0.0
-        if self.config.target_batch_time is None:
+        if self.target_s is None:
             return float(max(sum(n for _, n in es) for es in by_rank.values()))
         return max(self.predictor.step_time([
             ChunkShape(n, req.num_computed + n, max(1, len(self.kv.rank_tokens(req.num_computed + n))))
@@ -298,7 +274,7 @@ class Scheduler:
 
     def _limit(self) -> float:
         c = self.config
-        return c.target_batch_time / c.spp if c.target_batch_time is not None else float(c.max_num_batched_tokens)
+        return self.target_s / self.spp if self.target_s is not None else float(c.max_num_batched_tokens)
 
     def _fit(self, entries, req: Request, budgets: list[int], cap: float, floor: int) -> int:
         """Largest chunk of `req` within the token budgets whose step cost stays under `cap` (at least
@@ -388,13 +364,13 @@ class Scheduler:
         waiting = []
         for r in self.waiting:
             if r in preempted or r.in_flight:
-                if c.policy == "fcfs":
+                if c.scheduler_policy == "fcfs":
                     break  # first come, first served: nobody overtakes a preempted request
                 continue
             waiting.append(r)
         # Only as many waiting requests as there are free slots: one that cannot be admitted must not take the
         # most urgent prefill's place (FCFS takes them in order; the others by priority below).
-        if c.policy == "fcfs":
+        if c.scheduler_policy == "fcfs":
             waiting = waiting[:max(slots, 0)]
         elif slots <= 0:
             waiting = []
@@ -403,9 +379,9 @@ class Scheduler:
         # 3. Prefill-prefill batching: the prefills after the most urgent one get cost caps that leave it at
         #    least (1 - share) of the room after the decodes; then it takes the rest; then a work-conserving
         #    pass offers what is left to the others.
-        floor = c.min_chunk_size if c.target_batch_time is not None else 1
+        floor = min(c.min_chunk_size, c.chunk_size) if self.target_s is not None else 1
         passes = [(r, limit) for r in cands]
-        if c.policy != "fcfs" and c.ppb_max_share > 0 and len(cands) > 1:
+        if c.scheduler_policy != "fcfs" and c.ppb_max_share > 0 and len(cands) > 1:
             base = self._cost(entries())
             weights = [1.0 / max(self.relative_slack(r, now), _MIN_SLACK) for r in cands]
             rest = sum(weights[1:])
@@ -425,7 +401,7 @@ class Scheduler:
             if id(req) in scheduled or req in preempted:
                 continue  # one chunk per request per step; a victim is not re-admitted in the same step
             if req.status is RequestStatus.WAITING:
-                if len(self.running) >= c.max_num_seqs or (c.policy == "fcfs" and preempted):
+                if len(self.running) >= c.max_num_seqs or (c.scheduler_policy == "fcfs" and preempted):
                     continue
                 self.kv.place(req)
             if req.kv_ranks[0] in full and req is not primary:
@@ -441,7 +417,7 @@ class Scheduler:
                     logger.debug("request %s waits: not enough free KV pages (%d of %d in use)", req.request_id,
                                 self.kv.num_used, self.kv.num_usable)
                     req.kv_ranks, req.pages = [], []
-                    if c.policy == "fcfs":
+                    if c.scheduler_policy == "fcfs":
                         break  # first come, first served: nobody overtakes it
                     continue
                 self._admit(req)

@@ -52,10 +52,12 @@ import numpy as np
 
 from mnemojax.kv_manager import KVCacheManager
 from mnemojax.pipeline import Pipeline
+from mnemojax.config import POLICIES, ParallelConfig, SchedulerConfig
 from mnemojax.predictor import HARDWARE, ChunkShape, Predictor
+from mnemojax.predictor import make_predictor as deployment_predictor
 from mnemojax.request import Request
 from mnemojax.sampling_params import SamplingParams
-from mnemojax.scheduler import POLICIES, ChunkOutput, Scheduler, SchedulerConfig, StepPlan
+from mnemojax.scheduler import ChunkOutput, Scheduler, StepPlan
 from models.config import LlamaConfig, preset
 
 # ShareGPT4 (openchat_sharegpt4, the short trace of Medha and Sarathi-Serve; Sarathi-Serve's Table 2): prompt
@@ -152,50 +154,33 @@ def load_trace(path: str) -> list[TraceRequest]:
 
 # ------------------------------------------------------------------------------------------------ config
 @dataclasses.dataclass(frozen=True)
-class SimConfig:
-    """A simulated deployment: model, hardware, mesh, scheduler and KV cache settings."""
+class SimConfig(SchedulerConfig, ParallelConfig):
+    """A simulated deployment: model, hardware, mesh, scheduler and KV cache settings.
 
+    The scheduling and mesh fields are `mnemojax.config.SchedulerConfig`'s and `ParallelConfig`'s, the same as the
+    engine's; only their defaults differ here (H100-sized: tp 8, chunks of 4096, adaptive to Mnemosyne's 30 ms TBT
+    target, ILRS).
+    """
+
+    tp: int = 8
+    chunk_size: int = 4096
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    scheduler_policy: str = dataclasses.field(default="ilrs", metadata={"choices": POLICIES})
+    target_batch_time_ms: float | None = 30.0
     model: str = "llama3-8b"
     """A preset of `models.config.PRESETS`."""
-    hardware: str = "h100"
+    hardware: str = dataclasses.field(default="h100", metadata={"choices": tuple(sorted(HARDWARE))})
     """A preset of `mnemojax.predictor.HARDWARE`."""
-    tp: int = 8
-    """Tensor parallelism (devices per stage)."""
-    spp: int = 1
-    """Sequence pipeline stages (micro-batches in flight)."""
-    kvp: int = 1
-    """KV-cache parallel ranks, each with its own page pool and model replica."""
-    policy: str = "ilrs"
-    """Prefill order: fcfs, edf, lrs or ilrs (see `mnemojax.scheduler`)."""
-    target_batch_time_ms: float | None = 30.0
-    """Adaptive chunking: a step's predicted time stays under this (divided by spp per stage); None: token
-    budget only. 30 ms is Mnemosyne's TBT target."""
-    chunk_size: int = 4096
-    """Largest prefill chunk of one request in a step."""
-    max_num_batched_tokens: int = 8192
-    """Token budget of a step, per KVP rank."""
-    max_num_seqs: int = 256
-    """Requests running at once."""
-    min_chunk_size: int = 32
-    """Adaptive chunks never go below this (unless the prompt's rest is shorter)."""
-    ppb_max_share: float = 0.5
-    """Prefill-prefill batching: most of a step for prefills after the most urgent one (not with fcfs)."""
-    ttft_slo_min_s: float = 1.0
-    """TTFT deadline: this + `ttft_slo_per_token_s` x prompt tokens ..."""
-    ttft_slo_per_token_s: float = 1e-3
-    ttft_slo_prefill_factor: float = 0.0
-    """... and at least this x the predicted isolated prefill time (0: off)."""
     page_size: int = 16
     """Tokens per KV page."""
     gpu_memory_utilization: float = 0.9
     """Fraction of each device's memory for weights and KV cache."""
     num_pages: int | None = None
     """KV pages per KVP rank; None: from the device memory (see `kv_pages_per_rank`)."""
-    max_tokens_per_kvp_rank: int | None = None
-    """Most tokens of one request on one KVP rank (a multiple of page_size); None: a request stays on one."""
     dtype_bytes: int = 2
     """Bytes per weight / activation / KV element (bf16)."""
-    profile: str | None = None
+    predictor_profile: str | None = None
     """Predictor profile (a shipped profile's name or a path); None: the predictor's default factors."""
     pipeline_padding: bool = False
     """Cost every micro-batch at the pipeline register's padded size (`bucket(max_num_batched_tokens)` token
@@ -208,38 +193,25 @@ class SimConfig:
     every request is done or a KV deadlock."""
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        SchedulerConfig.__post_init__(self)
+        ParallelConfig.__post_init__(self)
         if self.hardware not in HARDWARE:
             raise ValueError(f"unknown hardware {self.hardware!r}; known: {sorted(HARDWARE)}")
-        for name in ("tp", "spp", "kvp", "chunk_size", "max_num_batched_tokens", "max_num_seqs", "min_chunk_size",
-                     "page_size", "dtype_bytes", "long_threshold_tokens"):
+        for name in ("page_size", "dtype_bytes", "long_threshold_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.target_batch_time_ms is not None and not self.target_batch_time_ms > 0:
-            raise ValueError(f"target_batch_time_ms must be positive, got {self.target_batch_time_ms}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_simulated_s is not None and not self.max_simulated_s > 0:
             raise ValueError(f"max_simulated_s must be positive, got {self.max_simulated_s}")
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-            chunk_size=self.chunk_size, policy=self.policy,
-            target_batch_time=None if self.target_batch_time_ms is None else self.target_batch_time_ms / 1e3,
-            min_chunk_size=min(self.min_chunk_size, self.chunk_size), ppb_max_share=self.ppb_max_share,
-            ttft_slo_min=self.ttft_slo_min_s, ttft_slo_per_token=self.ttft_slo_per_token_s,
-            ttft_slo_prefill_factor=self.ttft_slo_prefill_factor, spp=self.spp)
-
 
 def make_predictor(config: SimConfig, model: LlamaConfig | None = None) -> Predictor:
     """The predictor of `config`'s deployment (also the scheduler's, as in the engine)."""
-    return Predictor(model or preset(config.model), config.hardware, tp=config.tp, spp=config.spp, kvp=config.kvp,
-                     dtype_bytes=config.dtype_bytes, profile=config.profile,
-                     pipeline_tokens=config.max_num_batched_tokens if config.pipeline_padding else None,
-                     max_tokens_per_kvp_rank=config.max_tokens_per_kvp_rank)
+    return deployment_predictor(config, model or preset(config.model), hardware=config.hardware,
+                          dtype_bytes=config.dtype_bytes, profile=config.predictor_profile,
+                          pipeline_padding=config.pipeline_padding)
 
 
 def kv_pages_per_rank(config: SimConfig, model: LlamaConfig | None = None) -> int:
@@ -256,7 +228,7 @@ def kv_pages_per_rank(config: SimConfig, model: LlamaConfig | None = None) -> in
     b = config.dtype_bytes
     weights = (p.layers_per_stage * p.layer_params + c.vocab_size * c.hidden_size
                * (1 if c.tie_word_embeddings else 2)) * b
-    page_bytes = config.page_size * p.layers_per_stage * 2 * p.kv_heads * c.head_dim * b
+    page_bytes = c.kv_page_bytes(page_size=config.page_size, tp=config.tp, spp=config.spp, dtype_bytes=b)
     free = HARDWARE[config.hardware].memory_bytes * config.gpu_memory_utilization - weights
     if free < 2 * page_bytes:
         raise ValueError(f"{config.model} does not fit on {config.hardware} with tp={config.tp}, spp={config.spp}: "
@@ -332,8 +304,8 @@ class Simulator:
         # As in the engine, the scheduler gets the predictor with a target batch time (without one, its LRS /
         # ILRS remaining prefill time is its per-token fallback); also for predicted TTFT deadlines.
         uses_predictor = config.target_batch_time_ms is not None or config.ttft_slo_prefill_factor > 0
-        self.scheduler = Scheduler(config.scheduler_config(), self.kv, self.predictor if uses_predictor else None,
-                                   clock=lambda: self.now)
+        self.scheduler = Scheduler(config, self.kv, self.predictor if uses_predictor else None,
+                                   clock=lambda: self.now, spp=config.spp)
         self.trace = sorted(trace, key=lambda r: r.arrival_time)
         self.steps = 0
 
@@ -438,7 +410,7 @@ class Simulator:
 
     def _metrics(self, reqs, kinds, rejected, start, end) -> dict[str, Any]:
         cfg = self.config
-        out: dict[str, Any] = {"policy": cfg.policy}
+        out: dict[str, Any] = {"policy": cfg.scheduler_policy}
         done = [r for r in reqs if r.is_finished]
         out["completed"] = len(done)
         for kind in ("short", "long"):

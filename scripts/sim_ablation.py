@@ -113,7 +113,7 @@ def main():
     jobs = []
     for label in args.variants.split(","):
         policy, share = VARIANTS[label]
-        cfg = dataclasses.replace(base, policy=policy, ppb_max_share=args.ppb_max_share if share is None else share)
+        cfg = dataclasses.replace(base, scheduler_policy=policy, ppb_max_share=args.ppb_max_share if share is None else share)
         jobs.append((label, cfg, trace))
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs)))) as pool:
         results = dict(pool.map(run_one, jobs))

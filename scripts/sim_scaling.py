@@ -30,8 +30,8 @@ M = 1_000_000  # the papers' "1M", "10M": decimal
 OUTPUT = 5  # decode tokens per request: 4 gaps averaged
 
 def prefill_ttft(spp: int, chunk: int, hardware: str, profile, prompt: int = M):
-    cfg = SimConfig(model="llama3-8b", hardware=hardware, tp=8, spp=spp, policy="fcfs", target_batch_time_ms=None,
-                    chunk_size=chunk, max_num_batched_tokens=max(chunk, 16), profile=profile)
+    cfg = SimConfig(model="llama3-8b", hardware=hardware, tp=8, spp=spp, scheduler_policy="fcfs", target_batch_time_ms=None,
+                    chunk_size=chunk, max_num_batched_tokens=max(chunk, 16), predictor_profile=profile)
     sim = Simulator(cfg, [TraceRequest(0.0, prompt, 1)])
     res = sim.run()
     return res.requests[0]["ttft"], sim.predictor.prefill_time(prompt, chunk)
@@ -41,9 +41,9 @@ def decode_tbt(context: int, spp: int, kvp: int, hardware: str, profile):
     per_rank = None
     if kvp > 1:  # an even split of prompt and outputs, in whole pages
         per_rank = -(-(-(-(context + OUTPUT) // kvp)) // 16) * 16
-    cfg = SimConfig(model="llama3-8b", hardware=hardware, tp=8, spp=spp, kvp=kvp, policy="fcfs",
+    cfg = SimConfig(model="llama3-8b", hardware=hardware, tp=8, spp=spp, kvp=kvp, scheduler_policy="fcfs",
                     target_batch_time_ms=None, chunk_size=16384, max_num_batched_tokens=16384,
-                    max_tokens_per_kvp_rank=per_rank, profile=profile)
+                    max_tokens_per_kvp_rank=per_rank, predictor_profile=profile)
     sim = Simulator(cfg, [TraceRequest(0.0, context, OUTPUT)])
     res = sim.run()
     r = res.requests[0]

@@ -33,7 +33,7 @@ def _req(rid, n, arrival, max_tokens=4):
 
 
 def _sched(policy="ilrs", pages=4096, page_size=16, predictor=None, clock=lambda: 0.0, **kw):
-    cfg = SchedulerConfig(policy=policy, **kw)
+    cfg = SchedulerConfig(scheduler_policy=policy, **kw)
     return Scheduler(cfg, KVCacheManager(1, pages, page_size), predictor, clock=clock)
 
 
@@ -83,7 +83,7 @@ def test_ilrs_takes_least_relative_slack():
 
 def test_ilrs_formula_by_hand():
     p = LinearPredictor()
-    s = _sched("ilrs", predictor=p, chunk_size=64, ttft_slo_min=0.5, ttft_slo_per_token=1e-4)
+    s = _sched("ilrs", predictor=p, chunk_size=64, ttft_slo_min_s=0.5, ttft_slo_per_token_s=1e-4)
     r = _req("r", 300, arrival=10.0)
     s.add(r)
     duration = 0.5 + 300 * 1e-4
@@ -98,7 +98,7 @@ def test_ilrs_formula_by_hand():
 
 def test_scheduler_rejects_unknown_policy():
     with pytest.raises(ValueError, match="scheduler_policy must be one of"):
-        SchedulerConfig(policy="sjf")
+        SchedulerConfig(scheduler_policy="sjf")
 
 
 # ------------------------------------------------------------------------------------------ adaptive chunks
@@ -107,7 +107,7 @@ def test_adaptive_chunks_shrink_with_context_and_meet_the_target():
     shrink as the context grows (the attention term grows with it)."""
     p = LinearPredictor(overhead=0.002, a=1e-5, b=1e-8)
     target = 0.02
-    s = _sched("ilrs", predictor=p, chunk_size=4096, max_num_batched_tokens=4096, target_batch_time=target,
+    s = _sched("ilrs", predictor=p, chunk_size=4096, max_num_batched_tokens=4096, target_batch_time_ms=target * 1e3,
                min_chunk_size=32)
     r = _req("long", 60_000, 0.0, max_tokens=1)
     s.add(r)
@@ -136,8 +136,8 @@ def test_adaptive_chunks_shrink_with_context_and_meet_the_target():
 # -------------------------------------------------------------------------------- prefill-prefill batching
 def _ppb_step(share_cap, now=0.5):
     p = LinearPredictor(overhead=0.0, a=1e-5, b=0.0)  # cost proportional to tokens: shares are token shares
-    s = _sched("ilrs", predictor=p, chunk_size=4096, max_num_batched_tokens=4096, target_batch_time=0.01,
-               min_chunk_size=1, ppb_max_share=share_cap, ttft_slo_min=1.0, ttft_slo_per_token=1e-5)
+    s = _sched("ilrs", predictor=p, chunk_size=4096, max_num_batched_tokens=4096, target_batch_time_ms=10.0,
+               min_chunk_size=1, ppb_max_share=share_cap, ttft_slo_min_s=1.0, ttft_slo_per_token_s=1e-5)
     long = _req("long", 50_000, 0.0)
     short = _req("short", 5000, 0.3)
     s.add(long)
@@ -173,7 +173,7 @@ def test_ppb_off_gives_everything_to_the_most_urgent():
 
 def test_fcfs_never_shares():
     p = LinearPredictor(overhead=0.0, a=1e-5, b=0.0)
-    s = _sched("fcfs", predictor=p, chunk_size=4096, max_num_batched_tokens=4096, target_batch_time=0.01,
+    s = _sched("fcfs", predictor=p, chunk_size=4096, max_num_batched_tokens=4096, target_batch_time_ms=10.0,
                min_chunk_size=1, ppb_max_share=0.5)
     s.add(_req("long", 50_000, 0.0))
     s.add(_req("short", 100, 0.3))
@@ -187,7 +187,7 @@ def _ttft_of_short(policy, ppb):
     the clock; returns (the short request's TTFT, its isolated prefill time, the longest step)."""
     p = LinearPredictor(overhead=0.002, a=1e-5, b=1e-9)
     clock = [0.0]
-    s = _sched(policy, predictor=p, chunk_size=2048, max_num_batched_tokens=2048, target_batch_time=0.05,
+    s = _sched(policy, predictor=p, chunk_size=2048, max_num_batched_tokens=2048, target_batch_time_ms=50.0,
                min_chunk_size=32, ppb_max_share=ppb, clock=lambda: clock[0])
     long = _req("long", 200_000, 0.0, max_tokens=2)
     s.add(long)

@@ -427,7 +427,7 @@ def test_request_that_preempts_itself_is_not_scheduled():
 
 # ---------------------------------------------------------------------------------- waiting for pages
 def test_request_without_pages_waits_and_is_admitted_when_pages_free(caplog):
-    caplog.set_level(logging.INFO, logger=LOGGER)
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
     sim = Sim(budget=256, chunk_size=64, num_pages=9, page_size=4)  # 8 usable pages
     big = make_request("big", 28, max_tokens=4)  # 7 pages for the prompt, 8 by the end
     small = make_request("small", 8, max_tokens=1)  # 2 pages
@@ -649,7 +649,7 @@ def test_random_runs_do_preempt():
 def _update_fixture(max_model_len=None, **params):
     """A scheduler (page_size 4, EOS token 2) and one 10-token request prefilled and sampled in one step."""
     kv = KVCacheManager(1, 64, 4)
-    sched = Scheduler(SchedulerConfig(64, 8, 64, max_model_len=max_model_len), kv, clock=lambda: 99.0,
+    sched = Scheduler(SchedulerConfig(64, 8, 64), kv, clock=lambda: 99.0, max_model_len=max_model_len,
                       eos_token_ids=[EOS_TOKEN])
     req = Request("r", list(range(100, 110)), SamplingParams(**{"max_tokens": 16, **params}), 0.0, seed=0)
     sched.add(req)

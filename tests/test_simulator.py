@@ -85,7 +85,7 @@ def test_synthetic_trace_shape():
 
 
 def test_metrics_json_has_the_required_keys(tmp_path):
-    res = simulator.simulate(SimConfig(policy="edf"), _light_trace())
+    res = simulator.simulate(SimConfig(scheduler_policy="edf"), _light_trace())
     path = tmp_path / "out.json"
     res.to_json(str(path))
     d = json.loads(path.read_text())
@@ -162,7 +162,7 @@ def test_requests_that_can_never_fit_are_rejected():
 def test_memory_pressure_preempts_and_still_completes(policy):
     # 64 usable pages = 1024 tokens; three requests of 300 + 200 tokens fit their prompts but not their outputs.
     trace = [TraceRequest(0.01 * i, 300, 200) for i in range(3)]
-    sim = Simulator(SimConfig(num_pages=65, policy=policy), trace)
+    sim = Simulator(SimConfig(num_pages=65, scheduler_policy=policy), trace)
     m = sim.run().metrics
     assert m["preemptions"] >= 1 and m["completed"] == 3 and m["stop_reason"] == "done"
     assert sim.kv.num_used == 0
@@ -209,7 +209,7 @@ def _mixed_trace():
 
 
 def test_ilrs_beats_fcfs_on_short_ttft_behind_a_long_prompt():
-    m = {p: simulator.simulate(SimConfig(policy=p), _mixed_trace()).metrics for p in ("fcfs", "ilrs")}
+    m = {p: simulator.simulate(SimConfig(scheduler_policy=p), _mixed_trace()).metrics for p in ("fcfs", "ilrs")}
     fcfs, ilrs = m["fcfs"]["short"]["ttft_p50"], m["ilrs"]["short"]["ttft_p50"]
     # FCFS: the short requests wait behind the long prefill (seconds); ILRS preempts it at chunk boundaries.
     assert fcfs > 1.0 and ilrs < 0.5 and fcfs > 10 * ilrs
@@ -228,7 +228,7 @@ def test_plots_are_written(tmp_path):
 def test_cli_writes_json(tmp_path):
     out = tmp_path / "m.json"
     trace = tmp_path / "t.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "mnemojax.sim", "--qps=2", "--duration_s=5", "--policy=lrs",
+    proc = subprocess.run([sys.executable, "-m", "mnemojax.sim", "--qps=2", "--duration_s=5", "--scheduler_policy=lrs",
                            f"--output_json={out}", f"--save_trace={trace}"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

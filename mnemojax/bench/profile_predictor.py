@@ -36,6 +36,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported; one real CPU device, no fake ones
 
 
+from mnemojax.buckets import bucket
 from mnemojax.predictor import PROFILE_DIR, ChunkShape, Predictor, Profile  # noqa: E402
 
 FITTED = ("linear_flops_eff", "linear_bw_eff", "attn_flops_eff", "attn_bw_eff", "attn_gather_bw_eff",
@@ -209,8 +210,7 @@ def wait_for_quiet(max_wait_s: float, threshold: float = 0.1, window_s: float = 
 
 def _padded_tokens(chunks: Plan) -> int:
     """The executor's token rows for `chunks` on one device: a power of two, at least 16."""
-    n = sum(c.query_tokens for c in chunks)
-    return max(16, 1 << max(n - 1, 0).bit_length())
+    return bucket(sum(c.query_tokens for c in chunks), 16)
 
 
 # ---------------------------------------------------------------------- fitting

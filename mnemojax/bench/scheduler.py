@@ -29,14 +29,15 @@ import numpy as np
 from mnemojax.kv_manager import KVCacheManager  # noqa: E402
 from mnemojax.request import Request, RequestStatus  # noqa: E402
 from mnemojax.sampling_params import SamplingParams  # noqa: E402
-from mnemojax.scheduler import POLICIES, ChunkOutput, Scheduler, SchedulerConfig  # noqa: E402
+from mnemojax.config import POLICIES, SchedulerConfig
+from mnemojax.scheduler import ChunkOutput, Scheduler
 from mnemojax.simulator import SimConfig, make_predictor, simulate, synthetic_trace  # noqa: E402
 
 
 def build(policy: str, predictor, max_num_seqs: int, running: int = 256, waiting: int = 1000, seed: int = 0):
     rng = np.random.default_rng(seed)
-    cfg = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs, chunk_size=4096, policy=policy,
-                          target_batch_time=0.03 if predictor is not None else None, ppb_max_share=0.5)
+    cfg = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max_num_seqs, chunk_size=4096,
+                          scheduler_policy=policy, target_batch_time_ms=30.0 if predictor is not None else None, ppb_max_share=0.5)
     kv = KVCacheManager(1, 200_000, 16)
     s = Scheduler(cfg, kv, predictor, clock=lambda: 0.0)
     for i in range(running):
@@ -115,7 +116,7 @@ def main():
         trace = synthetic_trace(2.0, 3600.0, seed=0)
         for policy in ("fcfs", "ilrs"):
             cpu0 = time.process_time()
-            res = simulate(SimConfig(policy=policy), trace)
+            res = simulate(SimConfig(scheduler_policy=policy), trace)
             cpu = time.process_time() - cpu0
             m = res.metrics
             print(f"simulator: 1 simulated hour at 2 QPS ({len(trace)} requests), policy {policy}: "
