@@ -6,11 +6,11 @@ imported without jax.
 import importlib
 
 _EXPORTS = {
-    "LLM": "mnemojax.llm",
-    "SamplingParams": "mnemojax.sampling_params",
-    "RequestOutput": "mnemojax.outputs",
-    "CompletionOutput": "mnemojax.outputs",
-    "RequestMetrics": "mnemojax.outputs",
+    "LLM": "mnemojax.engine.llm",
+    "SamplingParams": "mnemojax.scheduling.sampling_params",
+    "RequestOutput": "mnemojax.scheduling.outputs",
+    "CompletionOutput": "mnemojax.scheduling.outputs",
+    "RequestMetrics": "mnemojax.scheduling.outputs",
 }
 __all__ = list(_EXPORTS)
 

@@ -1,36 +1,6 @@
-"""Plan a deployment: `python -m mnemojax.plan --num_gpus 64 --qps 0.5 --long_fraction 0.05 --ttft_long_s 60`.
-
-Intentionally short: the logic is in `mnemojax.planner`. Searches the (tp, spp, kvp, replicas, KV split,
-chunking, policy) candidates for the workload with the simulator, prints the ranked table, the serve command
-lines of the best, and the infeasible candidates with their reasons; `--output_dir` writes plan.json,
-pareto.png and capacity.png. Every field of `planner.PlanConfig` (and of its nested configs) is a flag; the
-search-space flags (--tp, --spp, --kvp, --chunk_size, --scheduler_policy, ...) take comma-separated lists.
-"""
-from __future__ import annotations
-
-from absl import app
-
-from mnemojax import planner
-from mnemojax.cli import define_flags, from_flags
-
-
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    try:
-        config = from_flags(planner.PlanConfig)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
-    result = planner.plan(config)
-    print(result.report(), end="")
-    if config.output_dir:
-        print("wrote " + " ".join(result.save(config.output_dir)))
-
-
-def run():
-    define_flags(planner.PlanConfig)
-    app.run(main)
-
+"""`python -m mnemojax.plan --num_gpus 64 ...`: the deployment planner (the command; the planner is
+`mnemojax.sim.planner`, the flags are in `mnemojax.sim.plan`)."""
+from mnemojax.sim.plan import run
 
 if __name__ == "__main__":
     run()

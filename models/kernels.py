@@ -2,7 +2,7 @@
 
 One vocabulary for the kernel choice, read by the model (`models.attention.attention`, `ModelSpec.attention`),
 the engine (`EngineConfig.attention`, `LLM(attention=...)`) and the runtime predictor's cost model
-(`mnemojax.predictor.Profile.attention`, which imports no jax, hence this module).
+(`mnemojax.scheduling.predictor.Profile.attention`, which imports no jax, hence this module).
 """
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from mnemojax import simulator  # noqa: E402
-from mnemojax.simulator import SimConfig  # noqa: E402
+from mnemojax.sim import simulator  # noqa: E402
+from mnemojax.sim.simulator import SimConfig  # noqa: E402
 
 VARIANTS = {  # label: (policy, ppb_max_share or None for the flag's value)
     "fcfs": ("fcfs", None), "edf": ("edf", 0.0), "lrs": ("lrs", 0.0), "ilrs-noppb": ("ilrs", 0.0),

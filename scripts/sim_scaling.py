@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from mnemojax.simulator import SimConfig, Simulator, TraceRequest  # noqa: E402
+from mnemojax.sim.simulator import SimConfig, Simulator, TraceRequest  # noqa: E402
 
 M = 1_000_000  # the papers' "1M", "10M": decimal
 OUTPUT = 5  # decode tokens per request: 4 gaps averaged

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 
-from mnemojax.async_llm import EngineStats
-from mnemojax.detokenizer import Detokenizer
-from mnemojax.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from mnemojax.sampling_params import ParamError, RequestOutputKind, SamplingParams
+from mnemojax.engine.async_llm import EngineStats
+from mnemojax.engine.detokenizer import Detokenizer
+from mnemojax.scheduling.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
 from models.tokenizer import ByteTokenizer
 
 

@@ -94,3 +94,44 @@ def test_pallas_kernels_import_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# Inside mnemojax, one package per concern; what each may import (besides itself, models and shardings where
+# listed). `mnemojax.cli` is the flag helper every command uses; `bench`, the package's `__init__` and the
+# command shims (`serve`, `plan`) sit on top and may import anything.
+LAYERS = {
+    "mnemojax.cli": set(),
+    "mnemojax.scheduling": {"models"},
+    "mnemojax.engine": {"mnemojax.scheduling", "mnemojax.cli", "models", "shardings"},
+    "mnemojax.serving": {"mnemojax.engine", "mnemojax.scheduling", "mnemojax.cli", "models"},  # models.tokenizer
+    "mnemojax.sim": {"mnemojax.scheduling", "mnemojax.cli", "models"},
+}
+
+
+def _layer(module: str) -> str | None:
+    for layer in sorted(LAYERS, key=len, reverse=True):
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return None
+
+
+def _allowed(module: str, imported: str) -> bool:
+    layer = _layer(module)
+    if layer is None:
+        return True  # mnemojax/__init__, the command shims, bench, models, shardings (checked above)
+    target = _layer(imported) or imported.split(".")[0]
+    return target == layer or target in LAYERS[layer]
+
+
+def test_packages_inside_mnemojax_are_layered():
+    graph = import_graph()
+    assert "mnemojax.scheduling.scheduler" in graph["mnemojax.engine.llm_engine"]  # real edges seen
+    wrong = sorted((m, i) for m, imported in graph.items() for i in imported if not _allowed(m, i))
+    assert wrong == []
+
+
+def test_layer_check_catches_an_upward_import():
+    assert not _allowed("mnemojax.scheduling.scheduler", "mnemojax.engine.executor")
+    assert not _allowed("mnemojax.engine.executor", "mnemojax.serving.app")
+    assert not _allowed("mnemojax.sim.simulator", "shardings.mesh")
+    assert _allowed("mnemojax.serving.app", "mnemojax.engine.async_llm")

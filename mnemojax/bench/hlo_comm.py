@@ -17,7 +17,7 @@ formulas, per device per step, for T query rows, Ls layers per stage, N/tp local
   KVP merge   Ls x T x (N/tp) x (H + 2) x 4 B  (partial outputs and the softmax max / denominator, f32)
   SPP         T x D x b                         (one activation block per stage boundary)
   TP          2 x Ls x T x D x b                (all-reduce after attention and after the MLP)
-The parsing helpers (`parse_hlo`, `find_collectives`, `bytes_by_axis`) are reused by tests/test_hlo_comm.py.
+The parsing helpers (`parse_hlo`, `find_collectives`, `bytes_by_axis`) are reused by tests/shardings/test_hlo_comm.py.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     python scripts/plan_medha.py [--serving] [--pipeline_padding]
 
-Every number is the planner's (`mnemojax.planner.simulate`: the simulator with the runtime predictor as the
+Every number is the planner's (`mnemojax.sim.planner.simulate`: the simulator with the runtime predictor as the
 clock), on Llama-3 8B shapes and `h100` with the predictor's default efficiency factors (no H100 profile is
 fitted), micro-batches priced at their own size (an ideal ragged executor, as Medha's; `--pipeline_padding`
 prices this repository's executor instead, which pads every micro-batch in flight to the token budget).
@@ -30,8 +30,8 @@ import time
 
 import numpy as np
 
-from mnemojax import planner
-from mnemojax.simulator import TraceRequest, synthetic_trace
+from mnemojax.sim import planner
+from mnemojax.sim.simulator import TraceRequest, synthetic_trace
 
 M = 1_000_000  # the papers' "1M", "10M": decimal
 

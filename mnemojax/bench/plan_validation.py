@@ -5,7 +5,7 @@
 
 For each layout `tp,spp,kvp` the planner plans the tiny model (float32) on the `cpu` hardware preset with the
 shipped CPU profile, over one trace, with that layout alone in its search space; its candidate's serve command
-line is read by the server's own flag definitions (`mnemojax.serve.define_serve_flags`) into the engine's
+line is read by the server's own flag definitions (`mnemojax.serving.server.define_serve_flags`) into the engine's
 config. A child process, spawned with exactly the layout's number of fake CPU devices (`JAX_NUM_CPU_DEVICES`),
 builds that `LLMEngine`, runs one step of every shape bucket (so that nothing compiles later), and replays the
 trace in real time. A request is added when the wall clock reaches its arrival time and
@@ -20,7 +20,6 @@ the CPUs while the measured pass ran (this machine is shared; another busy proce
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -34,10 +33,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported (only th
 
 import numpy as np  # noqa: E402
 
-from mnemojax import planner  # noqa: E402
+from mnemojax.sim import planner  # noqa: E402
 from mnemojax.bench.profile_predictor import OtherLoad, hardware_lines, wait_for_quiet  # noqa: E402
 from mnemojax.bench.serving import LengthMix, synthetic_trace  # noqa: E402
-from mnemojax.simulator import TraceRequest  # noqa: E402
+from mnemojax.sim.simulator import TraceRequest  # noqa: E402
 
 LONG_THRESHOLD = 2048
 """Prompts longer than this are long (the trace's long prompts have 3000 tokens, its short ones at most 1000)."""
@@ -81,8 +80,8 @@ def engine_config(argv: Sequence[str]):
     from absl import flags
 
     from mnemojax.cli import from_flags
-    from mnemojax.engine import EngineConfig
-    from mnemojax.serve import define_serve_flags
+    from mnemojax.engine.llm_engine import EngineConfig
+    from mnemojax.serving.server import define_serve_flags
 
     fv = flags.FlagValues()
     define_serve_flags(fv)
@@ -92,7 +91,7 @@ def engine_config(argv: Sequence[str]):
 
 def replay(engine, trace: Sequence[TraceRequest], long_threshold: int, seed: int = 0) -> list[planner.Served]:
     """Replays `trace` in real time on `engine`; the requests as served (TTFT from their scheduled arrival)."""
-    from mnemojax.sampling_params import SamplingParams
+    from mnemojax.scheduling.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
     pending = deque(sorted(trace, key=lambda r: r.arrival_time))
@@ -122,9 +121,9 @@ def warm_buckets(engine) -> int:
     """Runs one step of every shape bucket the engine can meet (token rows T up to the token budget, logits rows
     R up to max_num_seqs), so that no step of a measured run compiles; returns how many. The steps' requests are
     made up, write only scratch pages, and never reach the scheduler."""
-    from mnemojax.request import Request
-    from mnemojax.sampling_params import SamplingParams
-    from mnemojax.scheduler import ScheduledChunk, StepPlan
+    from mnemojax.scheduling.request import Request
+    from mnemojax.scheduling.sampling_params import SamplingParams
+    from mnemojax.scheduling.scheduler import ScheduledChunk, StepPlan
 
     ex, config = engine.executor, engine.config
 
@@ -163,7 +162,7 @@ def measure(argv: Sequence[str], trace: Sequence[TraceRequest], long_threshold: 
     Runs in a child process with the layout's fake devices."""
     import jax
 
-    from mnemojax.engine import LLMEngine
+    from mnemojax.engine.llm_engine import LLMEngine
 
     config = engine_config(argv)
     t = time.perf_counter()

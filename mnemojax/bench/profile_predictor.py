@@ -1,8 +1,8 @@
 """Fits the runtime predictor's efficiency factors to timed steps of the real executor; saves a profile.
 
     python scripts/profile_predictor.py [--model tiny] [--dtype float32] [--hardware cpu] [--reps 7]
-        [--out mnemojax/profiles/cpu.json]
-    python scripts/profile_predictor.py --check mnemojax/profiles/cpu.json   # measure and compare, no fit
+        [--out mnemojax/scheduling/profiles/cpu.json]
+    python scripts/profile_predictor.py --check mnemojax/scheduling/profiles/cpu.json   # measure and compare, no fit
 
 Builds an engine on one device (the 1x1x1 mesh), then times `engine.executor.execute(plan)` on a spread of
 plans built by hand (requests given pages straight from the pool, `ScheduledChunk`s, a `StepPlan`): decode
@@ -13,7 +13,7 @@ timed (the steady state of consecutive steps of one shape; see `Bench.measure`);
 of its rounds. `execute` returns host values, so each call is complete when it returns. Run it on a quiet
 machine (`--wait_quiet`): on 2 cores, one busy process elsewhere slows every step by up to half.
 
-The factors (`mnemojax.predictor.Profile`) are fitted on two thirds of the plans (every category split the
+The factors (`mnemojax.scheduling.predictor.Profile`) are fitted on two thirds of the plans (every category split the
 same way) by Nelder-Mead on the log of each factor, minimising the mean squared log error of predicted vs
 measured time; the summary reports the relative error |predicted / measured - 1| (median, p90, max) on the
 held-out third and on all plans. The profile file records the factors, the engine settings they describe,
@@ -36,8 +36,8 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported; one real CPU device, no fake ones
 
 
-from mnemojax.buckets import bucket
-from mnemojax.predictor import PROFILE_DIR, ChunkShape, Predictor, Profile  # noqa: E402
+from mnemojax.scheduling.buckets import bucket
+from mnemojax.scheduling.predictor import PROFILE_DIR, ChunkShape, Predictor, Profile  # noqa: E402
 
 FITTED = ("linear_flops_eff", "linear_bw_eff", "attn_flops_eff", "attn_bw_eff", "attn_gather_bw_eff",
           "attn_gather_cache_bytes", "attn_block_overhead_s", "step_overhead_s", "per_token_overhead_s",
@@ -99,7 +99,7 @@ class Bench:
     def __init__(self, model: str = "tiny", dtype: str = "float32", *, max_num_seqs: int = 64,
                  num_pages: int = 8 * 1024 + 512, block_pages: int = 8, page_size: int = 16,
                  max_num_batched_tokens: int = 512):
-        from mnemojax.engine import EngineConfig, LLMEngine
+        from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 
         self.config = EngineConfig(model=model, dtype=dtype, max_num_seqs=max_num_seqs, num_pages=num_pages,
                                    block_pages=block_pages, page_size=page_size,
@@ -114,9 +114,9 @@ class Bench:
 
     def plan(self, chunks: Plan):
         """A `StepPlan` for `chunks`: fresh requests, each given its own pages (cycling through the pool)."""
-        from mnemojax.request import Request
-        from mnemojax.sampling_params import SamplingParams
-        from mnemojax.scheduler import ScheduledChunk, StepPlan
+        from mnemojax.scheduling.request import Request
+        from mnemojax.scheduling.sampling_params import SamplingParams
+        from mnemojax.scheduling.scheduler import ScheduledChunk, StepPlan
 
         usable, ps = self.engine.kv.ranks[0].num_usable, self.config.page_size
         out = []

@@ -26,12 +26,12 @@ import time
 import numpy as np
 
 
-from mnemojax.kv_manager import KVCacheManager  # noqa: E402
-from mnemojax.request import Request, RequestStatus  # noqa: E402
-from mnemojax.sampling_params import SamplingParams  # noqa: E402
-from mnemojax.config import POLICIES, SchedulerConfig
-from mnemojax.scheduler import ChunkOutput, Scheduler
-from mnemojax.simulator import SimConfig, make_predictor, simulate, synthetic_trace  # noqa: E402
+from mnemojax.scheduling.kv_manager import KVCacheManager  # noqa: E402
+from mnemojax.scheduling.request import Request, RequestStatus  # noqa: E402
+from mnemojax.scheduling.sampling_params import SamplingParams  # noqa: E402
+from mnemojax.scheduling.config import POLICIES, SchedulerConfig
+from mnemojax.scheduling.scheduler import ChunkOutput, Scheduler
+from mnemojax.sim.simulator import SimConfig, make_predictor, simulate, synthetic_trace  # noqa: E402
 
 
 def build(policy: str, predictor, max_num_seqs: int, running: int = 256, waiting: int = 1000, seed: int = 0):

@@ -4,7 +4,7 @@ reports TTFT, TBT and end-to-end latency.
     python scripts/bench_serving.py --request_rate 2,8 --num_requests 200 [--burstiness 1.0] \\
         [--long_fraction 0.1 --long_prompt_len 4096] [--base_url http://127.0.0.1:8000/v1] [--model NAME] \\
         [--max_concurrency N] [--output_json out.json] [--plot ttft_cdf.png]
-    python scripts/bench_serving.py --trace trace.jsonl     # mnemojax.simulator's JSONL (save_trace)
+    python scripts/bench_serving.py --trace trace.jsonl     # mnemojax.sim.simulator's JSONL (save_trace)
 
 Traces. Synthetic: gamma inter-arrival times with shape `--burstiness` and mean 1 / `--request_rate`
 (burstiness 1 is a Poisson process; below 1 burstier, above 1 more regular), the first request at t = 0; each
@@ -62,7 +62,8 @@ import httpx
 import numpy as np
 
 
-from mnemojax.simulator import SHORT_MAX_TOKENS, TraceRequest, load_trace  # noqa: E402  (plain Python, no jax)
+from mnemojax.sim.reports import pyplot, save_figure  # noqa: E402
+from mnemojax.sim.simulator import SHORT_MAX_TOKENS, TraceRequest, load_trace  # noqa: E402  (plain Python, no jax)
 from models.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
 
 KINDS = ("all", "short", "long")
@@ -457,11 +458,7 @@ def summary_table(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
 
 def plot_ttft_cdf(runs: Sequence[tuple[str, Sequence[Record]]], path: str) -> str:
     """TTFT CDFs of the successful requests: a colour per run, a line style per kind. Returns the path."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     styles = {"all": "-", "short": "--", "long": ":"}
     lo, hi = math.inf, 0.0
     for i, (label, records) in enumerate(runs):
@@ -475,14 +472,7 @@ def plot_ttft_cdf(runs: Sequence[tuple[str, Sequence[Record]]], path: str) -> st
         ax.set_xscale("log")
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("fraction of requests")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, [ax])
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -504,7 +494,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
     g.add_argument("--num_requests", type=int, default=None,
                    help="requests per run (default 200; with --trace: the first N of the file, default all)")
-    g.add_argument("--trace", default=None, help="a JSONL trace of mnemojax.simulator.save_trace")
+    g.add_argument("--trace", default=None, help="a JSONL trace of mnemojax.sim.simulator.save_trace")
     g.add_argument("--seed", type=int, default=0)
     m = LengthMix()
     g.add_argument("--short_prompt_len", type=int, default=m.short_prompt_len, help="median short prompt tokens")

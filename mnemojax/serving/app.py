@@ -22,7 +22,7 @@ A client that goes away (mid-stream or while waiting for a whole response) has i
 engine's next step, which frees their KV pages; so does one that reads nothing for the write timeout
 (`mnemojax.serving.http` holds the connection timeouts).
 
-The app talks to the engine only through `mnemojax.async_llm.EngineClient`, so it serves `AsyncLLM` or a mock.
+The app talks to the engine only through `mnemojax.engine.async_llm.EngineClient`, so it serves `AsyncLLM` or a mock.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mnemojax.async_llm import EngineClient
+from mnemojax.engine.async_llm import EngineClient
 from mnemojax.serving.base import INTERNAL_ERROR, APIError, ServerState, error_body
 from mnemojax.serving.chat import ServingChat
 from mnemojax.serving.completions import ServingCompletion

@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from mnemojax.async_llm import EngineClient, EngineDeadError
-from mnemojax.outputs import CompletionOutput, RequestOutput
-from mnemojax.sampling_params import ParamError, RequestOutputKind, SamplingParams
+from mnemojax.engine.async_llm import EngineClient, EngineDeadError
+from mnemojax.scheduling.outputs import CompletionOutput, RequestOutput
+from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
 from mnemojax.serving.config import ServerConfig
 from mnemojax.serving.metrics import ServerMetrics
 from models.tokenizer import ByteTokenizer

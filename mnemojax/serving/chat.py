@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from mnemojax.outputs import CompletionOutput
-from mnemojax.sampling_params import ParamError
+from mnemojax.scheduling.outputs import CompletionOutput
+from mnemojax.scheduling.sampling_params import ParamError
 from mnemojax.serving.base import APIError, Choice, OpenAIServing, bad_request
 from mnemojax.serving.protocol import ChatCompletionRequest
 

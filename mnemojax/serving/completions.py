@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from mnemojax.outputs import CompletionOutput
+from mnemojax.scheduling.outputs import CompletionOutput
 from mnemojax.serving.base import Choice, OpenAIServing, bad_request
 from mnemojax.serving.protocol import CompletionRequest
 

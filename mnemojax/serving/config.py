@@ -79,7 +79,7 @@ class ServerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MultiHostConfig:
-    """Multi-host serving: every process runs the same command with these three flags (see mnemojax.multihost)."""
+    """Multi-host serving: every process runs the same command with these three flags (see mnemojax.engine.multihost)."""
 
     coordinator_address: str | None = None
     """Multi-host: host:port of process 0's coordinator."""

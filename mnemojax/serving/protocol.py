@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from mnemojax.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
+from mnemojax.scheduling.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
 
 MAX_N = 8
 """Most choices (`n`) one request may ask for."""

@@ -1,0 +1,295 @@
+"""`AsyncLLM`: the engine in a background thread, streaming outputs to asyncio callers (for the server).
+
+The engine is not thread-safe, so only its thread touches it: callers send commands (add, abort) through a
+thread-safe queue and receive `RequestOutput`s on their own event loop. The thread steps while there is work and
+otherwise blocks on the command queue (no busy-waiting). After every step it publishes a snapshot of its counters
+(`stats()`), which the server's metrics read without touching the engine.
+
+A caller that reads slowly (or not at all) never makes outputs pile up: what it has not taken yet is one output,
+to which newer DELTA outputs are added and which a newer CUMULATIVE output replaces.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
+
+from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
+from mnemojax.scheduling.outputs import RequestOutput
+from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ADD, _ABORT, _ABORT_ALL, _STOP = "add", "abort", "abort_all", "stop"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (its failure is logged, and chained as `__cause__`); no request can run."""
+
+    def __init__(self):
+        super().__init__("the engine thread has stopped")
+
+
+class _Stream:
+    """One request's outputs on their way to its caller: the output not taken yet (later ones merged into it), and
+    an event saying there is one. Touched only on the caller's event loop."""
+
+    def __init__(self, delta: bool):
+        self.delta = delta
+        self.pending: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if self.delta and isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
+            self.pending.add(item)
+        else:
+            self.pending = item  # a newer cumulative output holds all an older one did; a failure ends the stream
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self.ready.wait()
+        self.ready.clear()
+        item, self.pending = self.pending, None
+        return item
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters, published by its thread after each step."""
+
+    running: int = 0  # requests admitted (holding KV pages)
+    waiting: int = 0  # requests queued for admission (or preempted)
+    kv_pages_used: int = 0  # over all KVP ranks, the reserved dummy pages excluded
+    kv_pages_total: int = 0
+    preemptions: int = 0  # since start
+
+
+class EngineClient(Protocol):
+    """What the HTTP server needs of an engine (vLLM's `EngineClient` shape): `AsyncLLM` is one, and the server's
+    tests also run against a mock whose outputs are computed by hand (`tests/mock_engine.py`)."""
+
+    tokenizer: Any  # encode / decode / apply_chat_template, or None (token-id prompts only)
+    model: str  # the model it runs (a preset name or a checkpoint path)
+    max_model_len: int
+    is_alive: bool
+    num_waiting: int  # callers' requests with no output yet
+    num_active: int  # requests whose callers are still listening
+
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]: ...
+
+    def generate(self, prompt: str | Sequence[int] | None, params: SamplingParams | None = None,
+                 request_id: str | None = None, *,
+                 prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def add_finished_listener(self, fn: Callable[[RequestOutput], None]) -> None: ...
+
+    def abort_all(self) -> None: ...
+
+
+class AsyncLLM:
+    """`LLMEngine` behind an asyncio interface (an `EngineClient`).
+
+    `idle_tick`, when given, is called by the engine thread about every `idle_tick_s` seconds while it has no
+    work (multi-host serving uses it to keep the other processes' collectives alive).
+    """
+
+    def __init__(self, model: str = "tiny", *, engine: LLMEngine | None = None,
+                 idle_tick: Callable[[], None] | None = None, idle_tick_s: float = 1.0, **kwargs):
+        self.engine = engine if engine is not None else LLMEngine(EngineConfig(model=model, **kwargs))
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
+        self._ids = itertools.count()
+        self._error: BaseException | None = None
+        self._idle_tick, self._idle_tick_s = idle_tick, idle_tick_s
+        self._stats = EngineStats()
+        self._publish()
+        self.num_waiting = 0  # callers' requests with no output yet (touched by the callers' loop only)
+        self._finished_listeners: list[Callable[[RequestOutput], None]] = []
+        self._thread = threading.Thread(target=self._run, name="mnemojax-engine", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- callers' side
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model(self) -> str:
+        return self.engine.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    @property
+    def num_active(self) -> int:
+        """Requests whose callers are still listening."""
+        return len(self._streams)
+
+    def add_finished_listener(self, fn: Callable[[RequestOutput], None]) -> None:
+        """Calls `fn(output)` (from the engine thread) with the final output of every request, aborted ones
+        included, whether or not its caller is still listening. For metrics."""
+        self._finished_listeners.append(fn)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids; raises ValueError (naming the field and the limit) if the request is bad.
+
+        Safe from any thread: tokenizing and the checks read only the engine's fixed configuration.
+        """
+        ids = self.engine.tokenize(prompt)
+        self.engine.validate(ids, params)
+        return ids
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, *,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's output each time it makes progress; the last one has `finished` set.
+
+        Bad input raises ValueError (naming the field and the limit) before anything is yielded; a failed
+        engine raises `EngineDeadError`. If the caller stops iterating (a client went away), the request is aborted
+        and its pages are freed. Outputs the caller has not taken yet are merged into one (see the module doc).
+        """
+        if self._error is not None:
+            raise EngineDeadError() from self._error
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        params = params or SamplingParams()
+        stream = _Stream(params.output_kind is RequestOutputKind.DELTA)
+        self._streams[rid] = (asyncio.get_running_loop(), stream)
+        self._commands.put((_ADD, rid, prompt, params, prompt_token_ids))
+        finished, waiting = False, True
+        self.num_waiting += 1
+        try:
+            while True:
+                item = await stream.get()
+                if waiting:
+                    waiting = False
+                    self.num_waiting -= 1
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if waiting:
+                self.num_waiting -= 1
+            self._streams.pop(rid, None)
+            if not finished:
+                self._commands.put((_ABORT, rid))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put((_ABORT, request_id))
+
+    def abort_all(self) -> None:
+        """Aborts every unfinished request; each caller gets its final output (finish_reason "abort")."""
+        self._commands.put((_ABORT_ALL,))
+
+    def shutdown(self) -> None:
+        """Stops the engine thread after the command in hand (in-flight requests are aborted)."""
+        if self._thread.is_alive():
+            self._commands.put((_STOP,))
+            self._thread.join()
+
+    # ---------------------------------------------------------------- the engine thread
+    def _send(self, rid: str, item) -> None:
+        entry = self._streams.get(rid)
+        if entry is not None:
+            loop, stream = entry
+            try:
+                loop.call_soon_threadsafe(stream.put, item)
+            except RuntimeError:  # the caller's loop has closed: nobody is listening
+                pass
+
+    def _publish(self) -> None:
+        e = self.engine
+        self._stats = EngineStats(running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
+                                  kv_pages_used=e.kv.num_used, kv_pages_total=e.kv.num_usable,
+                                  preemptions=e.scheduler.num_preemptions)
+
+    def _finish(self, rid: str, last: RequestOutput) -> None:
+        """Forgets a finished request; sends its last output (a delta, for DELTA requests) to its caller, and its
+        whole output to the finished listeners."""
+        whole = self.engine.pop_finished(rid)
+        self._send(rid, last)
+        for fn in self._finished_listeners:
+            fn(whole)
+
+    def _abort(self, rid: str) -> None:
+        e = self.engine
+        req = e.requests.get(rid)
+        if req is not None:
+            e.abort(rid)
+            self._finish(rid, e.output(req))
+
+    def _handle(self, cmd) -> bool:
+        e = self.engine
+        if cmd[0] in (_STOP, _ABORT_ALL):
+            for rid in [r for r, req in e.requests.items() if not req.is_finished]:
+                self._abort(rid)
+            return cmd[0] != _STOP
+        if cmd[0] == _ADD:
+            _, rid, prompt, params, prompt_ids = cmd
+            try:
+                e.add_request(prompt, params, request_id=rid, prompt_token_ids=prompt_ids)
+            except ValueError as err:
+                self._send(rid, err)
+        elif cmd[0] == _ABORT:
+            self._abort(cmd[1])
+        return True
+
+    def _next_command(self):
+        if self.engine.has_unfinished():
+            return self._commands.get_nowait()
+        if self._idle_tick is None:
+            return self._commands.get()
+        while True:
+            try:
+                return self._commands.get(timeout=self._idle_tick_s)
+            except queue.Empty:
+                self._idle_tick()
+
+    def _run(self) -> None:
+        e = self.engine
+        try:
+            while True:
+                try:
+                    cmd = self._next_command()
+                    if not self._handle(cmd):
+                        return
+                    self._publish()
+                    continue  # take every pending command before the next step
+                except queue.Empty:
+                    pass
+                for out in e.step():
+                    if out.request_id not in e.requests:
+                        continue  # aborted (and answered) while its chunk was in flight
+                    if out.finished:
+                        self._finish(out.request_id, out)
+                    else:
+                        self._send(out.request_id, out)
+                self._publish()
+        except BaseException as err:  # the engine failed: tell every caller rather than leave them waiting
+            logger.exception("the engine failed; every request in flight gets an error")
+            self._error = err
+            for rid in list(self._streams):
+                dead = EngineDeadError()
+                dead.__cause__ = err
+                self._send(rid, dead)
+        finally:
+            self._publish()

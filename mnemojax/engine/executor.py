@@ -1,0 +1,319 @@
+"""The executor: turns step plans into fixed-shape arrays and runs one jitted, shard_map-ed step.
+
+Each call feeds one micro-batch (a `StepPlan`) into the first pipeline stage and advances the pipeline by one
+stage; it returns the micro-batch that leaves the last stage (with spp = 1, the same one) and what the step gave
+back for each of its chunks, as the scheduler's `update_from_output` takes it.
+
+Rows, per KVP rank: a request whose KV spans several ranks puts its query tokens in a *shared* row range,
+aligned on every rank (first in the batch); each of its ranks computes attention over its own KV there and
+the step merges them. Requests that live on one rank fill that rank's rows after the shared range.
+
+Shapes: token rows T are rounded up to a power of two (fixed at the token budget when spp > 1, since every
+micro-batch in flight shares the pipeline register), logits rows R likewise; sequence rows B and page-table
+width M are fixed by the engine's limits. The KV cache and the pipeline register are donated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from mnemojax.scheduling.buckets import bucket
+from mnemojax.engine import sampler
+from mnemojax.scheduling.kv_manager import DUMMY_PAGE
+from mnemojax.scheduling.pipeline import Pipeline
+from mnemojax.scheduling.sampling_params import MAX_LOGPROBS
+from mnemojax.scheduling.scheduler import ChunkOutput, StepPlan
+from models.attention import AttentionMetadata
+from models.llama import ModelSpec, StepBatch, forward
+from shardings.collectives import pipeline_shift
+from shardings.mesh import KVP, SPP, TP
+from shardings.specs import ShardingTable
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Per logits row: how to sample from it and what to score."""
+
+    temperature: jax.Array  # f32[R] 0 => greedy
+    top_k: jax.Array  # i32[R] <= 0 => disabled
+    top_p: jax.Array  # f32[R]
+    seeds: jax.Array  # u32[R]
+    steps: jax.Array  # i32[R] index of the generated token (keys the sampler's random stream)
+    targets: jax.Array  # i32[R] prompt token scored by this row; -1 => score the sampled token
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRef:
+    """Where a logits row's result goes."""
+
+    rank: int  # KVP rank whose logits row it is
+    row: int  # index among that rank's logits rows
+    chunk: int  # index of the chunk in its plan
+    token_index: int  # index (in its request) of the token the row predicts
+    is_sample: bool  # sample a new token (else: score prompt token `token_index`)
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """A plan prepared for the device: numpy arrays with a leading [kvp] axis."""
+
+    plan: StepPlan
+    batch: StepBatch  # arrays [kvp, T, ...]
+    rows: np.ndarray  # i32[kvp, R] logits rows
+    sampling: RowSampling  # arrays [kvp, R]
+    refs: list[RowRef]
+
+
+
+
+def _logprob_dict(top_ids: np.ndarray, top_lps: np.ndarray, k: int, token: int, token_lp: float) -> dict[int, float]:
+    """The `k` top log-probs of a row, and the log-prob of `token` (the sampled or scored one)."""
+    d = {int(i): float(lp) for i, lp in zip(top_ids[:k], top_lps[:k])}
+    d[token] = token_lp
+    return d
+
+
+class Executor:
+    def __init__(self, spec: ModelSpec, params: dict, mesh, *, num_pages: int, page_size: int,
+                 max_num_seqs: int, max_pages_per_seq: int, max_num_batched_tokens: int,
+                 max_tokens_per_rank: int | None, table: ShardingTable = ShardingTable(), channel=None):
+        self.spec = spec
+        self.params = params
+        self.mesh = mesh
+        self.table = table
+        self.kvp, self.spp, self.tp = (mesh.shape[a] for a in (KVP, SPP, TP))
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_pages_per_seq = max_pages_per_seq
+        self.max_tokens_per_rank = max_tokens_per_rank
+        # Every micro-batch in flight must have the register's shape, so a pipeline fixes T.
+        self.pipeline_tokens = bucket(max_num_batched_tokens, 16) if self.spp > 1 else None
+        c = spec.config
+        num_layers, kv_heads = params["layers"]["wk"].shape[0], params["layers"]["wk"].shape[2]
+        cache_shape = (num_layers, self.kvp * num_pages, page_size, kv_heads, c.head_dim)
+        # Zeros, never uninitialized memory: 0 * NaN would poison masked attention (JAX_NOTES.md).
+        alloc = jax.jit(lambda: jnp.zeros(cache_shape, spec.dtype),
+                        out_shardings=NamedSharding(mesh, table.kv_lpskh))
+        self.k_cache, self.v_cache = alloc(), alloc()
+        self.register = None
+        self.channel = channel  # multi-host: process 0's `mnemojax.engine.multihost.Leader`, which broadcasts each step
+        self.in_flight: Pipeline[MicroBatch] = Pipeline(self.spp)
+        self._step = self._build_step()
+
+    # ---------------------------------------------------------------- device side
+    def _build_step(self):
+        t, spec = self.table, self.spec
+        stage = StepBatch.partition_specs(t)
+        samp = RowSampling(*([t.rows_kr] * 6))
+        param_specs = jax.tree.map(lambda a: a.sharding.spec, self.params)
+
+        def step(params, k_cache, v_cache, register, batch: StepBatch, rows, samp: RowSampling):
+            batch = jax.tree.map(lambda a: a[0, 0], batch)  # this (rank, stage)'s micro-batch
+            rows, samp = rows[0], jax.tree.map(lambda a: a[0], samp)
+            logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows)
+            tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps)
+            lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS)
+            out = jax.tree.map(lambda a: a[None], (tokens, *lps))
+            return k_cache, v_cache, pipeline_shift(x)[None, None], out
+
+        out_specs = (t.kv_lpskh, t.kv_lpskh, t.register_kstd,
+                     (t.rows_kr, t.rows_kr, t.rows_kr, t.rows_krj, t.rows_krj))
+        sharded = jax.shard_map(step, mesh=self.mesh,
+                                in_specs=(param_specs, t.kv_lpskh, t.kv_lpskh, t.register_kstd, stage,
+                                          t.rows_kr, samp),
+                                out_specs=out_specs)
+        self._shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), (stage, t.rows_kr, samp))
+        self._register_sharding = NamedSharding(self.mesh, t.register_kstd)
+        return jax.jit(sharded, donate_argnums=(1, 2, 3))
+
+    # ---------------------------------------------------------------- host side
+    def _rows_needed(self, plan: StepPlan) -> int:
+        shared = sum(c.num_tokens for c in plan.chunks if len(c.request.kv_ranks) > 1)
+        local = [0] * self.kvp
+        for c in plan.chunks:
+            if len(c.request.kv_ranks) == 1:
+                local[c.request.kv_ranks[0]] += c.num_tokens
+        return shared + max(local)
+
+    def prepare(self, plan: StepPlan, T: int) -> MicroBatch:
+        """The plan as numpy arrays [kvp, ...], padded to T token rows."""
+        K, S, M, B = self.kvp, self.page_size, self.max_pages_per_seq, self.max_num_seqs
+        mt = self.max_tokens_per_rank
+        tok = np.zeros((K, T), np.int32)
+        pos = np.zeros((K, T), np.int32)
+        seq = np.full((K, T), B - 1, np.int32)  # padding rows belong to the last row, never read
+        wpage = np.full((K, T), DUMMY_PAGE, np.int32)
+        wslot = np.zeros((K, T), np.int32)
+        shared = np.zeros((K, T), bool)
+        table = np.full((K, B, M), DUMMY_PAGE, np.int32)
+        kv_lens = np.zeros((K, B), np.int32)
+        kv_start = np.zeros((K, B), np.int32)
+        rows: list[list[int]] = [[] for _ in range(K)]
+        samp: list[list[tuple]] = [[] for _ in range(K)]
+        refs: list[RowRef] = []
+        nseq = [0] * K
+
+        def add_row(rank, row, chunk_i, token_index, req, target, is_sample):
+            p = req.params
+            refs.append(RowRef(rank, len(rows[rank]), chunk_i, token_index, is_sample))
+            rows[rank].append(row)
+            samp[rank].append((0.0 if p.greedy else p.temperature, p.top_k, p.top_p, req.seed & 0xFFFFFFFF,
+                               len(req.output_token_ids), target))
+
+        def place(chunk_i, ch, rank, span_i, t0, is_shared, logits):
+            req, s, n = ch.request, ch.start, ch.num_tokens
+            b = nseq[rank]
+            nseq[rank] += 1
+            if nseq[rank] > B:
+                raise ValueError(f"rank {rank} has more than max_num_seqs ({B}) sequences in one step")
+            idx = np.arange(s, s + n)
+            lo = span_i * mt if mt is not None else 0
+            pages = np.asarray(req.pages[span_i], np.int32)
+            table[rank, b, :len(pages)] = pages
+            kv_start[rank, b] = lo
+            kv_lens[rank, b] = max(0, min(s + n - lo, mt if mt is not None else s + n))
+            rows_ = slice(t0, t0 + n)
+            tok[rank, rows_] = [req.token_at(i) for i in range(s, s + n)]
+            pos[rank, rows_] = idx
+            seq[rank, rows_] = b
+            shared[rank, rows_] = is_shared
+            mine = (idx >= lo) & ((idx < lo + mt) if mt is not None else True)
+            local = idx[mine] - lo
+            wpage[rank, t0 + np.flatnonzero(mine)] = pages[local // S]
+            wslot[rank, t0 + np.flatnonzero(mine)] = local % S
+            if not logits:
+                return
+            if req.prompt_logprobs is not None:
+                # Row i scores prompt token i + 1; skip those already scored (before a preemption).
+                done = len(req.prompt_logprobs)
+                for i in range(max(s, done - 1), min(s + n, req.num_prompt_tokens - 1)):
+                    add_row(rank, t0 + i - s, chunk_i, i + 1, req, req.prompt_token_ids[i + 1], False)
+            if ch.sample:
+                add_row(rank, t0 + n - 1, chunk_i, s + n, req, -1, True)
+
+        t = 0
+        for ci, ch in enumerate(plan.chunks):  # shared range first: the same rows on every rank
+            if len(ch.request.kv_ranks) > 1:
+                for i, r in enumerate(ch.request.kv_ranks):
+                    place(ci, ch, r, i, t, True, logits=(i == 0))
+                t += ch.num_tokens
+        offsets = [t] * K
+        for ci, ch in enumerate(plan.chunks):
+            if len(ch.request.kv_ranks) == 1:
+                r = ch.request.kv_ranks[0]
+                place(ci, ch, r, 0, offsets[r], False, logits=True)
+                offsets[r] += ch.num_tokens
+        assert max(offsets) <= T, (offsets, T)
+
+        R = bucket(max(len(x) for x in rows), 8)
+        pad_rows = np.zeros((K, R), np.int32)
+        cols = [np.zeros((K, R), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32)]
+        cols[2][:] = 1.0  # top_p
+        cols[5][:] = -1  # targets
+        for r in range(K):
+            pad_rows[r, :len(rows[r])] = rows[r]
+            for j, values in enumerate(zip(*samp[r])) if samp[r] else []:
+                cols[j][r, :len(values)] = values
+        batch = StepBatch(token_ids=tok, write_pages=wpage, write_slots=wslot, shared=shared,
+                          attn=AttentionMetadata(seq_ids=seq, positions=pos, page_table=table, kv_lens=kv_lens,
+                                                 kv_start=kv_start))
+        return MicroBatch(plan, batch, pad_rows, RowSampling(*cols), refs)
+
+    def has_in_flight(self) -> bool:
+        return any(mb.plan.chunks for mb in self.in_flight)
+
+    def _host_args(self, plan: StepPlan):
+        """Pushes `plan` into the pipeline; returns (T, the step's host arrays, the micro-batch leaving)."""
+        T = self.pipeline_tokens or bucket(self._rows_needed(plan), 16)
+        leaving = self.in_flight.push(self.prepare(plan, T), lambda: self.prepare(StepPlan([], []), T))
+        # Stage s works on the micro-batch that entered s steps ago: stack them along the spp axis.
+        stages = jax.tree.map(lambda *a: np.stack(a, axis=1), *(m.batch for m in self.in_flight))
+        return T, (stages, leaving.rows, leaving.sampling), leaving
+
+    @functools.lru_cache(maxsize=None)
+    def host_template(self, T: int, R: int):
+        """Zero host arrays of the shapes and dtypes `_host_args` gives for T token rows and R logits rows (what
+        a multi-host follower receives into; read only, so cached per shape)."""
+        mb = self.prepare(StepPlan([], []), T)
+        stages = jax.tree.map(lambda a: np.zeros((a.shape[0], self.spp) + a.shape[1:], a.dtype), mb.batch)
+        samp = jax.tree.map(lambda a: np.zeros((self.kvp, R), a.dtype), mb.sampling)
+        return stages, np.zeros((self.kvp, R), np.int32), samp
+
+    def put(self, T: int, host):
+        """The step's arguments: host arrays placed on the mesh (on every process's own devices)."""
+        if jax.process_count() == 1:
+            placed = jax.device_put(host, self._shardings)
+        else:  # each process fills only its addressable shards, from the same (broadcast) host arrays
+            placed = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
+                                  host, self._shardings)
+        stages, rows, samp = placed
+        if self.register is None or self.register.shape[2] != T:
+            self.register = self._register_alloc(T)()
+        return self.params, self.k_cache, self.v_cache, self.register, stages, rows, samp
+
+    def run(self, args, fetch: bool):
+        """Runs the step; returns its sampled tokens and log-probs as numpy when `fetch`, else None."""
+        self.k_cache, self.v_cache, self.register, out = self._step(*args)
+        if not fetch:
+            return None
+        if jax.process_count() == 1:
+            return jax.device_get(out)
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(out, tiled=True)  # global arrays: their full value
+
+    @functools.lru_cache(maxsize=None)
+    def _register_alloc(self, T: int):
+        """A jitted allocator of a zero register of T rows (cached: building one costs ~30 ms on a CPU)."""
+        shape = (self.kvp, self.spp, T, self.spec.config.hidden_size)
+        return jax.jit(lambda: jnp.zeros(shape, self.spec.dtype), out_shardings=self._register_sharding)
+
+    def lower(self, plan: StepPlan) -> jax.stages.Lowered:
+        """The step as it would run for `plan`, lowered but not run (for inspecting its HLO); state unchanged."""
+        saved = self.in_flight.copy()
+        try:
+            T, host, _ = self._host_args(plan)
+            return self._step.lower(*self.put(T, host))
+        finally:
+            self.in_flight = saved
+
+    def execute(self, plan: StepPlan) -> tuple[StepPlan, list[ChunkOutput]]:
+        """Feeds `plan` into stage 0 and advances the pipeline one stage.
+
+        Returns the plan whose micro-batch left the last stage in this step (an empty plan while the pipeline
+        fills) and one `ChunkOutput` per chunk of it: the sampled token, the log-probs asked for.
+        """
+        T, host, leaving = self._host_args(plan)
+        fetch = bool(leaving.refs)
+        if self.channel is not None:
+            self.channel.step(T, leaving.rows.shape[1], host, fetch)
+        out = self.run(self.put(T, host), fetch)
+        self.in_flight.pop()
+        return leaving.plan, self._chunk_outputs(leaving, out) if fetch else [ChunkOutput()] * len(leaving.plan.chunks)
+
+    @staticmethod
+    def _chunk_outputs(mb: MicroBatch, out) -> list[ChunkOutput]:
+        """The fetched results of `mb`'s logits rows, gathered per chunk as plain values."""
+        tokens, tok_lp, tgt_lp, top_ids, top_lp = out
+        sampled: dict[int, int] = {}
+        logprobs: dict[int, dict[int, float]] = {}
+        prompt: dict[int, list[dict[int, float]]] = defaultdict(list)
+        for ref in mb.refs:
+            p = mb.plan.chunks[ref.chunk].request.params
+            at = ref.rank, ref.row
+            if ref.is_sample:
+                sampled[ref.chunk] = token = int(tokens[at])
+                if p.logprobs is not None:
+                    logprobs[ref.chunk] = _logprob_dict(top_ids[at], top_lp[at], p.logprobs, token, float(tok_lp[at]))
+            else:
+                scored = mb.plan.chunks[ref.chunk].request.prompt_token_ids[ref.token_index]
+                prompt[ref.chunk].append(_logprob_dict(top_ids[at], top_lp[at], p.prompt_logprobs, scored,
+                                                       float(tgt_lp[at])))
+        return [ChunkOutput(sampled.get(i), logprobs.get(i), tuple(prompt[i])) for i in range(len(mb.plan.chunks))]

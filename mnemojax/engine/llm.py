@@ -1,0 +1,63 @@
+"""`LLM`: the offline library API, shaped like vLLM's."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
+from mnemojax.scheduling.outputs import RequestOutput
+from mnemojax.scheduling.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Generates text for a list of prompts, batching them continuously.
+
+    >>> llm = LLM(model="tiny")
+    >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+    >>> out[0].outputs[0].token_ids  # doctest: +SKIP
+
+    Keyword arguments are the fields of `EngineConfig`: model ("tiny" or another preset, or a Hugging Face
+    Llama directory), dtype, max_model_len, page_size, num_pages, chunk_size, max_num_batched_tokens,
+    max_num_seqs, seed, block_pages, attention ("auto": the Pallas GPU kernels on an NVIDIA GPU, the reference
+    elsewhere), and the parallel and scheduling settings.
+    """
+
+    def __init__(self, model: str = "tiny", **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in prompt order.
+
+        `prompts` is a string, a list of token ids, or a list of either. Every prompt is validated before any
+        is queued: a bad one raises ValueError (naming the field and the limit) and nothing is left behind.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else \
+            [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        engine = self.engine
+        token_ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                token_ids.append(engine.tokenize(prompt))
+                engine.validate(token_ids[-1], p)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        ids = [engine.add_request(prompt, p, prompt_token_ids=t)
+               for prompt, p, t in zip(prompts, params, token_ids)]
+        pending = set(ids)
+        while pending:
+            engine.step()
+            pending = {rid for rid in pending if not engine.requests[rid].is_finished}
+        return [engine.pop_finished(rid) for rid in ids]

@@ -1,0 +1,266 @@
+"""The engine: requests in, outputs out. Each `step()` is: schedule, execute, update."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from mnemojax.engine.detokenizer import Detokenizer
+from mnemojax.engine.executor import Executor
+from mnemojax.scheduling.kv_manager import KVCacheManager
+from mnemojax.engine.loader import LoadedModel, load
+from mnemojax.scheduling.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mnemojax.scheduling.request import Request
+from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
+from mnemojax.scheduling.config import ParallelConfig, SchedulerConfig
+from mnemojax.scheduling.predictor import HARDWARE, default_profile, make_predictor
+from mnemojax.scheduling.scheduler import Scheduler
+from models.config import LlamaConfig
+from models.kernels import ATTENTION_IMPLS, AUTO, check_attention_impl
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16")
+HARDWARE_NAMES = tuple(sorted(HARDWARE))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig(SchedulerConfig, ParallelConfig):
+    """Everything that shapes an engine. `LLM(...)` keyword arguments and `python -m mnemojax.serve` flags map
+    onto these fields (the flags' help is each field's docstring). The scheduling and mesh fields are those of
+    `mnemojax.scheduling.config.SchedulerConfig` and `ParallelConfig`, shared with the simulator's `SimConfig`."""
+
+    model: str = "tiny"
+    """Model: a preset (tiny, llama3-8b, llama3-70b, llama3.2-1b, llama3.2-3b), a Hugging Face Llama directory, or
+    an Orbax checkpoint directory written by scripts/convert_checkpoint.py."""
+    dtype: str = dataclasses.field(default="float32", metadata={"choices": DTYPES})
+    """Parameters, activations and KV cache."""
+    max_model_len: int | None = None
+    """Longest prompt + output of one request (default: min(the model's limit, 8192))."""
+    page_size: int = 16
+    """Tokens per KV page."""
+    num_pages: int | None = None
+    """KV pages per device, page 0 reserved (default: enough for 4 full-length requests)."""
+    kv_memory_fraction: float | None = None
+    """Instead of num_pages: this fraction of the device memory the weights leave (GPU/TPU only; raises on a CPU)."""
+    seed: int = 0
+    """Random weights of presets, and sampling seeds of requests that give none."""
+    block_pages: int = 8
+    """KV pages per block of the reference attention."""
+    attention: str = dataclasses.field(default=AUTO, metadata={"choices": ATTENTION_IMPLS})
+    """Attention kernels: auto (pallas on an NVIDIA GPU, reference elsewhere), reference (jax.numpy, any backend),
+    pallas (Pallas GPU kernels, NVIDIA only: raises elsewhere), pallas_interpret (the same kernels interpreted;
+    slow, for tests)."""
+    hardware: str | None = dataclasses.field(default=None, metadata={"choices": HARDWARE_NAMES})
+    """Runtime predictor preset (default: detected from the device)."""
+    predictor_profile: str | None = None
+    """Fitted efficiency factors of the runtime predictor: a profile name or a JSON path
+    (scripts/profile_predictor.py)."""
+
+    def __post_init__(self):
+        SchedulerConfig.__post_init__(self)
+        ParallelConfig.__post_init__(self)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("page_size", "block_pages"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
+        check_attention_impl(self.attention)
+        if self.kv_memory_fraction is not None:
+            if self.num_pages is not None:
+                raise ValueError("give num_pages or kv_memory_fraction, not both")
+            if not 0 < self.kv_memory_fraction <= 1:
+                raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+
+
+def detect_hardware() -> str:
+    """The runtime predictor's hardware preset for the first device: "h200", "h100", "a100" or "cpu"."""
+    kind = jax.devices()[0].device_kind.lower()
+    for name in ("h200", "h100", "a100"):
+        if name in kind:
+            return name
+    if jax.devices()[0].platform == "cpu":
+        return "cpu"
+    raise ValueError(f"no runtime predictor preset for device {kind!r}: pass hardware= (a100, h100, h200, cpu)")
+
+
+class LLMEngine:
+    """Requests in, outputs out: a scheduler, a KV page manager and an executor over loaded parts.
+
+    `loaded` is what `mnemojax.engine.loader.load(config)` resolved (model, mesh, weights, tokenizer, KV sizing); given,
+    nothing is loaded again. `channel` (multi-host serving: process 0's `mnemojax.engine.multihost.Leader`) receives every
+    step's arrays so the other processes run the same step.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, channel=None):
+        self.config = config
+        loaded = loaded if loaded is not None else load(config)
+        self.model_config: LlamaConfig = loaded.model_config
+        self.max_model_len = loaded.max_model_len
+        self.mesh = loaded.mesh
+        self.tokenizer = loaded.tokenizer
+        pages_per_seq = -(-self.max_model_len // config.page_size)
+        self.kv = KVCacheManager(config.kvp, loaded.num_pages, config.page_size, config.max_tokens_per_kvp_rank)
+        if config.max_tokens_per_kvp_rank is not None:
+            pages_per_seq = min(pages_per_seq, config.max_tokens_per_kvp_rank // config.page_size)
+        self.executor = Executor(loaded.spec, loaded.params, self.mesh, num_pages=loaded.num_pages,
+                                 page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+                                 max_pages_per_seq=pages_per_seq, max_num_batched_tokens=config.max_num_batched_tokens,
+                                 max_tokens_per_rank=config.max_tokens_per_kvp_rank, table=loaded.table,
+                                 channel=channel)
+        self.predictor = self._make_predictor(config, self.model_config) \
+            if config.target_batch_time_ms is not None else None
+        self.scheduler = Scheduler(config, self.kv, self.predictor, clock=time.perf_counter,
+                                   eos_token_ids=self.model_config.eos_token_ids, spp=config.spp,
+                                   max_model_len=self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, Detokenizer] = {}  # of unfinished requests, when there is a tokenizer
+        self._delta_sent: dict[str, tuple[int, int, int]] = {}  # DELTA requests: prompt log-probs, tokens, chars
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+
+    @staticmethod
+    def _make_predictor(config: EngineConfig, mc: LlamaConfig):
+        hardware = config.hardware or detect_hardware()
+        pages_per_seq = -(-(config.max_model_len or mc.max_position_embeddings) // config.page_size)
+        # the executor runs every micro-batch at the pipeline register's size when spp > 1
+        return make_predictor(config, mc, hardware=hardware, dtype_bytes=jnp.dtype(config.dtype).itemsize,
+                              profile=config.predictor_profile or default_profile(hardware),
+                              pipeline_padding=config.spp > 1,
+                              block_tokens=min(config.block_pages, pages_per_seq) * config.page_size)
+
+    # ---------------------------------------------------------------- requests in
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ParamError("prompt", f"model {self.config.model!r} has no tokenizer: give prompts as token ids")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming the field and the limit; changes nothing."""
+        vocab = self.model_config.vocab_size
+        params.validate(vocab_size=vocab)
+        if not prompt_ids:
+            raise ParamError("prompt", "prompt must not be empty")
+        for i, t in enumerate(prompt_ids):
+            if not 0 <= t < vocab:
+                raise ParamError("prompt", f"prompt token id {t} at index {i} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ParamError("prompt", f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                                       f"{total} exceeds max_model_len ({self.max_model_len})")
+        why = self.kv.capacity_error(total)
+        if why is not None:
+            raise ParamError("prompt", f"prompt + max_tokens: {why}")
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, *, prompt_token_ids: list[int] | None = None) -> str:
+        """Queues a request; `prompt_token_ids`, when given, are `prompt` already tokenized."""
+        params = params or SamplingParams()
+        prompt_ids = self.tokenize(prompt) if prompt_token_ids is None else prompt_token_ids
+        self.validate(prompt_ids, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
+        req = Request(rid, prompt_ids, params, time.perf_counter(), seed,
+                      prompt=prompt if isinstance(prompt, str) else None)
+        self.requests[rid] = req
+        if self.tokenizer is not None:
+            self._detokenizers[rid] = Detokenizer(self.tokenizer, params)
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, "abort")
+            self._close_detokenizer(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or self.executor.has_in_flight()
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update. Returns the outputs of requests that made progress this step."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not self.executor.has_in_flight():
+            return []
+        done, outputs = self.executor.execute(plan)  # the micro-batch leaving the pipeline
+        for req in self.scheduler.update_from_output(done, outputs):
+            self._detokenize(req)
+        return [self.output(ch.request) for ch in done.chunks]
+
+    def _detokenize(self, req: Request) -> None:
+        """Text for `req`'s new token. A stop string it completes ends the request, and names the reason even
+        when the token also stopped it otherwise (EOS, a stop token, a length limit)."""
+        detok = self._detokenizers.get(req.request_id)
+        if detok is None:
+            return
+        stop = detok.add(req.output_token_ids[-1:])
+        req.output_text = detok.stable_text  # never shows what a later token could change
+        if stop is not None:
+            if req.is_finished:
+                req.finish_reason, req.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(req, "stop", stop)
+        if req.is_finished:
+            self._close_detokenizer(req)
+
+    def _close_detokenizer(self, req: Request) -> None:
+        detok = self._detokenizers.pop(req.request_id, None)
+        if detok is not None:
+            detok.flush()
+            req.output_text = detok.text
+
+    # ---------------------------------------------------------------- outputs out
+    def output(self, req: Request, kind: RequestOutputKind | None = None) -> RequestOutput:
+        """What `req` has produced (`kind` defaults to its `params.output_kind`). CUMULATIVE: everything so far.
+        DELTA: only what is new since its previous output (the prompt's ids in the first one only), so a step's
+        outputs cost what the step added, not copies of whole lists."""
+        if (kind or req.params.output_kind) is RequestOutputKind.DELTA:
+            return self._delta_output(req)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids),
+                                      None if req.logprobs is None else list(req.logprobs),
+                                      req.finish_reason, req.stop_reason)],
+            finished=req.is_finished,
+            metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                   req.finished_time, list(req.token_times)),
+            num_preemptions=req.num_preemptions)
+
+    def _delta_output(self, req: Request) -> RequestOutput:
+        first = req.request_id not in self._delta_sent
+        n_plp, n_tok, n_chr = self._delta_sent.get(req.request_id, (0, 0, 0))
+        plps = req.prompt_logprobs
+        self._delta_sent[req.request_id] = (len(plps or ()), len(req.output_token_ids), len(req.output_text))
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt if first else None,
+            prompt_token_ids=list(req.prompt_token_ids) if first else [],
+            prompt_logprobs=None if plps is None else plps[n_plp:],
+            outputs=[CompletionOutput(0, req.output_text[n_chr:], req.output_token_ids[n_tok:],
+                                      None if req.logprobs is None else req.logprobs[n_tok:],
+                                      req.finish_reason, req.stop_reason)],
+            finished=req.is_finished,
+            metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                   req.finished_time, req.token_times[n_tok:]),
+            num_preemptions=req.num_preemptions)
+
+    def pop_finished(self, request_id: str) -> RequestOutput:
+        """The whole final output of a finished request (CUMULATIVE, whatever it asked for), forgetting it."""
+        req = self.requests.pop(request_id)
+        self._delta_sent.pop(request_id, None)
+        return self.output(req, RequestOutputKind.CUMULATIVE)

@@ -1,0 +1,82 @@
+"""The deployment settings that the engine and the simulator share, each name defined once (no jax).
+
+`SchedulerConfig` (how steps are packed) and `ParallelConfig` (the mesh) are bases of both `EngineConfig`
+(`mnemojax.engine.llm_engine`) and `SimConfig` (`mnemojax.sim.simulator`), so a field means the same in the library, in
+`python -m mnemojax.serve` and in `python -m mnemojax.sim`, and its flag's help is the docstring under it
+(`mnemojax.cli`). A command may change a default (the simulator's are H100-sized), never a name.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+POLICIES = ("fcfs", "edf", "lrs", "ilrs")
+"""Prefill orders (see `mnemojax.scheduling.scheduler`)."""
+
+
+def _positive_ints(obj, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler packs a step (Medha, section 4.2)."""
+
+    max_num_batched_tokens: int = 512
+    """Token budget of a step, per KVP rank."""
+    max_num_seqs: int = 16
+    """Requests running at once (sequence rows of each rank's batch)."""
+    chunk_size: int = 256
+    """Largest prefill chunk of one request per step."""
+    scheduler_policy: str = dataclasses.field(default="fcfs", metadata={"choices": POLICIES})
+    """Prefill order: fcfs (arrival), edf (TTFT deadline), lrs (least slack), ilrs (least relative slack)."""
+    target_batch_time_ms: float | None = None
+    """Adaptive chunking: a step's predicted time stays under this (divided by spp per stage; needs the runtime
+    predictor); default: fixed chunks under the token budget."""
+    min_chunk_size: int = 32
+    """Adaptive chunks never go below this (nor above chunk_size), unless the prompt's rest is shorter."""
+    ppb_max_share: float = 0.5
+    """Prefill-prefill batching: most of a step for prefills after the most urgent one (0: off; not with fcfs)."""
+    ttft_slo_min_s: float = 1.0
+    """TTFT deadline of a request: this + ttft_slo_per_token_s x its prompt tokens ..."""
+    ttft_slo_per_token_s: float = 1e-3
+    """TTFT deadline seconds per prompt token."""
+    ttft_slo_prefill_factor: float = 0.0
+    """... and at least this x the predicted time to prefill the prompt alone (0: off)."""
+
+    def __post_init__(self):
+        _positive_ints(self, "max_num_batched_tokens", "max_num_seqs", "chunk_size", "min_chunk_size")
+        if self.scheduler_policy not in POLICIES:
+            raise ValueError(f"scheduler_policy must be one of {POLICIES}, got {self.scheduler_policy!r}")
+        if self.target_batch_time_ms is not None and not self.target_batch_time_ms > 0:
+            raise ValueError(f"target_batch_time_ms must be positive, got {self.target_batch_time_ms}")
+        if not 0.0 <= self.ppb_max_share < 1.0:
+            raise ValueError(f"ppb_max_share must be in [0, 1), got {self.ppb_max_share}")
+        for name in ("ttft_slo_min_s", "ttft_slo_per_token_s", "ttft_slo_prefill_factor"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def target_batch_time_s(self) -> float | None:
+        return None if self.target_batch_time_ms is None else self.target_batch_time_ms / 1e3
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The (kvp, spp, tp) mesh and how far a request's KV may spread."""
+
+    tp: int = 1
+    """Tensor parallelism: attention heads and MLP columns split over this many devices."""
+    spp: int = 1
+    """Sequence pipeline parallelism: layers split into this many pipeline stages."""
+    kvp: int = 1
+    """KV-cache parallelism: ranks, each with its own page pool and a full model replica."""
+    max_tokens_per_kvp_rank: int | None = None
+    """Most tokens of one request on one KVP rank (a multiple of page_size; default: no split)."""
+
+    def __post_init__(self):
+        _positive_ints(self, "tp", "spp", "kvp")
+        if self.max_tokens_per_kvp_rank is not None:
+            _positive_ints(self, "max_tokens_per_kvp_rank")

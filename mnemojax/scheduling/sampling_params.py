@@ -1,0 +1,156 @@
+"""Per-request sampling parameters, vLLM-shaped.
+
+Plain Python (no jax): the scheduler and the HTTP front end import this. The device-side counterpart is
+`mnemojax.engine.sampler`, which receives these values as per-row arrays.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import numbers
+
+MAX_LOGPROBS = 20
+"""Most top log-probs a request may ask for, per token; the step always computes this many."""
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are treated as 0 (greedy argmax), as in vLLM (`_SAMPLING_EPS`)."""
+
+_MAX_SEED = 2**63
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's per-step outputs holds (vLLM's `RequestOutputKind`)."""
+
+    CUMULATIVE = "cumulative"
+    """Everything so far: each output copies the request's lists (the offline `LLM.generate` default)."""
+    DELTA = "delta"
+    """Only what is new since the previous output (the server streams these): a step costs what it added."""
+
+
+class ParamError(ValueError):
+    """A bad request field: `param` names it (the HTTP server puts it in the OpenAI error body)."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to pick the tokens of one request. Checked on construction (`ValueError` naming the field)."""
+
+    max_tokens: int = 16
+    """Most tokens to generate; at least 1."""
+    temperature: float = 1.0
+    """Softmax temperature, >= 0; below `GREEDY_TEMPERATURE` (e.g. 0) means greedy argmax."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the fewest most-likely tokens whose probability reaches top_p, in (0, 1]."""
+    top_k: int = -1
+    """Keep only the top_k most likely tokens (ties with the k-th kept); -1 or 0 disables it."""
+    seed: int | None = None
+    """Seed for this request's draws, in [0, 2**63); None lets the engine pick one."""
+    stop: str | list[str] | None = None
+    """Strings that end generation; normalized to a list (empty when None)."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation (besides EOS); normalized to a list (empty when None)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (until max_tokens or a stop condition)."""
+    logprobs: int | None = None
+    """Number of top log-probs to return per generated token, 0..MAX_LOGPROBS (the sampled token's
+    log-prob is always included); None returns none."""
+    prompt_logprobs: int | None = None
+    """Same as `logprobs`, for the prompt tokens."""
+    skip_special_tokens: bool = True
+    """Drop special tokens when detokenizing the output."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the output text."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """Whether each per-step output holds everything so far (CUMULATIVE) or only what is new (DELTA)."""
+
+    def __post_init__(self):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
+        # Canonical Python types (numpy scalars pass the checks above).
+        self.max_tokens = int(self.max_tokens)
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+        self.top_k = int(self.top_k)
+        self.seed = None if self.seed is None else int(self.seed)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.logprobs = None if self.logprobs is None else int(self.logprobs)
+        self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the temperature is (near) zero: the next token is the argmax."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def validate(self, *, vocab_size: int | None = None) -> None:
+        """Raise `ValueError` if a field is out of range; with `vocab_size`, also check token ids."""
+        if not _is_int(self.max_tokens):
+            raise ParamError("max_tokens", f"max_tokens must be an int, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ParamError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:  # also rejects nan
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ParamError("top_k", f"top_k must be -1 or 0 (disabled), or at least 1, got {self.top_k!r}")
+
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise ParamError("seed", f"seed must be an int or None, got {self.seed!r}")
+            if not 0 <= self.seed < _MAX_SEED:
+                raise ParamError("seed", f"seed must be in [0, 2**63), got {self.seed}")
+
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ParamError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ParamError("stop", f"stop strings must be non-empty, got {self.stop!r}")
+
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
+            raise ParamError("stop_token_ids", f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ParamError("stop_token_ids", f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        if vocab_size is not None:
+            if not _is_int(vocab_size) or vocab_size < 1:
+                raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+            bad = [t for t in self.stop_token_ids if t >= vocab_size]
+            if bad:
+                raise ParamError("stop_token_ids",
+                                 f"stop_token_ids must be in [0, {vocab_size}) (the vocabulary), got {bad}")
+
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ParamError(name, f"{name} must be a bool, got {value!r}")
+
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ParamError("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+                raise ParamError(name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value!r}")

@@ -1,0 +1,429 @@
+"""The scheduler: plain data in, plain data out, no jax. It takes a clock, so deadlines are testable.
+
+`Scheduler.schedule(now)` decides which requests run this step and how many of their uncomputed tokens each
+computes (a decode token or a prefill chunk), grows their KV pages, and returns a `StepPlan`. One budget rule
+holds for every request (see `request.py`).
+
+A step is packed in this order (Medha, section 4.2):
+1. Decodes of running requests, in admission order. A decode is never preempted, except when KV pages run
+   out (then by recompute).
+2. Prefill chunks, highest priority first. The policy orders them: `fcfs` (arrival), `edf` (earliest TTFT
+   deadline), `lrs` (least remaining slack: deadline - now - predicted remaining prefill time) or `ilrs`
+   (that slack divided by the deadline's duration, so long and short prompts compare fairly). A prefill not
+   scheduled in a step keeps its pages and resumes later: preemption at chunk boundaries.
+3. With `target_batch_time_ms` and a runtime predictor, chunks are adaptive: each is the largest whose
+   predicted step time stays under the target, so chunks shrink as a long prompt's context grows. Without
+   them the step's cost is its token count under `max_num_batched_tokens`.
+4. Prefill-prefill batching (any policy but fcfs, `ppb_max_share` > 0): when several prefills wait, those
+   after the most urgent one share the step's room in proportion to their urgency (1 / relative slack), in
+   total at most `ppb_max_share` of it; the most urgent takes what they leave.
+
+TTFT deadlines: arrival + max(`ttft_slo_min_s` + `ttft_slo_per_token_s` x prompt tokens, `ttft_slo_prefill_factor`
+x the predicted time to prefill the prompt alone).
+
+With KV parallelism each KVP rank has its own token budget and page pool; a request whose KV spans several
+ranks computes its tokens on all of them (its rows are replicated), so its chunk counts against every rank's
+budget; a step's cost is its busiest rank's. With a pipeline (spp > 1) a scheduled chunk is in flight for
+several steps: `num_computed` counts tokens scheduled, a request waits for its sampled token before it can be
+scheduled again, a request with chunks in flight is never preempted, and a step's target is the batch time
+divided by spp (a decode crosses every stage).
+
+The update half of a step is `update_from_output(plan, outputs)`, called when a plan's micro-batch leaves the
+last stage, with what the step gave back for each chunk (`ChunkOutput`): the chunks stop being in flight, sampled
+tokens and log-probs are appended and stamped, the token-level stop conditions are checked (EOS, stop token ids,
+`max_tokens`, `max_model_len`), and stopped requests are finished, their pages freed. The engine, the simulator and
+the tests all call it; stop strings, which need text, are the engine's detokenizer's.
+
+Memory pressure: a request that cannot get a page preempts, by recompute, the most recently admitted request
+that was admitted after it, holds pages on a rank that is short, and has nothing in flight; with none it
+waits. A preempted request returns to the front of the queue and computes its prompt and generated tokens
+again; results do not change (the sampler is keyed by (seed, token index); prompt log-probs already
+reported are kept).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+
+from mnemojax.scheduling.config import SchedulerConfig
+from mnemojax.scheduling.kv_manager import KVCacheManager
+from mnemojax.scheduling.predictor import ChunkShape
+from mnemojax.scheduling.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+# Without a runtime predictor, remaining prefill time is estimated at this many seconds per token.
+DEFAULT_SECONDS_PER_TOKEN = 1e-4
+_MIN_SLACK = 0.05  # relative slack floor in the prefill-prefill sharing weights (1 / slack)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of a step."""
+
+    request: Request
+    start: int  # index of its first token in the step (== request.num_computed when scheduled)
+    num_tokens: int  # tokens of this request computed in this step
+    sample: bool  # the chunk reaches the last known token, so the step samples the next one
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What one step feeds into the first pipeline stage. Nothing in it is a device array."""
+
+    chunks: list[ScheduledChunk]  # in row order of the step's batch
+    preempted: list[Request]  # requests preempted (pages freed) while making this plan
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkOutput:
+    """What a step gave back for one chunk of its plan, as plain values (the executor converts its device results;
+    a model-free caller, the simulator or a test, gives tokens only)."""
+
+    token: int | None = None  # the token sampled after the chunk (a chunk with `sample`); None for the others
+    logprobs: dict[int, float] | None = None  # that token's top log-probs and its own, when the request asks
+    prompt_logprobs: tuple[dict[int, float], ...] = ()  # entries of the prompt tokens the chunk scored, in order
+
+
+class Scheduler:
+    """`eos_token_ids`: the model's end-of-sequence tokens (a sampled one finishes a request not ignoring EOS)."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, predictor=None,
+                 clock: Callable[[], float] = time.perf_counter, eos_token_ids: Collection[int] = (), *,
+                 spp: int = 1, max_model_len: int | None = None):
+        if config.target_batch_time_ms is not None and predictor is None:
+            raise ValueError("target_batch_time_ms needs a runtime predictor")
+        if spp < 1:
+            raise ValueError(f"spp must be at least 1, got {spp}")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
+        self.config = config
+        self.spp = spp  # pipeline stages: a step's target is the batch time / spp
+        self.max_model_len = max_model_len  # a request whose prompt + output reaches this finishes; None: no limit
+        self.target_s = config.target_batch_time_s
+        self.kv = kv
+        self.predictor = predictor
+        self.clock = clock
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self._order = itertools.count()
+        self.num_preemptions = 0  # since start, for the server's metrics
+        self._prefill_cache: dict[int, tuple[int, float]] = {}
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---------------------------------------------------------------- requests in and out
+    def add(self, request: Request) -> None:
+        c = self.config
+        n = request.num_prompt_tokens
+        duration = c.ttft_slo_min_s + c.ttft_slo_per_token_s * n
+        if self.predictor is not None and c.ttft_slo_prefill_factor > 0:
+            duration = max(duration, c.ttft_slo_prefill_factor * self.predictor.prefill_time(n, c.chunk_size))
+        request.deadline_duration = duration
+        request.ttft_deadline = request.arrival_time + duration
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drops a finished or aborted request; frees its pages unless chunks of it are still in flight."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._prefill_cache.pop(id(request), None)
+        if request.in_flight == 0:
+            self.kv.free(request)
+
+    def finish(self, request: Request, reason: str, stop_reason: str | int | None = None,
+               now: float | None = None) -> None:
+        """Ends `request`: `reason` "stop" (`stop_reason`: the stop string or token id, None for EOS), "length" or
+        "abort". It leaves the queues; its pages are freed once nothing of it is in flight."""
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        request.status = RequestStatus.FINISHED
+        request.finished_time = self.clock() if now is None else now
+        self.remove(request)
+
+    # ---------------------------------------------------------------- the update half of a step
+    def update_from_output(self, plan: StepPlan, outputs: Sequence[ChunkOutput],
+                           now: float | None = None) -> list[Request]:
+        """`plan`'s micro-batch has left the last pipeline stage; `outputs[i]` is what the step gave back for
+        `plan.chunks[i]`.
+
+        First every chunk stops being in flight (a request aborted meanwhile gets its pages back). Then, for each
+        request still running, in plan order: its prompt log-probs are appended; a sampling chunk appends its
+        token (and log-probs), stamped `now` (default: the clock), and the request stops at the first of: an EOS
+        token (unless `ignore_eos`), a stop token id, `max_tokens` generated, `max_model_len` tokens in all.
+
+        Returns the requests that got a token, in plan order (what the detokenizer reads next).
+        """
+        if len(outputs) != len(plan.chunks):
+            raise ValueError(f"{len(outputs)} outputs for a plan of {len(plan.chunks)} chunks")
+        for ch, out in zip(plan.chunks, outputs):
+            if ch.sample and out.token is None and not ch.request.is_finished:
+                raise ValueError(f"no sampled token for request {ch.request.request_id}'s sampling chunk")
+        now = self.clock() if now is None else now
+        for ch in plan.chunks:
+            req = ch.request
+            req.in_flight -= 1
+            if ch.sample:
+                req.awaiting_sample = False
+            if req.is_finished and req.in_flight == 0:
+                self.kv.free(req)  # aborted while in flight
+        sampled = []
+        for ch, out in zip(plan.chunks, outputs):
+            req = ch.request
+            if req.is_finished:
+                continue
+            if out.prompt_logprobs:
+                req.prompt_logprobs.extend(out.prompt_logprobs)
+            if ch.sample:
+                self._append_token(req, out, now)
+                sampled.append(req)
+        return sampled
+
+    def _append_token(self, req: Request, out: ChunkOutput, now: float) -> None:
+        p = req.params
+        req.output_token_ids.append(out.token)
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.logprobs is not None:
+            req.logprobs.append(out.logprobs)
+        max_len = self.max_model_len
+        if out.token in self.eos_token_ids and not p.ignore_eos:
+            self.finish(req, "stop", None, now)
+        elif out.token in p.stop_token_ids:
+            self.finish(req, "stop", out.token, now)
+        elif len(req.output_token_ids) >= p.max_tokens or (max_len is not None and req.num_tokens >= max_len):
+            self.finish(req, "length", None, now)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.warning("preempted request %s by recompute: out of KV pages (%d of %d pages in use)",
+                       request.request_id, self.kv.num_used, self.kv.num_usable)
+
+    # ---------------------------------------------------------------- priorities
+    def remaining_prefill_time(self, req: Request) -> float:
+        """Predicted seconds to compute the rest of `req`'s known tokens alone."""
+        key = id(req)
+        hit = self._prefill_cache.get(key)
+        if hit is not None and hit[0] == req.num_computed:
+            return hit[1]
+        if self.predictor is None:
+            t = req.num_uncomputed * DEFAULT_SECONDS_PER_TOKEN
+        else:
+            t = self.predictor.prefill_time(req.num_tokens, self.config.chunk_size,
+                                            context_start=req.num_computed)
+        self._prefill_cache[key] = (req.num_computed, t)
+        return t
+
+    def relative_slack(self, req: Request, now: float) -> float:
+        """Medha's ILRS priority: (deadline - now - remaining prefill time) / deadline duration."""
+        return (req.ttft_deadline - now - self.remaining_prefill_time(req)) / req.deadline_duration
+
+    def _priority(self, req: Request, now: float):
+        p = self.config.scheduler_policy
+        if p == "fcfs":
+            return 0.0  # a stable sort keeps running-then-waiting, each in order
+        if p == "edf":
+            return req.ttft_deadline
+        if p == "lrs":
+            return req.ttft_deadline - now - self.remaining_prefill_time(req)
+        return self.relative_slack(req, now)
+
+    # ---------------------------------------------------------------- packing
+    def _ranks_of(self, req: Request, n: int) -> list[int]:
+        """Ranks whose rows a chunk of `n` tokens of `req` occupies (all ranks once its KV spans several)."""
+        if len(self.kv.rank_tokens(req.num_computed + n)) > 1:
+            return list(range(self.kv.num_ranks))
+        return req.kv_ranks[:1]
+
+    def _cost(self, entries: list[tuple[Request, int]]) -> float:
+        """A step's cost: its busiest rank's predicted time, or its token count without a predictor."""
+        by_rank: dict[int, list[tuple[Request, int]]] = {}
+        for req, n in entries:
+            for r in self._ranks_of(req, n):
+                by_rank.setdefault(r, []).append((req, n))
+        if not by_rank:
+            return 0.0
+        if self.target_s is None:
+            return float(max(sum(n for _, n in es) for es in by_rank.values()))
+        return max(self.predictor.step_time([
+            ChunkShape(n, req.num_computed + n, max(1, len(self.kv.rank_tokens(req.num_computed + n))))
+            for req, n in es]) for es in by_rank.values())
+
+    def _limit(self) -> float:
+        c = self.config
+        return self.target_s / self.spp if self.target_s is not None else float(c.max_num_batched_tokens)
+
+    def _fit(self, entries, req: Request, budgets: list[int], cap: float, floor: int) -> int:
+        """Largest chunk of `req` within the token budgets whose step cost stays under `cap` (at least
+        `floor` tokens when the budgets allow, so a prefill always makes progress)."""
+        hi = min(req.num_uncomputed, self.config.chunk_size)
+        if req.kv_ranks:
+            hi = min(hi, budgets[req.kv_ranks[0]])
+        if hi > 0 and len(self.kv.rank_tokens(req.num_computed + hi)) > 1:
+            hi = min(hi, *budgets)
+        if hi <= 0:
+            return 0
+        if self._cost(entries + [(req, hi)]) <= cap:
+            return hi
+        if self._cost(entries + [(req, 1)]) > cap:
+            return min(floor, hi)  # not even one token fits
+        best, a, b = 1, 2, hi - 1  # the cost grows with the chunk: binary search for the largest that fits
+        while a <= b:
+            mid = (a + b) // 2
+            if self._cost(entries + [(req, mid)]) <= cap:
+                best, a = mid, mid + 1
+            else:
+                b = mid - 1
+        return max(best, min(floor, hi))
+
+    def _schedule(self, req: Request, n: int, budgets: list[int], chunks: list[ScheduledChunk],
+                  preempted: list[Request]) -> bool:
+        """Grows `req`'s pages for `n` more tokens (preempting newer requests if needed) and adds its chunk."""
+        while short := self.kv.short_ranks(req, req.num_computed + n):
+            if req.status is not RequestStatus.RUNNING:
+                return False  # a waiting request preempts nobody
+            newer = self.running[self.running.index(req) + 1:]
+            scheduled = {id(c.request) for c in chunks}
+            victims = [r for r in newer if r.in_flight == 0 and id(r) not in scheduled and short & set(r.kv_ranks)]
+            if not victims:
+                return False
+            self._preempt(victims[-1])
+            preempted.append(victims[-1])
+        for r in self._ranks_of(req, n):
+            budgets[r] -= n
+        self.kv.grow(req, req.num_computed + n)
+        return self._add_chunk(req, n, chunks)
+
+    def _fits_in_last_page(self, req: Request) -> bool:
+        """One more token of a single-rank request fits in the pages it holds, within its rank's span."""
+        mt = self.kv.max_tokens_per_rank
+        return (len(req.kv_ranks) == 1 and len(req.pages[0]) * self.kv.page_size > req.num_computed
+                and (mt is None or req.num_computed < mt))
+
+    def _add_chunk(self, req: Request, n: int, chunks: list[ScheduledChunk]) -> bool:
+        chunk = ScheduledChunk(req, req.num_computed, n, req.num_computed + n == req.num_tokens)
+        req.num_computed += n
+        req.in_flight += 1
+        req.awaiting_sample = chunk.sample
+        chunks.append(chunk)
+        return True
+
+    def _admit(self, req: Request) -> None:
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def schedule(self, now: float | None = None) -> StepPlan:
+        c = self.config
+        now = self.clock() if now is None else now
+        budgets = [c.max_num_batched_tokens] * self.kv.num_ranks
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        limit = self._limit()
+
+        def entries():
+            return [(ch.request, ch.num_tokens) for ch in chunks]
+
+        # 1. Decodes, in admission order.
+        for req in list(self.running):
+            if req.status is RequestStatus.RUNNING and not req.awaiting_sample and req.in_decode:
+                if self._fits_in_last_page(req):  # the common decode: no page to find
+                    if budgets[req.kv_ranks[0]] >= 1:
+                        budgets[req.kv_ranks[0]] -= 1
+                        self._add_chunk(req, 1, chunks)
+                elif all(budgets[r] >= 1 for r in self._ranks_of(req, 1)):
+                    self._schedule(req, 1, budgets, chunks, preempted)
+
+        # 2. Prefill candidates: running ones with tokens to compute, then waiting ones that could be admitted.
+        running = [r for r in self.running if r.status is RequestStatus.RUNNING and not r.awaiting_sample
+                   and r.num_uncomputed > 0 and not r.in_decode]
+        slots = c.max_num_seqs - len(self.running)
+        waiting = []
+        for r in self.waiting:
+            if r in preempted or r.in_flight:
+                if c.scheduler_policy == "fcfs":
+                    break  # first come, first served: nobody overtakes a preempted request
+                continue
+            waiting.append(r)
+        # Only as many waiting requests as there are free slots: one that cannot be admitted must not take the
+        # most urgent prefill's place (FCFS takes them in order; the others by priority below).
+        if c.scheduler_policy == "fcfs":
+            waiting = waiting[:max(slots, 0)]
+        elif slots <= 0:
+            waiting = []
+        cands = sorted(running + waiting, key=lambda r: self._priority(r, now))
+
+        # 3. Prefill-prefill batching: the prefills after the most urgent one get cost caps that leave it at
+        #    least (1 - share) of the room after the decodes; then it takes the rest; then a work-conserving
+        #    pass offers what is left to the others.
+        floor = min(c.min_chunk_size, c.chunk_size) if self.target_s is not None else 1
+        passes = [(r, limit) for r in cands]
+        if c.scheduler_policy != "fcfs" and c.ppb_max_share > 0 and len(cands) > 1:
+            base = self._cost(entries())
+            weights = [1.0 / max(self.relative_slack(r, now), _MIN_SLACK) for r in cands]
+            rest = sum(weights[1:])
+            share = min(c.ppb_max_share, rest / (rest + weights[0]))
+            caps, acc = [], 0.0
+            for r, w in zip(cands[1:], weights[1:]):
+                acc += w / rest
+                caps.append((r, base + (limit - base) * share * acc))
+            passes = caps + [(cands[0], limit)] + [(r, limit) for r in cands[1:]]
+
+        scheduled = {id(ch.request) for ch in chunks}
+        primary = cands[0] if cands else None
+        full: set[int] = set()  # ranks where not even one token of a fresh prompt fits under the limit
+        for req, cap in passes:
+            if max(budgets) <= 0 or len(full) == self.kv.num_ranks:
+                break
+            if id(req) in scheduled or req in preempted:
+                continue  # one chunk per request per step; a victim is not re-admitted in the same step
+            if req.status is RequestStatus.WAITING:
+                if len(self.running) >= c.max_num_seqs or (c.scheduler_policy == "fcfs" and preempted):
+                    continue
+                self.kv.place(req)
+            if req.kv_ranks[0] in full and req is not primary:
+                continue  # a longer context only costs more
+            # Only the most urgent prefill is sure to progress; the others fit under the cap or wait.
+            n = self._fit(entries(), req, budgets, cap, floor if req is primary else 0)
+            if n <= 0:
+                if cap == limit and req.num_computed == 0 and len(req.kv_ranks) == 1:
+                    full.add(req.kv_ranks[0])
+                continue
+            if req.status is RequestStatus.WAITING:
+                if not self.kv.can_grow(req, n):
+                    logger.debug("request %s waits: not enough free KV pages (%d of %d in use)", req.request_id,
+                                self.kv.num_used, self.kv.num_usable)
+                    req.kv_ranks, req.pages = [], []
+                    if c.scheduler_policy == "fcfs":
+                        break  # first come, first served: nobody overtakes it
+                    continue
+                self._admit(req)
+            if self._schedule(req, n, budgets, chunks, preempted):
+                scheduled.add(id(req))
+        for ch in chunks:
+            if ch.request.first_scheduled_time is None:
+                ch.request.first_scheduled_time = now
+        return StepPlan(chunks, preempted)

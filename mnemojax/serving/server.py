@@ -1,0 +1,152 @@
+"""`python -m mnemojax.serve`: the OpenAI-compatible HTTP server.
+
+    python -m mnemojax.serve --model tiny --port 8000
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 16, "temperature": 0}'
+
+Multi-host: start the same command on every process with `--coordinator_address host:port --num_processes N
+--process_id i`; process 0 serves HTTP and schedules, the others run its steps (see `mnemojax.engine.multihost`).
+
+SIGTERM (or Ctrl-C) drains: new requests get 503, requests in flight may finish for `--shutdown_grace_s`, then
+the rest are aborted with a final message (finish_reason "abort"), and the process exits 0. A second signal ends
+the grace at once (the same final messages); a third stops without them.
+
+The API key is best given by `--api_key_file` or the MNEMOJAX_API_KEY environment variable: `--api_key` shows it
+in the process list.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from absl import app, flags
+
+from mnemojax.cli import define_flags, from_flags
+from mnemojax.serving.config import MultiHostConfig, ServerConfig
+
+logger = logging.getLogger("mnemojax.serve")
+FLAGS = flags.FLAGS
+
+
+def _init_distributed(mh: MultiHostConfig) -> int:
+    """Starts jax.distributed when the multi-host flags are given; returns the number of processes."""
+    try:
+        if not mh.enabled:
+            return 1
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    import jax
+
+    jax.distributed.initialize(mh.coordinator_address, num_processes=mh.num_processes, process_id=mh.process_id)
+    logger.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
+                jax.local_device_count(), jax.device_count())
+    return mh.num_processes
+
+
+class _Server:
+    """uvicorn with the connection timeouts (`mnemojax.serving.http`), and signals that drain instead of cutting
+    streams: the first SIGTERM / SIGINT drains with a grace period, the second ends the grace (abort now, final
+    chunks still sent), a third exits at once. No signal is re-raised at exit."""
+
+    def __init__(self, fastapi_app, llm, config: ServerConfig):
+        import uvicorn
+
+        from mnemojax.serving.http import uvicorn_config
+
+        outer = self
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):  # runs in the main thread, which runs the event loop
+                outer.signals += 1
+                loop = asyncio.get_event_loop()
+                if outer.signals == 1:
+                    loop.call_soon_threadsafe(lambda: asyncio.ensure_future(outer.drain()))
+                elif outer.signals == 2:
+                    loop.call_soon_threadsafe(outer.hurry.set)
+                else:
+                    self.should_exit = self.force_exit = True
+
+        self.server = Server(uvicorn_config(fastapi_app, config, log_level="info", timeout_graceful_shutdown=5))
+        self.app, self.llm, self.grace_s = fastapi_app, llm, config.shutdown_grace_s
+        self.signals = 0
+        self.hurry = asyncio.Event()  # a second signal: the grace is over
+
+    async def _wait_for_requests(self, seconds: float) -> None:
+        """Until no request is in flight, `seconds` pass, or (the grace only) a second signal comes."""
+        deadline = time.monotonic() + seconds
+        while self.llm.num_active and time.monotonic() < deadline and not self.hurry.is_set():
+            await asyncio.sleep(0.05)
+
+    async def drain(self) -> None:
+        state = self.app.state.server
+        state.start_draining()
+        logger.info("draining: no new requests; %d in flight get up to %.0f s (a second signal aborts them now)",
+                    self.llm.num_active, self.grace_s)
+        await self._wait_for_requests(self.grace_s)
+        if self.llm.num_active:
+            logger.info("aborting %d requests still in flight", self.llm.num_active)
+            self.llm.abort_all()
+            self.hurry.clear()
+            await self._wait_for_requests(5.0)
+        await asyncio.sleep(0.1)  # let the last responses flush
+        self.server.should_exit = True
+
+    def run(self) -> None:
+        self.server.run()
+
+
+def main(argv):
+    del argv
+    from mnemojax.engine.llm_engine import EngineConfig
+
+    config, mh = from_flags(EngineConfig), from_flags(MultiHostConfig)
+    try:
+        server = from_flags(ServerConfig).with_api_key(os.environ)
+    except (OSError, ValueError) as e:
+        raise app.UsageError(str(e)) from None
+    num_processes = _init_distributed(mh)
+    from mnemojax.engine.async_llm import AsyncLLM
+    from mnemojax.engine.llm_engine import LLMEngine
+    from mnemojax.serving.app import build_app
+
+    leader = None
+    if num_processes > 1:
+        from mnemojax.engine import multihost
+
+        if mh.process_id != 0:
+            multihost.follow(LLMEngine(config).executor)
+            return
+        leader = multihost.Leader()
+    engine = LLMEngine(config, channel=leader)
+    llm = AsyncLLM(engine=engine, idle_tick=None if leader is None else leader.noop)
+    fastapi_app = build_app(llm, server)
+    logger.info("serving %r as %r on http://%s:%d (mesh kvp=%d spp=%d tp=%d, max_model_len %d%s)", config.model,
+                fastapi_app.state.server.served_model_name, server.host, server.port, config.kvp, config.spp,
+                config.tp, engine.max_model_len, ", API key required" if server.api_key else "")
+    try:
+        _Server(fastapi_app, llm, server).run()
+    finally:
+        llm.shutdown()
+        if leader is not None:
+            leader.stop()
+    logger.info("stopped")
+
+
+def define_serve_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    """The command's flags: every EngineConfig, ServerConfig and MultiHostConfig field."""
+    from mnemojax.engine.llm_engine import EngineConfig
+
+    for cls in (EngineConfig, ServerConfig, MultiHostConfig):
+        define_flags(cls, flag_values)
+
+
+def run():
+    define_serve_flags()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

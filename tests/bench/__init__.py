@@ -1,0 +1,1 @@
+"""Tests of `mnemojax.bench` (the benchmark modules behind `scripts/`)."""

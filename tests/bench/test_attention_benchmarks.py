@@ -1,0 +1,61 @@
+"""The GPU benchmark scripts (scripts/bench_attention.py, scripts/bench_step.py) end to end in their --small mode:
+tiny shapes, interpreted kernels, on the CPU. Checks that they run, measure something and print the command,
+the hardware and the table last; the numbers themselves mean something only on a GPU."""
+import importlib.util
+import math
+
+import jax
+import numpy as np
+
+from models.attention import dense_attention_reference
+from tests import REPO
+
+REPO = REPO
+
+
+def _script(name):
+    return importlib.import_module(f"mnemojax.bench.{name.removeprefix('bench_')}")
+
+
+def test_bench_attention_small(capsys):
+    res = _script("bench_attention").main(["--small"])
+    out = capsys.readouterr().out
+    lines = out.rstrip().splitlines()
+    assert lines[0] == "command: bench_attention.py --small" and lines[1].startswith("device: cpu")
+    assert [r["chunk"] for r in res["prefill"]] == [4, 16, 64]
+    for r in res["prefill"]:
+        assert r["ms"] > 0 and r["tflops"] > 0 and r["gbps"] > 0 and r["total_s"] > 0
+    assert res["prefill"][-1]["total_vs_ref"] == 1.0  # chunk 64 is the reference chunk of --small
+    f7 = res["figure7"][0]
+    assert (f7["context"], f7["small"], f7["ref"]) == (256, 4, 64) and f7["total"] > 0 and f7["per_token"] > 0
+    assert [(r["context"], r["batch"]) for r in res["decode"]] == [(256, 1), (256, 3)]
+    assert all(r["ms"] > 0 and r["base"]["cudnn"] == (None, "no GPU") for r in res["decode"])
+    assert lines[-1].split()[:2] == ["256", "3"]  # the decode table is last
+
+
+def test_bench_step_small(capsys):
+    res = _script("bench_step").main(["--small"])
+    out = capsys.readouterr().out
+    lines = out.rstrip().splitlines()
+    assert lines[0] == "command: bench_step.py --small" and lines[1].startswith("device: cpu")
+    assert res["ceiling"] > 0 and res["bandwidth"] > 0
+    assert [(r["kind"], r["context"], r["tokens"]) for r in res["rows"]] == [
+        ("prefill", 192, 64), ("decode", 64, 1), ("decode", 320, 1)]
+    assert all(r["ms"] > 0 and math.isfinite(r["util"]) and r["util"] > 0 for r in res["rows"])
+    long = res["long"]
+    assert (long["tokens"], long["chunk"], long["decoded"]) == (256, 64, 4)
+    assert long["ttft_s"] > 0 and long["tbt_ms"] > 0
+    assert lines[-1].startswith("tiny: exact prefill of 256 tokens")
+
+
+def test_baseline_split_is_bottom_right_causal():
+    """The cuDNN baseline's history + chunk split (run here with jax's XLA implementation) equals dense
+    bottom-right causal attention."""
+    split = _script("bench_attention").split_causal_attention
+    rng = np.random.default_rng(0)
+    c, n, N, K, H = 5, 23, 4, 2, 8
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, c, N, H), (1, n, K, H), (1, n, K, H)))
+    want, _ = dense_attention_reference(q[0], k[0], v[0], np.arange(n - c, n), np.arange(n))
+    with jax.default_matmul_precision("highest"):
+        got = split(q, k, v)
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,104 @@
+"""AsyncLLM: concurrent streams equal the offline results, aborts free pages, bad input is answered alone."""
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mnemojax import LLM, SamplingParams
+from mnemojax.engine.async_llm import AsyncLLM
+from mnemojax.scheduling.sampling_params import RequestOutputKind
+
+KW = dict(max_model_len=128, page_size=4, chunk_size=16, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def async_llm():
+    llm = AsyncLLM("tiny", **KW)
+    yield llm
+    llm.shutdown()
+
+
+async def _collect(llm, prompt, params, **kw):
+    outs = [o async for o in llm.generate(prompt, params, **kw)]
+    return outs
+
+
+def test_concurrent_streams_equal_offline_results(async_llm):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (40, 7, 19, 3)]
+    params = [SamplingParams(max_tokens=6 + i, temperature=0.9, seed=i, ignore_eos=True) for i in range(4)]
+
+    async def main():
+        return await asyncio.gather(*(_collect(async_llm, p, sp) for p, sp in zip(prompts, params)))
+
+    streams = asyncio.run(main())
+    offline = LLM("tiny", **KW).generate(prompts, params)
+    for outs, ref in zip(streams, offline):
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
+        # progress arrives token by token: the streamed token lists only grow
+        lens = [len(o.outputs[0].token_ids) for o in outs]
+        assert lens == sorted(lens) and lens[-1] == len(ref.outputs[0].token_ids)
+    assert async_llm.engine.kv.num_used == 0
+
+
+def test_dropping_a_stream_aborts_it_and_frees_pages(async_llm):
+    async def main():
+        long = async_llm.generate(list(range(60)), SamplingParams(max_tokens=50, ignore_eos=True))
+        async for out in long:
+            if len(out.outputs[0].token_ids) >= 2:
+                break  # the client goes away mid-stream
+        await long.aclose()
+        # the next request still works
+        return await _collect(async_llm, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+    assert async_llm.engine.kv.num_used == 0 and not async_llm.engine.requests
+
+
+def test_bad_input_is_answered_and_others_continue(async_llm):
+    # SamplingParams validates on construction; an invalid one cannot reach the engine, so only the engine's
+    # own checks (prompt length) are exercised here.
+    async def main_engine_checks():
+        good = asyncio.ensure_future(_collect(async_llm, [5, 6], SamplingParams(max_tokens=4, ignore_eos=True)))
+        with pytest.raises(ValueError, match="max_model_len"):
+            await _collect(async_llm, list(range(100)), SamplingParams(max_tokens=100))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await _collect(async_llm, [1, 10_000], SamplingParams(max_tokens=2))
+        return await good
+
+    outs = asyncio.run(main_engine_checks())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+    assert async_llm.engine.kv.num_used == 0
+
+
+async def _wait_until_done(llm):
+    while llm.engine.requests or llm.engine.has_unfinished():
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # let the engine thread's last hand-offs reach this loop
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_a_caller_that_does_not_read_holds_one_merged_output(async_llm, kind):
+    """While its caller reads nothing, a request's outputs are merged (deltas added up, a cumulative one replaced
+    by the newer), not queued one per step: memory per request stays bounded by its own output."""
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True, logprobs=2, output_kind=kind)
+
+    async def main():
+        gen = async_llm.generate([5, 6, 7], params)
+        first = await anext(gen)
+        await _wait_until_done(async_llm)  # the request runs to its end meanwhile
+        return first, [o async for o in gen]
+
+    first, rest = asyncio.run(main())
+    assert len(rest) == 1 and rest[0].finished
+    ref = LLM("tiny", **KW).generate([[5, 6, 7]], dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE))
+    ref = ref[0].outputs[0]
+    last = rest[0].outputs[0]
+    if kind is RequestOutputKind.DELTA:
+        first.add(rest[0])
+        last = first.outputs[0]
+    assert last.token_ids == ref.token_ids and last.text == ref.text and len(last.logprobs) == 24
+    assert last.logprobs == ref.logprobs

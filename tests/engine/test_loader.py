@@ -1,0 +1,53 @@
+"""Loading separated from running: `loader.load` resolves the parts once, engines run on them; the one KV page
+size formula; multi-host's channel given to the constructor."""
+import dataclasses
+
+import pytest
+
+from mnemojax import SamplingParams
+from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
+from mnemojax.engine.loader import load
+from models.config import preset
+
+CFG = EngineConfig(model="tiny", max_model_len=64, page_size=4, chunk_size=16, max_num_batched_tokens=32)
+GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+
+def _run(engine, prompt):
+    rid = engine.add_request(prompt, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    return engine.pop_finished(rid).outputs[0].token_ids
+
+
+def test_engines_share_loaded_parts_and_agree():
+    loaded = load(CFG)
+    assert (loaded.max_model_len, loaded.num_pages) == (64, 1 + 4 * 16)  # default: 4 full-length requests
+    assert CFG.attention == "auto" and loaded.spec.attention == "reference"  # auto, resolved: no GPU in the tests
+    a, b = LLMEngine(CFG, loaded), LLMEngine(CFG, loaded)
+    assert a.executor.params is b.executor.params is loaded.params  # nothing loaded twice
+    prompt = list(range(40, 60))
+    assert _run(a, prompt) == _run(b, prompt) == _run(LLMEngine(CFG), prompt)
+
+
+@pytest.mark.parametrize("tp,spp,want_layers,want_heads", [(1, 1, 4, 2), (2, 1, 4, 1), (1, 3, 2, 2), (4, 1, 4, 1)])
+def test_kv_page_bytes_by_hand(tp, spp, want_layers, want_heads):
+    """tiny: 4 layers, 2 KV heads of 16. Per device: its stage's layers (4 padded to a multiple of spp, then
+    split) and its tp share of the KV heads (repeated when tp exceeds them)."""
+    c = preset("tiny")
+    assert c.kv_page_bytes(page_size=16, tp=tp, spp=spp, dtype_bytes=2) == 2 * want_layers * 16 * want_heads * 16 * 2
+
+
+def test_multi_host_channel_is_a_constructor_argument():
+    class Channel:
+        def __init__(self):
+            self.steps = []
+
+        def step(self, T, R, host, fetch):
+            self.steps.append((T, R, fetch))
+
+    channel = Channel()
+    engine = LLMEngine(dataclasses.replace(CFG, max_num_seqs=4), channel=channel)
+    assert engine.executor.channel is channel
+    _run(engine, [1, 2, 3])
+    assert len(channel.steps) == 5  # one broadcast per step: a prefill that samples, then 4 decodes

@@ -1,0 +1,63 @@
+"""Per-step outputs as deltas (`output_kind=DELTA`): each carries only what its step added, and they add up to
+the cumulative output exactly; the offline `LLM.generate` (cumulative) is unchanged."""
+import dataclasses
+
+import pytest
+
+from mnemojax import LLM, SamplingParams
+from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
+from mnemojax.scheduling.sampling_params import RequestOutputKind
+
+KW = dict(max_model_len=128, page_size=4, chunk_size=16, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model="tiny", **KW))
+
+
+def _run(engine, prompts, params):
+    """{request id: every output the engine gave it, the last from pop_finished}."""
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outs = {rid: [] for rid in rids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    return outs, {rid: engine.pop_finished(rid) for rid in rids}
+
+
+def test_deltas_add_up_to_the_cumulative_output(engine):
+    prompts = ["a prompt longer than one chunk of sixteen tokens", [7, 8, 9], "stop here: xyz"]
+    base = [SamplingParams(max_tokens=12, temperature=0.9, seed=3, logprobs=2, prompt_logprobs=1, ignore_eos=True),
+            SamplingParams(max_tokens=9, temperature=0, logprobs=0),
+            SamplingParams(max_tokens=20, temperature=1.0, seed=5, stop=["e", "ab"], ignore_eos=True)]
+    cumulative, _ = _run(engine, prompts, base)
+    deltas, finals = _run(engine, prompts, [dataclasses.replace(p, output_kind=RequestOutputKind.DELTA)
+                                            for p in base])
+    for (c_outs, d_outs, final) in zip(cumulative.values(), deltas.values(), finals.values()):
+        whole = c_outs[-1]
+        first, rest = d_outs[0], d_outs[1:]
+        assert first.prompt_token_ids == whole.prompt_token_ids
+        assert all(o.prompt_token_ids == [] for o in rest)  # the prompt once, not every step
+        assert all(len(o.outputs[0].token_ids) <= 1 for o in d_outs)  # a step adds at most one token
+        for o in rest:
+            first.add(o)
+        got, ref = first.outputs[0], whole.outputs[0]
+        assert (got.text, got.token_ids, got.logprobs, got.finish_reason, got.stop_reason) == \
+               (ref.text, ref.token_ids, ref.logprobs, ref.finish_reason, ref.stop_reason)
+        assert first.prompt_logprobs == whole.prompt_logprobs
+        assert len(first.metrics.token_times) == len(ref.token_ids) and first.finished
+        # pop_finished gives the whole output (metrics read it), whatever the kind
+        assert final.outputs[0].token_ids == ref.token_ids and len(final.metrics.token_times) == len(ref.token_ids)
+
+
+def test_offline_generate_is_unchanged_and_cumulative():
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+    out = LLM("tiny", **KW).generate(["abc"], params)[0]
+    assert len(out.outputs[0].token_ids) == 6 and out.prompt_token_ids[1:] == [97, 98, 99]
+
+
+def test_output_kind_is_checked():
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")

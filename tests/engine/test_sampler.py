@@ -1,0 +1,432 @@
+"""mnemojax.engine.sampler against independent numpy references.
+
+Every expected value here is computed in numpy (float64) from the definitions: argmax, the top-k set,
+the nucleus, the filtered softmax, log_softmax. The sampler is jitted once per shape and batched over
+seeds, so a few compiles cover the whole file.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mnemojax.engine import sampler
+from mnemojax.scheduling.sampling_params import MAX_LOGPROBS
+
+_sample = jax.jit(sampler.sample)
+_filter = jax.jit(sampler.apply_top_k_top_p)
+_logprobs = jax.jit(sampler.logprobs, static_argnums=3)
+
+
+def run_sample(logits, temperature, top_k, top_p, seeds, steps, seed_dtype=np.uint32):
+    """Call the jitted sampler with every per-row parameter broadcast to the number of rows."""
+    logits = np.asarray(logits, np.float32)
+    n = logits.shape[0]
+    tokens = _sample(
+        logits,
+        np.broadcast_to(np.asarray(temperature, np.float32), (n,)),
+        np.broadcast_to(np.asarray(top_k, np.int32), (n,)),
+        np.broadcast_to(np.asarray(top_p, np.float32), (n,)),
+        np.broadcast_to(np.asarray(seeds, seed_dtype), (n,)),
+        np.broadcast_to(np.asarray(steps, np.int32), (n,)),
+    )
+    tokens = np.asarray(tokens)
+    assert tokens.dtype == np.int32 and tokens.shape == (n,)
+    return tokens
+
+
+# ----------------------------------------------------------------------------------------------------
+# numpy references
+
+
+def np_softmax(z):
+    z = np.asarray(z, np.float64)
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def np_log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def np_filtered(logits_row, temperature, top_k, top_p, *, min_margin=1e-4):
+    """(keep mask, filtered probabilities) for one row, by the definitions in float64.
+
+    top-k keeps every token >= the k-th largest value (ties kept). top-p keeps the fewest most-likely
+    tokens whose cumulative probability reaches top_p, plus tokens tied with the last one. Asserts the
+    nucleus boundary is at least `min_margin` away from top_p, so float32 rounding cannot decide it.
+    """
+    z = np.asarray(logits_row, np.float64) / temperature
+    keep = np.ones(z.shape, bool)
+    if top_k > 0:
+        kth = np.sort(z)[::-1][min(top_k, z.size) - 1]
+        keep &= z >= kth
+    if top_p < 1.0:
+        p = np_softmax(np.where(keep, z, -np.inf))
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        n = min(int(np.searchsorted(cum, top_p)) + 1, int(keep.sum()))
+        assert cum[n - 1] - top_p > min_margin or n == keep.sum(), "ambiguous nucleus; pick another top_p"
+        assert n == 1 or top_p - cum[n - 2] > min_margin, "ambiguous nucleus; pick another top_p"
+        keep &= p >= p[order[n - 1]]
+    return keep, np_softmax(np.where(keep, z, -np.inf))
+
+
+def chi2_critical(df, z=4.753):
+    """Upper quantile of chi-square(df) at one-sided normal z (4.753 => p = 1e-6), Wilson-Hilferty.
+
+    The approximation is within a few percent for df >= 2, far below the gap between a right and a wrong
+    distribution in the tests below (checked by `test_frequency_test_has_power`).
+    """
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def chi2_stat(counts, probs):
+    """Pearson's statistic over the support of `probs`; a count outside the support is infinitely off."""
+    n = counts.sum()
+    support = probs > 0
+    if counts[~support].any():
+        return math.inf, int(support.sum()) - 1
+    expected = n * probs[support]
+    return float(((counts[support] - expected) ** 2 / expected).sum()), int(support.sum()) - 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# greedy
+
+
+def test_greedy_is_numpy_argmax_first_on_ties():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(16, 1000)).astype(np.float32) * 3
+    logits[3, [10, 500, 999]] = 50.0  # tie for the max: the first index wins (torch/HF argmax)
+    logits[4, [0, 1]] = 50.0
+    logits[5, :] = 0.0  # all tied
+    logits[6, :400] = -np.inf
+    logits[7, ::2] = -np.finfo(np.float32).max
+    temperature = np.array([0, 0, 1e-6, 0, 0, 0, 0, 0, 0.0, 9e-6, 0, 0, 0, 0, 0, 0], np.float32)
+    top_k = np.array([-1, 0, 1, 5, 2, 3, -1, 7, 100, -1, 1, 0, 4, 4, 4, 4], np.int32)  # ignored when greedy
+    top_p = np.array([1, 0.5, 0.1, 0.9, 1, 0.2, 1, 0.3, 1, 0.01, 1, 0.99, 1, 1, 1, 1], np.float32)
+    tokens = run_sample(logits, temperature, top_k, top_p, np.arange(16), np.arange(16))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+    assert tokens[3] == 10 and tokens[4] == 0 and tokens[5] == 0
+
+
+def test_greedy_rows_unchanged_in_a_mixed_batch():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(16, 1000)).astype(np.float32)
+    greedy = np.arange(16) % 2 == 0
+    temperature = np.where(greedy, 0.0, 1.0).astype(np.float32)
+    tokens = run_sample(logits, temperature, 40, 0.9, np.arange(16) + 123, 3)
+    np.testing.assert_array_equal(tokens[greedy], np.argmax(logits[greedy], axis=-1))
+    # The sampled rows really sample (8 draws all equal to the argmax won't happen), and within each
+    # row's own top-k/top-p set, whatever the greedy rows beside them do.
+    assert (tokens[~greedy] != np.argmax(logits[~greedy], axis=-1)).any()
+    for row in np.flatnonzero(~greedy):
+        keep, _ = np_filtered(logits[row], 1.0, 40, 0.9, min_margin=0)
+        assert keep[tokens[row]], row
+
+
+def test_one_compile_for_any_mix_of_rows():
+    traces = []
+
+    def counted(*args):
+        traces.append(None)
+        return sampler.sample(*args)
+
+    fn = jax.jit(counted)
+    logits = np.random.default_rng(2).normal(size=(4, 64)).astype(np.float32)
+    seeds, steps = np.arange(4, dtype=np.uint32), np.zeros(4, np.int32)
+    for temperature, top_k, top_p in [
+        ([0, 0, 0, 0], [-1] * 4, [1] * 4),  # all greedy
+        ([1, 1, 1, 1], [-1] * 4, [1] * 4),  # all sampled, no filter
+        ([0, 0.5, 1, 2], [0, 3, -1, 10], [1, 0.5, 0.9, 1]),  # mixed
+    ]:
+        fn(
+            logits,
+            np.array(temperature, np.float32),
+            np.array(top_k, np.int32),
+            np.array(top_p, np.float32),
+            seeds,
+            steps,
+        ).block_until_ready()
+    assert len(traces) == 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# the filter, exactly
+
+
+def kept(filtered_row):
+    return np.isfinite(np.asarray(filtered_row))
+
+
+def test_top_k_mask_is_the_k_largest_and_keeps_ties():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(8, 300)).astype(np.float32)
+    logits[4, [7, 8, 9, 200]] = 10.0  # 4-way tie at the top
+    logits[5, :] = np.round(logits[5] * 2) / 2  # many ties everywhere
+    logits[6, 100:] = -np.inf
+    top_k = np.array([1, 5, 299, 300, 2, 17, 150, 40], np.int32)
+    out = np.asarray(_filter(logits, top_k, np.ones(8, np.float32)))
+    for row in range(8):
+        keep, _ = np_filtered(logits[row], 1.0, top_k[row], 1.0)
+        keep &= np.isfinite(logits[row])  # row 6: -inf logits are "kept" as -inf when k exceeds the rest
+        np.testing.assert_array_equal(kept(out[row]), keep, err_msg=f"row {row}")
+        np.testing.assert_array_equal(out[row][keep], logits[row][keep])  # kept logits untouched
+    assert kept(out[0]).sum() == 1 and kept(out[1]).sum() == 5
+    assert kept(out[4]).sum() == 4  # k=2, but all four tied values stay (vLLM's rule)
+    assert kept(out[5]).sum() > 17  # ties at the 17th value kept
+
+
+def test_top_k_disabled_and_larger_than_vocab_keep_everything():
+    logits = np.random.default_rng(4).normal(size=(8, 300)).astype(np.float32)
+    top_k = np.array([-1, 0, 300, 10_000, -1, 0, 300, 2**31 - 1], np.int32)
+    out = np.asarray(_filter(logits, top_k, np.ones(8, np.float32)))
+    np.testing.assert_array_equal(out, logits)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 30, 100, 150])
+def test_top_p_mask_is_the_numpy_nucleus(size):
+    """Each row gets a top_p halfway between the cumulative probability of its `size`-1 and `size` most
+    likely tokens (computed in float64), so the exact nucleus has `size` tokens with a clear margin."""
+    rng = np.random.default_rng(5)
+    logits = (rng.normal(size=(8, 300)) * np.linspace(0.5, 4, 8)[:, None]).astype(np.float32)
+    cum = np.cumsum(-np.sort(-np.stack([np_softmax(r) for r in logits]), axis=-1), axis=-1)
+    top_p = ((cum[:, size - 2] if size > 1 else 0.0) + cum[:, size - 1]) / 2
+    out = np.asarray(_filter(logits, np.full(8, -1, np.int32), top_p.astype(np.float32)))
+    for row in range(8):
+        keep, _ = np_filtered(logits[row], 1.0, -1, top_p[row], min_margin=1e-6)
+        assert keep.sum() == size
+        np.testing.assert_array_equal(kept(out[row]), keep, err_msg=f"row {row}")
+
+
+def test_top_p_keeps_at_least_one_and_top_p_one_keeps_all():
+    logits = np.random.default_rng(6).normal(size=(8, 300)).astype(np.float32)
+    logits[2, 5:] = -np.inf
+    top_p = np.array([1e-9, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0], np.float32)  # 0.0: invalid, still safe
+    out = np.asarray(_filter(logits, np.full(8, -1, np.int32), top_p))
+    np.testing.assert_array_equal(kept(out[0]), np.arange(300) == np.argmax(logits[0]))
+    np.testing.assert_array_equal(kept(out[3]), np.arange(300) == np.argmax(logits[3]))
+    np.testing.assert_array_equal(out[1], logits[1])
+    np.testing.assert_array_equal(kept(out[2]), np.arange(300) < 5)
+
+
+def test_top_p_applies_to_the_renormalized_top_k_distribution():
+    # Probabilities 0.4, 0.3, 0.2, 0.1. Top-p 0.75 alone keeps 3 tokens (0.4 + 0.3 < 0.75). After top-k=2
+    # the distribution is 4/7, 3/7: top_p=0.75 keeps both (4/7 < 0.75), top_p=0.5 keeps one (4/7 >= 0.5).
+    logits = np.full((8, 300), -np.inf, np.float32)
+    logits[:, :4] = np.log([0.4, 0.3, 0.2, 0.1])
+    top_k = np.array([-1, 2, 2, -1, -1, -1, -1, -1], np.int32)
+    out = np.asarray(_filter(logits, top_k, np.array([0.75, 0.75, 0.5, 1, 1, 1, 1, 1], np.float32)))
+    np.testing.assert_array_equal(kept(out[:3, :4]), [[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]])
+    assert not kept(out[:, 4:]).any()
+
+
+# ----------------------------------------------------------------------------------------------------
+# sampling: support and frequencies over many seeds (one batch, one compile)
+
+N_SEEDS = 4000
+_V = 16
+_LOGITS = (np.random.default_rng(7).normal(size=_V) * 1.5).astype(np.float32)
+
+# (temperature, top_k, top_p); top_p values are away from any nucleus boundary (np_filtered checks).
+CONFIGS = [
+    (1.0, -1, 1.0),
+    (0.6, -1, 1.0),
+    (1.7, 5, 1.0),
+    (1.0, 0, 0.75),
+    (0.8, 8, 0.9),
+    (2.5, 3, 0.5),
+]
+
+
+def draws(temperature, top_k, top_p, *, logits=_LOGITS, n=N_SEEDS):
+    """`n` draws for one request's distribution, one per seed, all in one batch."""
+    logits = np.broadcast_to(logits, (n, logits.shape[-1]))
+    return run_sample(logits, temperature, top_k, top_p, np.arange(n) * 7919 + 11, 0)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", CONFIGS)
+def test_frequencies_match_the_filtered_softmax(temperature, top_k, top_p):
+    keep, probs = np_filtered(_LOGITS, temperature, top_k, top_p)
+    tokens = draws(temperature, top_k, top_p)
+    counts = np.bincount(tokens, minlength=_V)
+    assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(keep)), "a filtered-out token was sampled"
+    if top_k > 0:
+        top = set(np.argsort(-_LOGITS)[:top_k])
+        assert set(np.flatnonzero(counts)) <= top
+    stat, df = chi2_stat(counts, probs)
+    # For a correct sampler the statistic exceeds this bound with probability 1e-6; the seeds are fixed,
+    # so the test is deterministic rather than flaky.
+    assert stat < chi2_critical(df), (stat, df, counts, np.round(probs * N_SEEDS))
+
+
+def test_frequency_test_has_power():
+    """The chi-square bound above rejects nearby wrong distributions with 4000 draws."""
+    tokens = draws(1.0, -1, 1.0)
+    counts = np.bincount(tokens, minlength=_V)
+    for wrong_temperature in (0.85, 1.2):
+        stat, df = chi2_stat(counts, np_softmax(_LOGITS / wrong_temperature))
+        assert stat > chi2_critical(df), wrong_temperature
+    _, exact_top3 = np_filtered(_LOGITS, 2.5, 3, 1.0)
+    tokens = draws(2.5, 3, 0.5)  # the right answer keeps fewer tokens than top-k alone
+    stat, df = chi2_stat(np.bincount(tokens, minlength=_V), exact_top3)
+    assert stat > chi2_critical(df)
+
+
+def test_top_k_support_on_a_large_vocabulary():
+    logits = np.random.default_rng(8).normal(size=1000).astype(np.float32)
+    for k in (1, 3, 20):
+        tokens = draws(1.5, k, 1.0, logits=logits, n=1000)
+        assert set(tokens) <= set(np.argsort(-logits)[:k])
+        assert len(set(tokens)) == k  # not just the argmax
+    keep, _ = np_filtered(logits, 0.7, -1, 0.6)
+    tokens = draws(0.7, -1, 0.6, logits=logits, n=1000)
+    assert set(tokens) <= set(np.flatnonzero(keep))
+    assert len(set(tokens)) > 0.8 * keep.sum()
+
+
+# ----------------------------------------------------------------------------------------------------
+# seeds and steps
+
+
+def test_same_seed_and_step_give_the_same_token_in_any_batch():
+    rng = np.random.default_rng(9)
+    vocab = 1000
+    row = rng.normal(size=vocab).astype(np.float32) * 0.3  # high entropy: a different key, a different token
+    others = rng.normal(size=(16, vocab)).astype(np.float32)
+    for seed, step, temperature, top_k, top_p in [(5, 0, 1.0, -1, 1.0), (5, 1, 0.9, 50, 1.0), (77, 9, 1.3, 0, 0.8)]:
+        alone = run_sample(row[None], temperature, top_k, top_p, seed, step)[0]
+        for position in (0, 13):
+            batch = others.copy()
+            batch[position] = row
+            temps = rng.uniform(0.5, 2, size=16).astype(np.float32)
+            temps[1] = 0.0
+            ks = rng.integers(-1, 30, size=16).astype(np.int32)
+            ps = rng.uniform(0.3, 1, size=16).astype(np.float32)
+            seeds = rng.integers(0, 2**31, size=16)
+            steps = rng.integers(0, 100, size=16)
+            temps[position], ks[position], ps[position] = temperature, top_k, top_p
+            seeds[position], steps[position] = seed, step
+            assert run_sample(batch, temps, ks, ps, seeds, steps)[position] == alone, (seed, step, position)
+
+
+def test_steps_and_seeds_change_the_draw():
+    logits = np.zeros((16, 1000), np.float32)  # uniform over 1000 tokens
+    by_step = run_sample(logits, 1.0, -1, 1.0, 1234, np.arange(16))
+    by_seed = run_sample(logits, 1.0, -1, 1.0, np.arange(16), 7)
+    repeated = run_sample(logits, 1.0, -1, 1.0, 1234, 7)
+    # 16 independent uniform draws collide 0.12 times on average; 3 or more collisions (fewer than 14
+    # distinct) has probability < 1e-3, and a key that ignored the step or seed would give 1 distinct.
+    assert len(set(by_step)) >= 14 and len(set(by_seed)) >= 14
+    assert len(set(repeated)) == 1 and repeated[0] == by_step[7]
+
+
+def test_key_is_fold_in_of_seed_and_step():
+    """Documented derivation, so a request's tokens are reproducible from (seed, step) alone."""
+    logits = np.random.default_rng(10).normal(size=(16, 1000)).astype(np.float32)
+    seeds = np.array([0, 1, 42, 2**31 - 1, 2**31, 2**32 - 1] + list(range(1000, 1010)), np.uint32)
+    steps = np.array([0, 5, 1, 3, 100, 7] + list(range(10)), np.int32)
+    tokens = run_sample(logits, 0.5, -1, 1.0, seeds, steps)
+    for i in range(16):
+        key = jax.random.fold_in(jax.random.key(int(seeds[i])), int(steps[i]))
+        expected = jax.random.categorical(key, jnp.asarray(logits[i]) / 0.5, mode="high")
+        assert tokens[i] == int(expected), i
+
+
+def test_int32_and_uint32_seeds_agree_bitwise():
+    logits = np.zeros((16, 1000), np.float32)
+    seeds_u = np.array([0, 1, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1] + list(range(5, 15)), np.uint32)
+    as_u = run_sample(logits, 1.0, -1, 1.0, seeds_u, 3)
+    as_i = run_sample(logits, 1.0, -1, 1.0, seeds_u.view(np.int32), 3, seed_dtype=np.int32)
+    np.testing.assert_array_equal(as_u, as_i)
+
+
+# ----------------------------------------------------------------------------------------------------
+# numerics
+
+
+def test_extreme_temperatures_and_large_negative_logits():
+    rng = np.random.default_rng(11)
+    vocab = 1000
+    base = rng.uniform(-3, 3, size=vocab).astype(np.float32)
+    invalid = [0, 50, 100]
+    base[invalid] = [-np.inf, -np.finfo(np.float32).max, -1e30]
+    base[10] = 3.5  # the argmax, 0.5 above the rest: at t=1e-4 that is a logit gap of 5000
+
+    cold = draws(1e-4, -1, 1.0, logits=base, n=1000)
+    assert set(cold) == {10}
+    for top_k, top_p in [(-1, 1.0), (20, 1.0), (-1, 0.9), (3000, 0.5)]:
+        hot = draws(100.0, top_k, top_p, logits=base, n=1000)  # nearly uniform over the finite logits
+        assert ((hot >= 0) & (hot < vocab)).all() and not set(hot) & set(invalid)
+        assert len(set(hot)) > (15 if top_k == 20 else 300)
+
+    # A logit that overflows to +inf when divided by a tiny temperature is still sampled cleanly.
+    huge = np.zeros(vocab, np.float32)
+    huge[[3, 4]] = [1e35, -1e35]
+    assert set(draws(1e-4, -1, 1.0, logits=huge, n=1000)) == {3}
+
+    # The filtered logits themselves never hold NaN, at either extreme.
+    row = base[:300]
+    with np.errstate(over="ignore"):
+        scaled = np.stack([row / 1e-4, row / 100, row, huge[:300] / 1e-4] * 2).astype(np.float32)
+    top_k = np.array([5, -1, 1000, 2, -1, 7, 0, -1], np.int32)
+    top_p = np.array([0.5, 0.99, 0.3, 1.0, 0.2, 1.0, 0.7, 0.01], np.float32)
+    out = np.asarray(_filter(scaled, top_k, top_p))
+    assert not np.isnan(out).any()
+
+
+# ----------------------------------------------------------------------------------------------------
+# log-probs
+
+
+def test_logprobs_match_numpy_log_softmax():
+    rng = np.random.default_rng(12)
+    n, vocab = 6, 500
+    logits = (rng.normal(size=(n, vocab)) * 4).astype(np.float32)
+    logits[2, :100] = -1e9
+    logits[3, 200:] = -np.inf
+    sampled = np.array([0, 17, 499, 150, 3, 9], np.int32)
+    targets = np.array([-1, 5, -1, 199, 250, -1], np.int32)
+    s_lp, t_lp, top_ids, top_lp = (np.asarray(a) for a in _logprobs(logits, sampled, targets, MAX_LOGPROBS))
+
+    ref = np_log_softmax(logits)
+    rows = np.arange(n)
+    np.testing.assert_allclose(s_lp, ref[rows, sampled], rtol=0, atol=1e-5)
+    want_targets = np.where(targets < 0, sampled, targets)
+    np.testing.assert_allclose(t_lp, ref[rows, want_targets], rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(t_lp[targets < 0], s_lp[targets < 0])  # -1 scores the sampled token
+
+    assert top_ids.dtype == np.int32 and top_ids.shape == (n, MAX_LOGPROBS)
+    np.testing.assert_array_equal(top_ids, np.argsort(-ref, axis=-1, kind="stable")[:, :MAX_LOGPROBS])
+    np.testing.assert_allclose(top_lp, np.take_along_axis(ref, top_ids, axis=-1), rtol=0, atol=1e-5)
+    assert (np.diff(top_lp, axis=-1) <= 0).all()
+
+
+def test_logprobs_ignore_sampling_transforms_and_allow_zero_top():
+    logits = np.log(np.array([[0.5, 0.25, 0.125, 0.125]], np.float32))
+    s_lp, t_lp, top_ids, top_lp = _logprobs(logits, np.array([1], np.int32), np.array([3], np.int32), 0)
+    np.testing.assert_allclose(np.asarray(s_lp), [np.log(0.25)], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(t_lp), [np.log(0.125)], atol=1e-6)
+    assert top_ids.shape == (1, 0) and top_lp.shape == (1, 0)
+
+
+def test_logprobs_skip_the_top_k_when_no_row_wants_it():
+    """want_top False: the same sampled / target log-probs, zeros for the top entries (nobody reads them); True:
+    the same top entries as without the flag."""
+    logits = np.log(np.array([[0.5, 0.25, 0.125, 0.125], [0.1, 0.2, 0.3, 0.4]], np.float32))
+    sampled, targets = np.array([1, 3], np.int32), np.array([-1, 0], np.int32)
+    with_flag = jax.jit(sampler.logprobs, static_argnums=3)
+    full = _logprobs(logits, sampled, targets, 2)
+    on = with_flag(logits, sampled, targets, 2, jnp.bool_(True))
+    off = with_flag(logits, sampled, targets, 2, jnp.bool_(False))
+    for a, b in zip(full, on):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(off[0]), np.asarray(full[0]))
+    np.testing.assert_array_equal(np.asarray(off[1]), np.asarray(full[1]))
+    assert not np.asarray(off[2]).any() and not np.asarray(off[3]).any()
+    np.testing.assert_array_equal(np.asarray(full[2]), [[0, 1], [3, 2]])

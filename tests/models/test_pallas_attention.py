@@ -1,0 +1,323 @@
+"""The Pallas attention kernels against the reference paged attention and plain dense softmax attention.
+
+On the CPU the kernels run in Pallas' interpreter (the same kernel code the GPU compiles); small head dims and
+small blocks keep it fast while still cutting every sequence into several query tiles, key blocks and KV
+partitions. Also: the compiled kernels lower to Triton IR (checked on the CPU by lowering for CUDA), the
+`attention` switch refuses what it cannot run, the engine gives the same tokens with the interpreted kernels
+as with the reference, and (GPU only) the compiled kernels against the float32 reference.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import pallas_attention as pa
+from models.attention import AttentionMetadata, attention, dense_attention_reference, paged_attention
+from models.kernels import ATTENTION_IMPLS, NEG_INF
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def make_step(rng, seqs, *, num_heads, num_kv_heads, head_dim, page, dtype=np.float32, num_layers=2,
+              max_pages=None, pad_rows=0, shuffle=False):
+    """A ragged step: `seqs` = [(keys held after the step, query tokens, kv_start)], sequences end to end
+    (rows shuffled if asked; `pad_rows` padding rows at the end, as the executor adds them: they belong to
+    an extra empty sequence). K/V of every sequence in random distinct pages of a random cache."""
+    seqs = list(seqs) + ([(0, pad_rows, 0)] if pad_rows else [])
+    pages_of = [-(-n // page) for n, _, _ in seqs]
+    M = max_pages or max(max(pages_of), 1)
+    P = 1 + sum(pages_of) + 3
+    perm = rng.permutation(np.arange(1, P))
+    table = np.zeros((len(seqs), M), np.int32)
+    used = 0
+    for b, k in enumerate(pages_of):
+        table[b, :k] = perm[used:used + k]
+        table[b, k:] = rng.integers(0, P, M - k)  # unused columns may hold any id
+        used += k
+    seq_ids, positions = [], []
+    for b, (n, nq, start) in enumerate(seqs):
+        seq_ids += [b] * nq
+        positions += list(range(start + n - nq, start + n)) if n else [0] * nq
+    seq_ids, positions = np.array(seq_ids, np.int32), np.array(positions, np.int32)
+    if shuffle:
+        order = rng.permutation(len(seq_ids))
+        seq_ids, positions = seq_ids[order], positions[order]
+    shape = (num_layers, P, page, num_kv_heads, head_dim)
+    cast = (lambda x: jnp.asarray(x, dtype))
+    return dict(
+        q=cast(rng.standard_normal((len(seq_ids), num_heads, head_dim))),
+        k_cache=cast(rng.standard_normal(shape)), v_cache=cast(rng.standard_normal(shape)),
+        layer=jnp.int32(num_layers - 1), page_table=jnp.asarray(table),
+        kv_lens=jnp.asarray([n for n, _, _ in seqs], jnp.int32),
+        kv_start=jnp.asarray([s for _, _, s in seqs], jnp.int32),
+        seq_ids=jnp.asarray(seq_ids), positions=jnp.asarray(positions))
+
+
+def run(fn, step, **kw):
+    """`fn(q, k_cache, v_cache, layer, meta, **kw)` on a `make_step` step."""
+    s = dict(step)
+    return fn(s.pop("q"), s.pop("k_cache"), s.pop("v_cache"), s.pop("layer"), AttentionMetadata(**s), **kw)
+
+
+def f32(step):
+    """The same step with every float array in float32 (bf16 values are exact in float32)."""
+    return {k: v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v for k, v in step.items()}
+
+
+@jax.jit
+def _dense_batched(q, k, v, q_pos, k_pos):
+    return jax.vmap(dense_attention_reference)(q, k, v, q_pos, k_pos)
+
+
+def dense(step):
+    """`dense_attention_reference` per sequence over its own keys (gathered from the pages), all sequences in
+    one vmapped call: queries and keys padded, padded keys at a position no query reaches."""
+    s = {k: np.asarray(v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v)
+         for k, v in step.items()}
+    T, N, H = s["q"].shape
+    L, _, page, K, _ = s["k_cache"].shape
+    seqs = np.unique(s["seq_ids"])
+    rows = [np.flatnonzero(s["seq_ids"] == b) for b in seqs]
+    nq, nk = max(map(len, rows)), max(1, int(s["kv_lens"].max()))
+    q = np.zeros((len(seqs), nq, N, H), np.float32)
+    q_pos = np.full((len(seqs), nq), -1, np.int32)
+    k, v = (np.zeros((len(seqs), nk, K, H), np.float32) for _ in range(2))
+    k_pos = np.full((len(seqs), nk), np.iinfo(np.int32).max, np.int32)
+    for i, (b, r) in enumerate(zip(seqs, rows)):
+        n = int(s["kv_lens"][b])
+        pages = s["page_table"][b, :-(-n // page)]
+        q[i, :len(r)], q_pos[i, :len(r)] = s["q"][r], s["positions"][r]
+        k[i, :n] = s["k_cache"][s["layer"], pages].reshape(-1, K, H)[:n]
+        v[i, :n] = s["v_cache"][s["layer"], pages].reshape(-1, K, H)[:n]
+        k_pos[i, :n] = s["kv_start"][b] + np.arange(n)
+    o, l = (np.asarray(x) for x in _dense_batched(q, k, v, q_pos, k_pos))
+    out, lse = np.zeros((T, N, H), np.float32), np.full((T, N), NEG_INF, np.float32)
+    for i, r in enumerate(rows):
+        seen = np.isfinite(l[i, :len(r), 0])  # a token with no visible key: -inf (and NaN out) in dense softmax
+        out[r[seen]], lse[r[seen]] = o[i, :len(r)][seen], l[i, :len(r)][seen]
+    return out, lse
+
+
+def assert_close(got, want, *, rtol=1e-5, atol=1e-6, out_atol=None):
+    """float32-rounding agreement; NaN or inf never passes; rows with no visible key exactly (0, NEG_INF)."""
+    (out, lse), (ref_out, ref_lse) = [tuple(np.asarray(a) for a in x) for x in (got, want)]
+    assert np.isfinite(out).all() and np.isfinite(lse).all(), "NaN or inf in the kernel's output"
+    assert np.isfinite(ref_out).all() and np.isfinite(ref_lse).all()
+    empty = ref_lse <= NEG_INF / 2
+    np.testing.assert_array_equal(lse[empty], np.float32(NEG_INF))
+    np.testing.assert_array_equal(out[empty], 0.0)
+    np.testing.assert_allclose(out, ref_out, rtol=rtol, atol=atol if out_atol is None else out_atol)
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=rtol, atol=atol)
+
+
+# (keys after the step, query tokens, kv_start): a prefill chunk mid-prompt ending mid-page, a decode, a first
+# chunk, a chunk ending on a page boundary, a one-key sequence, an empty sequence (a KVP shard holding none of
+# its keys), a KVP shard's view (keys from absolute position 37 on), a long decode.
+MIXED = [(23, 7, 0), (17, 1, 0), (5, 5, 0), (16, 3, 0), (1, 1, 0), (0, 2, 0), (29, 6, 37), (61, 1, 0)]
+SMALL = dict(head_dim=8, page=4)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1)])  # GQA ratios 1, 4, 8
+def test_prefill_kernel_matches_reference(num_heads, num_kv_heads):
+    """Chunked-prefill tiling (several tiles per sequence, several key blocks, 3 KV partitions), rows shuffled."""
+    rng = np.random.default_rng(num_heads + 10 * num_kv_heads)
+    step = make_step(rng, MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, shuffle=True, **SMALL)
+    got = run(pa.prefill_attention, step, interpret=True, block_q=2, block_k=8, num_partitions=3)
+    assert_close(got, run(paged_attention, step, block_pages=3, precision=HIGHEST))
+    assert_close(got, dense(step))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1)])
+def test_decode_kernel_matches_reference(num_heads, num_kv_heads):
+    """Decode tiling (one token per tile) with split-K over 4 partitions: contexts from 0 to 70 keys, not
+    multiples of the page or the key block, one KVP shard; also a batch with prefill chunks (any batch is
+    correct, just not efficient)."""
+    rng = np.random.default_rng(num_heads + 10 * num_kv_heads + 1)
+    decodes = [(n, 1, 0) for n in (1, 7, 8, 9, 33, 70)] + [(0, 1, 0), (13, 1, 100)]
+    for seqs in (decodes, MIXED):
+        step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, **SMALL)
+        got = run(pa.decode_attention, step, interpret=True, block_k=16, num_partitions=4)
+        assert_close(got, run(paged_attention, step, block_pages=2, precision=HIGHEST))
+        assert_close(got, dense(step))
+
+
+def test_mixed_step_through_the_switch():
+    """The engine's path: `attention("pallas_interpret")` splits a step into decode and prefill tiles with the
+    default tile and block sizes; chunks of 1 to 512 tokens, contexts that are multiples of no block size,
+    padding rows, a partial tile per sequence."""
+    rng = np.random.default_rng(7)
+    seqs = [(700, 512, 0), (300, 64, 0), (95, 31, 0), (41, 2, 0), (1000, 1, 0), (3, 1, 0), (250, 20, 11)]
+    step = make_step(rng, seqs, num_heads=8, num_kv_heads=2, head_dim=8, page=16, pad_rows=5)
+    got = run(functools.partial(attention, "pallas_interpret"), step, block_pages=4, precision=HIGHEST)
+    assert_close(got, run(paged_attention, step, block_pages=4, precision=HIGHEST))
+
+
+def test_bfloat16_inputs_against_float32_reference():
+    """bf16 q and cache, float32 accumulation: the reference on the same values in float32. Scores and lse are
+    float32-exact; P is rounded to bf16 for P @ V, so out is within 2^-9 max|v| (asserted: 2^-8)."""
+    rng = np.random.default_rng(3)
+    step = make_step(rng, MIXED, num_heads=8, num_kv_heads=2, dtype=jnp.bfloat16, **SMALL)
+    ref = run(paged_attention, f32(step), block_pages=3, precision=HIGHEST)
+    bound = 2.0 ** -8 * float(jnp.abs(step["v_cache"].astype(jnp.float32)).max())
+    for fn, kw in ((pa.prefill_attention, dict(block_q=2, block_k=8, num_partitions=2)),
+                   (pa.decode_attention, dict(block_k=16, num_partitions=3))):
+        got = run(fn, step, interpret=True, **kw)
+        assert got[0].dtype == jnp.float32 and got[1].dtype == jnp.float32
+        assert_close(got, ref, out_atol=bound)
+        err = np.linalg.norm(np.asarray(got[0]) - np.asarray(ref[0])) / np.linalg.norm(np.asarray(ref[0]))
+        assert err < 4e-3
+
+
+def test_no_visible_key_gives_zero_weight():
+    """Tokens of an empty sequence and tokens before a KVP shard's first key (prefill and decode tiles both):
+    out 0, lse NEG_INF, never NaN."""
+    k_cache = jnp.ones((1, 4, 4, 1, 8))
+    meta = AttentionMetadata(page_table=jnp.array([[1, 3], [2, 3], [1, 3]]), kv_lens=jnp.array([0, 5, 3]),
+                             kv_start=jnp.array([0, 10, 10]), seq_ids=jnp.array([0, 0, 1, 1, 2]),
+                             positions=jnp.array([0, 1, 3, 9, 5]))
+    out, lse = pa.paged_attention_pallas(jnp.ones((5, 2, 8)), k_cache, k_cache, 0, meta, interpret=True)
+    np.testing.assert_array_equal(out, 0.0)
+    np.testing.assert_array_equal(lse, np.float32(NEG_INF))
+
+
+def test_unwritten_cache_slots_never_reach_the_output():
+    """NaN in every cache slot that holds none of a sequence's keys (the rest of a last page, pages behind
+    unused page-table columns, as uninitialised memory would be): results equal the reference on a clean
+    cache. (The reference itself needs finite garbage: it multiplies weight 0 by whatever V holds.)"""
+    rng = np.random.default_rng(11)
+    step = make_step(rng, MIXED, num_heads=8, num_kv_heads=2, **SMALL)
+    page = step["k_cache"].shape[2]
+    written = np.zeros(step["k_cache"].shape[:3], bool)
+    for b, n in enumerate(np.asarray(step["kv_lens"])):
+        for i in range(n):
+            written[:, step["page_table"][b, i // page], i % page] = True
+    poisoned = {**step, **{name: jnp.where(written[..., None, None], step[name], jnp.nan)
+                           for name in ("k_cache", "v_cache")}}
+    got = run(pa.paged_attention_pallas, poisoned, interpret=True, block_q=2, block_k=8, decode_block_k=16,
+              num_partitions=3, decode_partitions=3)
+    assert_close(got, run(paged_attention, step, block_pages=3, precision=HIGHEST))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_compiled_kernels_lower_to_triton(dtype):
+    """The non-interpreted kernels at Llama-3-8B attention shapes lower to Triton IR for CUDA, alone and inside
+    the step's shard_map on the 1x1x1 mesh (on the CPU: catches what the Triton lowering or shard_map's
+    varying-axes check rejects; compiling to PTX and running need a GPU)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardings.mesh import KVP, SPP, TP, make_mesh
+
+    T, B, M = 64, 4, 256
+    unchecked = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    mesh = make_mesh(1, 1, 1)
+    specs = dict(q=P(KVP, None, TP, None), cache=P(SPP, KVP, None, TP, None), table=P(KVP, None, None),
+                 seqs=P(KVP, None), toks=P(KVP, None))
+    shapes = dict(q=((1, T, 32, 128), dtype), cache=((2, 1 + B * M, 16, 8, 128), dtype),
+                  table=((1, B, M), jnp.int32), seqs=((1, B), jnp.int32), toks=((1, T), jnp.int32))
+    names = ("q", "cache", "cache", "table", "seqs", "seqs", "toks", "toks")
+    args = [jax.ShapeDtypeStruct(*shapes[n]) for n in names]
+    sharded = [jax.ShapeDtypeStruct(*shapes[n], sharding=NamedSharding(mesh, specs[n])) for n in names]
+
+    for fn, kernels in ((pa.paged_attention_pallas, 2), (pa.prefill_attention, 1), (pa.decode_attention, 1)):
+        def local(q, k, v, table, lens, start, seq_ids, positions, fn=fn):
+            meta = AttentionMetadata(seq_ids=seq_ids[0], positions=positions[0], page_table=table[0],
+                                     kv_lens=lens[0], kv_start=start[0])
+            out, lse = fn(q[0], k, v, jnp.int32(1), meta)
+            return out[None], lse[None]
+
+        step = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs[n] for n in names),
+                             out_specs=(P(KVP, SPP, TP, None), P(KVP, SPP, TP)))
+        for f, a in ((local, args), (step, sharded)):
+            text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=unchecked)(*a).mlir_module()
+            assert text.count("@__gpu$xla.gpu.triton") == kernels
+
+
+def test_switch_refuses_what_it_cannot_run():
+    step = make_step(np.random.default_rng(0), [(5, 2, 0)], num_heads=2, num_kv_heads=1, **SMALL)
+    with pytest.raises(ValueError, match="valid: auto, reference, pallas, pallas_interpret"):
+        run(functools.partial(attention, "cudnn"), step, block_pages=1)
+    assert ATTENTION_IMPLS == ("auto", "reference", "pallas", "pallas_interpret")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(RuntimeError, match="attention='pallas' needs an NVIDIA GPU; use 'reference' or "
+                                               "'pallas_interpret'"):
+            run(functools.partial(attention, "pallas"), step, block_pages=1)
+    from mnemojax.engine.llm_engine import EngineConfig
+    from models.config import preset
+    from models.llama import ModelSpec
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
+        EngineConfig(attention="flash")
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
+        ModelSpec(preset("tiny"), attention="flash")
+    assert EngineConfig().attention == ModelSpec(preset("tiny")).attention == "auto"  # the one that chooses
+
+
+def test_engine_with_interpreted_kernels_matches_reference():
+    """LLM on the tiny preset (inside the step's shard_map on the 1x1x1 mesh): same greedy tokens, prompt
+    log-probs within 1e-5, mixed decode + prefill steps."""
+    from mnemojax import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=5, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 37, 21)]
+    outs = {}
+    for impl in ("reference", "pallas_interpret"):
+        llm = LLM(model="tiny", attention=impl, page_size=4, chunk_size=16, max_model_len=64,
+                  max_num_batched_tokens=16, max_num_seqs=4)
+        outs[impl] = llm.generate(prompts, params)
+    for ref, got in zip(outs["reference"], outs["pallas_interpret"]):
+        lps = [np.array([d[t] for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]) for o in (ref, got)]
+        np.testing.assert_allclose(lps[1], lps[0], atol=1e-5, rtol=0)
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids and len(ref.outputs[0].token_ids) == 5
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
+def test_compiled_kernels_on_gpu_match_float32_reference():
+    """The compiled kernels at Llama-3-8B attention shapes (32 q heads, 8 kv heads, head dim 128, page 16) on
+    random bf16 inputs: a long prefill chunk, short chunks, decodes, an empty KVP shard, padding rows."""
+    gpu = jax.devices("gpu")[0]
+    rng = np.random.default_rng(0)
+    seqs = [(5000, 512, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (1, 1, 0), (0, 3, 0), (900, 17, 3000)]
+    with jax.default_device(gpu):
+        step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=128, page=16, dtype=jnp.bfloat16,
+                         pad_rows=3)
+        ref_out, ref_lse = (np.asarray(x) for x in run(paged_attention, f32(step), block_pages=8,
+                                                        precision=HIGHEST))
+        for fn in (pa.paged_attention_pallas, pa.prefill_attention, pa.decode_attention):
+            out, lse = (np.asarray(x) for x in run(fn, step))
+            assert np.isfinite(out).all() and np.isfinite(lse).all()
+            assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2
+            np.testing.assert_allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def parallel_reference(tmp_path_factory):
+    """tests/engine/test_parallel.py's checkpoint and its workload's results with the reference on one device."""
+    from tests.hf_utils import make_hf_checkpoint
+    from tests.engine.test_parallel import MODEL, run_workload
+
+    ckpt = make_hf_checkpoint(tmp_path_factory.mktemp("par") / "m", weight_scale=8.0, seed=4, **MODEL)
+    return ckpt, run_workload(ckpt)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(2, 1, 1), (2, 2, 2)], ids=str)
+def test_engine_meshes_with_interpreted_kernels_match_one_device(parallel_reference, shape):
+    """tests/engine/test_parallel.py's workload (a long request split over KVP ranks, short ones arriving later) with
+    the interpreted kernels on a (kvp, spp, tp) mesh: the same tokens and log-probs (1e-5) as the reference on
+    one device; the kernels' (out, lse) are merged over the KVP ranks."""
+    from tests.engine.test_parallel import _check_same, run_workload
+
+    ckpt, reference = parallel_reference
+    outs, _ = run_workload(ckpt, *shape, attention="pallas_interpret")
+    _check_same(outs, reference)

@@ -1,0 +1,1 @@
+"""Tests of `mnemojax.serving` (and `python -m mnemojax.serve`)."""
