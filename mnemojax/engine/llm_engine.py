@@ -59,6 +59,9 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
     slow, for tests)."""
     hardware: str | None = dataclasses.field(default=None, metadata={"choices": HARDWARE_NAMES})
     """Runtime predictor preset (default: detected from the device)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV pages of prompt prefixes computed before (full pages, matched by a chained hash of their tokens;
+    exact). A request asking for prompt_logprobs computes its whole prompt."""
     predictor_profile: str | None = None
     """Fitted efficiency factors of the runtime predictor: a profile name or a JSON path
     (scripts/profile_predictor.py)."""
@@ -110,7 +113,8 @@ class LLMEngine:
         self.mesh = loaded.mesh
         self.tokenizer = loaded.tokenizer
         pages_per_seq = -(-self.max_model_len // config.page_size)
-        self.kv = KVCacheManager(config.kvp, loaded.num_pages, config.page_size, config.max_tokens_per_kvp_rank)
+        self.kv = KVCacheManager(config.kvp, loaded.num_pages, config.page_size, config.max_tokens_per_kvp_rank,
+                                 prefix_caching=config.enable_prefix_caching)
         if config.max_tokens_per_kvp_rank is not None:
             pages_per_seq = min(pages_per_seq, config.max_tokens_per_kvp_rank // config.page_size)
         self.executor = Executor(loaded.spec, loaded.params, self.mesh, num_pages=loaded.num_pages,
@@ -188,6 +192,11 @@ class LLMEngine:
             self.scheduler.finish(req, "abort")
             self._close_detokenizer(req)
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached KV page (pages that running requests hold stay theirs); later requests compute their
+        prompts again. Returns how many pages were cached."""
+        return self.kv.reset_cache()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self.executor.has_in_flight()
 
@@ -240,7 +249,7 @@ class LLMEngine:
             finished=req.is_finished,
             metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                    req.finished_time, list(req.token_times)),
-            num_preemptions=req.num_preemptions)
+            num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens or 0)
 
     def _delta_output(self, req: Request) -> RequestOutput:
         first = req.request_id not in self._delta_sent
@@ -257,7 +266,7 @@ class LLMEngine:
             finished=req.is_finished,
             metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                    req.finished_time, req.token_times[n_tok:]),
-            num_preemptions=req.num_preemptions)
+            num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens or 0)
 
     def pop_finished(self, request_id: str) -> RequestOutput:
         """The whole final output of a finished request (CUMULATIVE, whatever it asked for), forgetting it."""

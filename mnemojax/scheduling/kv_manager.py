@@ -3,15 +3,31 @@
 A pool of `num_pages` pages of `page_size` slots. Page 0 is reserved: padding rows of a step write their K/V
 there, and nothing ever reads it as a valid key. A request holds its pages in token order; it grows them one
 chunk at a time and gives them all back when it finishes, is aborted, or is preempted.
+
+Prefix caching (`prefix_caching=True`): once a full page's K/V is written on every layer (`cache_computed`), the
+page is cached under a chained hash of its tokens and of all tokens before it. A request being placed takes the
+longest run of its full pages found cached, on the same KVP ranks, instead of computing them, and starts
+computing after them; at least its last token is always computed. Shared pages are held by a count; a cached page
+nobody holds is counted free and is evicted, least recently released first, only when a new page is needed.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+import logging
+from array import array
+from collections import OrderedDict, deque
 
 DUMMY_PAGE = 0
 
+logger = logging.getLogger(__name__)
+
 
 class PageManager:
+    """One rank's pool. Without prefix caching a page is free or held by one request. With it, a full page also
+    carries the hash of its tokens and of everything before them (`page_hash`): several requests may hold it
+    (a count per page), and when none does it stays cached, counted free, until a new page is needed; then the
+    least recently released cached page is evicted (its hash forgotten). A held page is never evicted."""
+
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {num_pages}")
@@ -19,7 +35,12 @@ class PageManager:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(1, num_pages))
+        self._free: deque[int] = deque(range(1, num_pages))  # no hash, nobody holds them
+        self._refs: dict[int, int] = {}  # held pages: how many requests hold each
+        self._cached: dict[bytes, int] = {}  # page hash -> page (held or not)
+        self._hash_of: dict[int, bytes] = {}  # the inverse
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, held by nobody; least recent first
+        self.num_evictions = 0
 
     @property
     def num_usable(self) -> int:
@@ -28,30 +49,78 @@ class PageManager:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a request can get: never used, or cached and held by nobody."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_usable - len(self._free)
+        return self.num_usable - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def can_grow(self, pages: list[int], num_tokens: int) -> bool:
-        return self.pages_for(num_tokens) - len(pages) <= len(self._free)
+        return self.pages_for(num_tokens) - len(pages) <= self.num_free
+
+    def _take(self) -> int:
+        if self._free:
+            page = self._free.popleft()
+        else:  # evict the least recently released cached page
+            page, _ = self._evictable.popitem(last=False)
+            del self._cached[self._hash_of.pop(page)]
+            self.num_evictions += 1
+        self._refs[page] = 1
+        return page
 
     def grow(self, pages: list[int], num_tokens: int) -> None:
         """Appends pages to `pages` (in place) until they hold `num_tokens` tokens. Raises if out of pages."""
         need = self.pages_for(num_tokens) - len(pages)
-        if need > len(self._free):
-            raise RuntimeError(f"out of KV pages: need {need}, {len(self._free)} free")
+        if need > self.num_free:
+            raise RuntimeError(f"out of KV pages: need {need}, {self.num_free} free")
         for _ in range(max(need, 0)):
-            pages.append(self._free.popleft())
+            pages.append(self._take())
 
     def free(self, pages: list[int]) -> None:
-        """Returns all of `pages` to the pool and empties the list."""
-        self._free.extend(pages)
+        """Releases all of `pages` and empties the list. A page nobody holds any more returns to the pool; a
+        cached one stays cached (the last pages first in line for eviction: they are the least shared)."""
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                del self._refs[page]
+                if page in self._hash_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
         pages.clear()
+
+    # ---------------------------------------------------------------- prefix cache
+    def lookup(self, page_hash: bytes) -> int | None:
+        return self._cached.get(page_hash)
+
+    def acquire(self, page: int) -> None:
+        """One more request holds cached `page`."""
+        if page in self._evictable:
+            del self._evictable[page]
+        self._refs[page] = self._refs.get(page, 0) + 1
+
+    def register(self, page: int, page_hash: bytes) -> None:
+        """Caches held, full `page` under `page_hash`, unless another page already holds those tokens."""
+        if page_hash not in self._cached and page not in self._hash_of:
+            self._cached[page_hash] = page
+            self._hash_of[page] = page_hash
+
+    def reset_cache(self) -> int:
+        """Forgets every page hash; cached pages nobody holds return to the pool. Returns how many were cached."""
+        n = len(self._cached)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._cached.clear()
+        self._hash_of.clear()
+        return n
 
 
 class KVCacheManager:
@@ -64,7 +133,8 @@ class KVCacheManager:
     a request stays on its first rank.
     """
 
-    def __init__(self, num_ranks: int, num_pages: int, page_size: int, max_tokens_per_rank: int | None = None):
+    def __init__(self, num_ranks: int, num_pages: int, page_size: int, max_tokens_per_rank: int | None = None,
+                 prefix_caching: bool = False):
         if num_ranks < 1:
             raise ValueError(f"kvp must be at least 1, got {num_ranks}")
         if max_tokens_per_rank is not None and (max_tokens_per_rank < 1 or max_tokens_per_rank % page_size):
@@ -73,6 +143,10 @@ class KVCacheManager:
         self.ranks = [PageManager(num_pages, page_size) for _ in range(num_ranks)]
         self.page_size = page_size
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.prefix_caching = prefix_caching
+        self.prefix_queries = 0  # tokens of admitted requests that looked up the cache, since start
+        self.prefix_hits = 0  # of those, tokens found cached
+        self._evictions_logged = 0  # evictions at the last eviction-pressure log line
 
     @property
     def num_ranks(self) -> int:
@@ -111,10 +185,97 @@ class KVCacheManager:
         m = self.max_tokens_per_rank
         return [min(m, num_tokens - i * m) for i in range(-(-num_tokens // m))] or [0]
 
-    def place(self, req) -> None:
-        """Chooses the first rank of a request with no KV yet: the one with the most free pages."""
-        req.kv_ranks = [max(range(self.num_ranks), key=lambda r: (self.ranks[r].num_free, -r))]
-        req.pages = [[]]
+    def place(self, req) -> int:
+        """Chooses the ranks of a request with no KV yet and gives it the longest run of its pages already cached
+        (never its last token: the step that computes it samples). Without a cached page it starts on the rank
+        with the most free pages. Returns the tokens found cached."""
+        ranks, pages = self._match(req) if self._looks_up(req) else (None, [])
+        if not pages:
+            req.kv_ranks = [max(range(self.num_ranks), key=lambda r: (self.ranks[r].num_free, -r))]
+            req.pages = [[]]
+            return 0
+        req.kv_ranks, req.pages = [], []
+        for j, page in enumerate(pages):
+            i, _ = self._where(j)
+            if i == len(req.kv_ranks):
+                req.kv_ranks.append(ranks[i])
+                req.pages.append([])
+            self.ranks[ranks[i]].acquire(page)
+            req.pages[i].append(page)
+        req.num_registered_pages = len(pages)
+        return len(pages) * self.page_size
+
+    # ---------------------------------------------------------------- prefix cache
+    def _looks_up(self, req) -> bool:
+        # Prompt log-probs need the logits of every prompt position, so such a request computes its whole prompt.
+        return self.prefix_caching and req.params.prompt_logprobs is None
+
+    def page_hashes(self, req, num_pages: int) -> list[bytes]:
+        """The chained hashes of `req`'s first `num_pages` pages (each: sha256 of the previous page's hash and of
+        the page's tokens), computed once per page and kept on the request."""
+        hashes, S = req.page_hashes, self.page_size
+        while len(hashes) < num_pages:
+            j = len(hashes)
+            tokens = array("q", (req.token_at(i) for i in range(j * S, (j + 1) * S)))
+            hashes.append(hashlib.sha256((hashes[-1] if hashes else b"") + tokens.tobytes()).digest())
+        return hashes[:num_pages]
+
+    def _where(self, j: int) -> tuple[int, int]:
+        """(index in the request's rank list, index in that rank's page list) of a request's page j."""
+        if self.max_tokens_per_rank is None:
+            return 0, j
+        return divmod(j, self.max_tokens_per_rank // self.page_size)
+
+    def _match(self, req) -> tuple[list[int] | None, list[int]]:
+        """The rank list and cached pages of the longest cached run of `req`'s full pages (at most all but its
+        last token), over every choice of first rank (ties: the one with the most free pages). Reads only."""
+        hashes = self.page_hashes(req, (req.num_tokens - 1) // self.page_size)
+        best: tuple | None = None
+        for r0 in range(self.num_ranks):
+            pages = []
+            for j, h in enumerate(hashes):
+                page = self.ranks[(r0 + self._where(j)[0]) % self.num_ranks].lookup(h)
+                if page is None:
+                    break
+                pages.append(page)
+            key = (len(pages), self.ranks[r0].num_free, -r0)
+            if pages and (best is None or key > best[0]):
+                best = key, r0, pages
+        if best is None:
+            return None, []
+        _, r0, pages = best
+        return [(r0 + i) % self.num_ranks for i in range(self._where(len(pages) - 1)[0] + 1)], pages
+
+    def count_lookup(self, req, num_cached: int) -> None:
+        """Counts an admitted request's lookup (its known tokens) and its hit (`num_cached` tokens)."""
+        if self._looks_up(req):
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += num_cached
+
+    def num_cached_tokens(self, req) -> int:
+        """Tokens `req` would find cached if it were placed now (reads only)."""
+        return len(self._match(req)[1]) * self.page_size if self._looks_up(req) else 0
+
+    def cache_computed(self, req, num_tokens: int) -> None:
+        """`req`'s first `num_tokens` tokens are in the cache (their K/V written on every layer): caches its full
+        pages among them."""
+        if not self.prefix_caching:
+            return
+        full = num_tokens // self.page_size
+        for j, h in enumerate(self.page_hashes(req, full)[req.num_registered_pages:], req.num_registered_pages):
+            i, k = self._where(j)
+            self.ranks[req.kv_ranks[i]].register(req.pages[i][k], h)
+        req.num_registered_pages = max(req.num_registered_pages, full)
+
+    @property
+    def num_evictions(self) -> int:
+        return sum(r.num_evictions for r in self.ranks)
+
+    def reset_cache(self) -> int:
+        """Forgets every cached page (pages requests hold stay theirs). Returns how many were cached."""
+        n = sum(r.reset_cache() for r in self.ranks)
+        logger.info("prefix cache reset: %d cached pages forgotten", n)
+        return n
 
     def _targets(self, req, num_tokens):
         counts = self.rank_tokens(num_tokens)
@@ -145,8 +306,15 @@ class KVCacheManager:
                 req.kv_ranks.append(r)
                 req.pages.append([])
             self.ranks[r].grow(req.pages[i], n)
+        n = self.num_evictions
+        if n and (self._evictions_logged == 0 or n - self._evictions_logged >= self.num_usable):
+            self._evictions_logged = n  # the first eviction, then once per pool's worth of evicted pages
+            logger.info("prefix cache under eviction pressure: %d cached pages evicted since start (pool: %d pages); "
+                        "hit rate %.1f%% of %d queried tokens", self.num_evictions, self.num_usable,
+                        100.0 * self.prefix_hits / max(self.prefix_queries, 1), self.prefix_queries)
 
     def free(self, req) -> None:
         for r, pages in zip(req.kv_ranks, req.pages):
             self.ranks[r].free(pages)
         req.kv_ranks, req.pages = [], []
+        req.num_registered_pages = 0

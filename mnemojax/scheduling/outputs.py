@@ -48,6 +48,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache gave it when first admitted
 
     def add(self, later: RequestOutput) -> None:
         """Appends `later`, the next DELTA output of the same request, to this one (vLLM's `RequestOutput.add`):
@@ -68,3 +69,4 @@ class RequestOutput:
             n.first_scheduled_time, n.first_token_time, n.finished_time
         m.token_times.extend(n.token_times)
         self.num_preemptions = later.num_preemptions
+        self.num_cached_tokens = later.num_cached_tokens

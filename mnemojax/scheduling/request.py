@@ -33,6 +33,11 @@ class Request:
     # Where the KV lives: the KVP ranks holding it (contiguous token ranges, in order) and the pages on each.
     kv_ranks: list[int] = dataclasses.field(default_factory=list)
     pages: list[list[int]] = dataclasses.field(default_factory=list)
+    # Prefix cache: chained hashes of its full pages (computed once), how many of the pages it holds are cached
+    # (found cached or registered since), and the prompt tokens found cached when it was first admitted.
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_registered_pages: int = 0
+    num_cached_tokens: int | None = None
     # Pipeline bookkeeping: chunks scheduled but whose micro-batch has not left the last stage yet, and
     # whether one of them samples (then no further token can be scheduled until it comes back).
     in_flight: int = 0

@@ -34,6 +34,12 @@ tokens and log-probs are appended and stamped, the token-level stop conditions a
 `max_tokens`, `max_model_len`), and stopped requests are finished, their pages freed. The engine, the simulator and
 the tests all call it; stop strings, which need text, are the engine's detokenizer's.
 
+Prefix caching (the KV manager's `prefix_caching`): a waiting request being placed takes its cached prefix pages
+and starts with `num_computed` at their end; a placed request that is not admitted gives them back. Its deadline
+and remaining prefill time count only the tokens it computes (estimated when it is added), so a mostly cached long
+prompt is a short request for every policy and for adaptive chunking. `update_from_output` caches the full pages
+a leaving chunk completed (their K/V is then written on every pipeline stage).
+
 Memory pressure: a request that cannot get a page preempts, by recompute, the most recently admitted request
 that was admitted after it, holds pages on a rank that is short, and has nothing in flight; with none it
 waits. A preempted request returns to the front of the queue and computes its prompt and generated tokens
@@ -131,9 +137,13 @@ class Scheduler:
     def add(self, request: Request) -> None:
         c = self.config
         n = request.num_prompt_tokens
-        duration = c.ttft_slo_min_s + c.ttft_slo_per_token_s * n
+        # With prefix caching the deadline and priority count only the tokens to compute: a mostly cached long
+        # prompt is a short request (the estimate made now; admission finds what is cached then).
+        request.num_cached_tokens = cached = self.kv.num_cached_tokens(request)
+        duration = c.ttft_slo_min_s + c.ttft_slo_per_token_s * (n - cached)
         if self.predictor is not None and c.ttft_slo_prefill_factor > 0:
-            duration = max(duration, c.ttft_slo_prefill_factor * self.predictor.prefill_time(n, c.chunk_size))
+            duration = max(duration, c.ttft_slo_prefill_factor * self.predictor.prefill_time(
+                n, c.chunk_size, context_start=cached))
         request.deadline_duration = duration
         request.ttft_deadline = request.arrival_time + duration
         self.waiting.append(request)
@@ -181,6 +191,8 @@ class Scheduler:
             req.in_flight -= 1
             if ch.sample:
                 req.awaiting_sample = False
+            if req.kv_ranks:
+                self.kv.cache_computed(req, ch.start + ch.num_tokens)  # its K/V is written on every stage now
             if req.is_finished and req.in_flight == 0:
                 self.kv.free(req)  # aborted while in flight
         sampled = []
@@ -229,11 +241,12 @@ class Scheduler:
         hit = self._prefill_cache.get(key)
         if hit is not None and hit[0] == req.num_computed:
             return hit[1]
+        # a waiting request is expected to find its cached pages (estimated when it was added)
+        start = req.num_computed if req.status is RequestStatus.RUNNING else (req.num_cached_tokens or 0)
         if self.predictor is None:
-            t = req.num_uncomputed * DEFAULT_SECONDS_PER_TOKEN
+            t = (req.num_tokens - start) * DEFAULT_SECONDS_PER_TOKEN
         else:
-            t = self.predictor.prefill_time(req.num_tokens, self.config.chunk_size,
-                                            context_start=req.num_computed)
+            t = self.predictor.prefill_time(req.num_tokens, self.config.chunk_size, context_start=start)
         self._prefill_cache[key] = (req.num_computed, t)
         return t
 
@@ -332,9 +345,18 @@ class Scheduler:
         return True
 
     def _admit(self, req: Request) -> None:
+        self.kv.count_lookup(req, req.num_computed)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = req.num_computed  # what it found cached (usage reports this)
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+
+    def _unplace(self, req: Request) -> None:
+        """A request placed in this step but not admitted gives back the cached pages it took."""
+        if req.status is RequestStatus.WAITING:
+            self.kv.free(req)
+            req.num_computed = 0
 
     def schedule(self, now: float | None = None) -> StepPlan:
         c = self.config
@@ -403,20 +425,22 @@ class Scheduler:
             if req.status is RequestStatus.WAITING:
                 if len(self.running) >= c.max_num_seqs or (c.scheduler_policy == "fcfs" and preempted):
                     continue
-                self.kv.place(req)
+                req.num_computed = self.kv.place(req)  # its cached prefix, if any
             if req.kv_ranks[0] in full and req is not primary:
+                self._unplace(req)
                 continue  # a longer context only costs more
             # Only the most urgent prefill is sure to progress; the others fit under the cap or wait.
             n = self._fit(entries(), req, budgets, cap, floor if req is primary else 0)
             if n <= 0:
                 if cap == limit and req.num_computed == 0 and len(req.kv_ranks) == 1:
                     full.add(req.kv_ranks[0])
+                self._unplace(req)
                 continue
             if req.status is RequestStatus.WAITING:
                 if not self.kv.can_grow(req, n):
                     logger.debug("request %s waits: not enough free KV pages (%d of %d in use)", req.request_id,
                                 self.kv.num_used, self.kv.num_usable)
-                    req.kv_ranks, req.pages = [], []
+                    self._unplace(req)
                     if c.scheduler_policy == "fcfs":
                         break  # first come, first served: nobody overtakes it
                     continue
