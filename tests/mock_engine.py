@@ -106,3 +106,7 @@ class MockEngine:
 
     def abort_all(self) -> None:
         pass
+
+    async def reset_prefix_cache(self) -> int:
+        self.num_cache_resets = getattr(self, "num_cache_resets", 0) + 1
+        return 0

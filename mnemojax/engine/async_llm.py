@@ -25,7 +25,7 @@ from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParam
 
 logger = logging.getLogger(__name__)
 
-_ADD, _ABORT, _ABORT_ALL, _STOP = "add", "abort", "abort_all", "stop"
+_ADD, _ABORT, _ABORT_ALL, _STOP, _RESET_CACHE = "add", "abort", "abort_all", "stop", "reset_prefix_cache"
 
 
 class EngineDeadError(RuntimeError):
@@ -67,6 +67,8 @@ class EngineStats:
     kv_pages_used: int = 0  # over all KVP ranks, the reserved dummy pages excluded
     kv_pages_total: int = 0
     preemptions: int = 0  # since start
+    prefix_cache_queries: int = 0  # tokens of admitted requests that looked up the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 class EngineClient(Protocol):
@@ -91,6 +93,8 @@ class EngineClient(Protocol):
     def add_finished_listener(self, fn: Callable[[RequestOutput], None]) -> None: ...
 
     def abort_all(self) -> None: ...
+
+    async def reset_prefix_cache(self) -> int: ...
 
 
 class AsyncLLM:
@@ -200,6 +204,12 @@ class AsyncLLM:
         """Aborts every unfinished request; each caller gets its final output (finish_reason "abort")."""
         self._commands.put((_ABORT_ALL,))
 
+    async def reset_prefix_cache(self) -> int:
+        """Forgets every cached KV page (on the engine thread, between steps); returns how many were cached."""
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put((_RESET_CACHE, done))
+        return await done
+
     def shutdown(self) -> None:
         """Stops the engine thread after the command in hand (in-flight requests are aborted)."""
         if self._thread.is_alive():
@@ -220,7 +230,8 @@ class AsyncLLM:
         e = self.engine
         self._stats = EngineStats(running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
                                   kv_pages_used=e.kv.num_used, kv_pages_total=e.kv.num_usable,
-                                  preemptions=e.scheduler.num_preemptions)
+                                  preemptions=e.scheduler.num_preemptions, prefix_cache_queries=e.kv.prefix_queries,
+                                  prefix_cache_hits=e.kv.prefix_hits)
 
     def _finish(self, rid: str, last: RequestOutput) -> None:
         """Forgets a finished request; sends its last output (a delta, for DELTA requests) to its caller, and its
@@ -251,6 +262,10 @@ class AsyncLLM:
                 self._send(rid, err)
         elif cmd[0] == _ABORT:
             self._abort(cmd[1])
+        elif cmd[0] == _RESET_CACHE:
+            n = e.reset_prefix_cache()
+            done = cmd[1]
+            done.get_loop().call_soon_threadsafe(lambda: done.done() or done.set_result(n))
         return True
 
     def _next_command(self):

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI), served by `python -m mnemojax.serve`.
 
 Endpoints: POST /v1/completions (`completions.py`), POST /v1/chat/completions (`chat.py`), GET /v1/models,
-GET /health, GET /metrics. Streaming responses are server-sent events (`data: {json}` lines) ending with
+GET /health, GET /metrics, and the admin POST /reset_prefix_cache (forgets the engine's cached KV pages). Streaming responses are server-sent events (`data: {json}` lines) ending with
 `data: [DONE]`.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`:
@@ -9,7 +9,8 @@ Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`:
   a wrong type (types are strict), an empty prompt, prompt + max_tokens beyond max_model_len, a sampling field out
   of range, more stop strings, stop characters, stop token ids or choices than the server's limits, an unknown
   model name or chat role;
-- 401 a missing or wrong API key (only when the server has one; /health and /metrics stay open);
+- 401 a missing or wrong API key (only when the server has one, for /v1 and admin paths; /health and /metrics
+  stay open);
 - 408 the body did not arrive within the body timeout;
 - 413 a body larger than the limit;
 - 429 the queue of requests waiting for their first step is full;
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 _DRAINING = "the server is shutting down and takes no new requests"
 _JSON = (b"content-type", b"application/json")
+ADMIN_PATHS = ("/reset_prefix_cache",)  # outside /v1 (vLLM's paths), behind the API key like /v1
 
 
 class GuardMiddleware:
@@ -74,7 +76,7 @@ class GuardMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(given, self.state.api_key)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1") or scope["path"] in ADMIN_PATHS):
             return await self.app(scope, receive, send)
         st = self.state
         if st.draining:
@@ -187,6 +189,11 @@ def build_app(llm: EngineClient, config: ServerConfig | None = None, **overrides
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Admin (behind the API key): forgets every cached KV page; later requests compute their prompts again."""
+        return {"num_cached_pages_reset": await llm.reset_prefix_cache()}
 
     @app.get("/v1/models")
     async def models():

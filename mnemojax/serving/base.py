@@ -113,12 +113,14 @@ class Choice:
     params: SamplingParams
     pending: RequestOutput | None = None  # received, not taken: the DELTA outputs added up
     num_tokens: int = 0  # generated so far
+    num_cached_tokens: int = 0  # prompt tokens the engine's prefix cache gave it
     taken_chars: int = 0  # characters of text taken so far
     done: bool = False  # its engine request has ended (finished, failed or aborted)
     emptied: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set while nothing is pending
 
     def receive(self, out: RequestOutput) -> None:
         self.num_tokens += len(out.outputs[0].token_ids)
+        self.num_cached_tokens = out.num_cached_tokens
         self.emptied.clear()
         if self.pending is None:
             self.pending = out
@@ -317,9 +319,13 @@ class OpenAIServing:
     @staticmethod
     def usage(choices: list[Choice]) -> dict:
         prompts = {c.prompt_index: len(c.prompt_ids) for c in choices}  # each prompt counts once, whatever n
+        cached: dict[int, int] = {}  # and its cached tokens: the most any of its choices found
+        for c in choices:
+            cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.num_cached_tokens)
         completion = sum(c.num_tokens for c in choices)
         return {"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
-                "total_tokens": sum(prompts.values()) + completion}
+                "total_tokens": sum(prompts.values()) + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     def token_text(self, tid: int) -> str:
         """A token as logprobs show it: its text; a token that is not whole UTF-8 by itself is written as its bytes,

@@ -37,6 +37,10 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("mnemojax_num_preemptions", "Requests preempted by recompute (out of KV pages).",
                                   value=s.preemptions)
+        yield CounterMetricFamily("mnemojax_prefix_cache_queries", "Tokens of admitted requests that looked up the "
+                                  "prefix cache.", value=s.prefix_cache_queries)
+        yield CounterMetricFamily("mnemojax_prefix_cache_hits", "Tokens found in the prefix cache (not computed).",
+                                  value=s.prefix_cache_hits)
 
 
 class ServerMetrics:

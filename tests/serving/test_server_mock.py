@@ -35,7 +35,8 @@ def test_completion_whole_and_streamed(served):
     assert c["logprobs"]["tokens"] == ["c", "d", "e"] and c["logprobs"]["text_offset"] == [0, 1, 2]
     assert c["logprobs"]["token_logprobs"] == [-0.1, -0.2, -0.3]
     assert c["logprobs"]["top_logprobs"][0] == {"c": -0.1, "d": -1.1}
-    assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     assert r["object"] == "text_completion" and r["model"] == "m" and r["id"].startswith("cmpl-")
 
     events = _events(client, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
@@ -84,3 +85,13 @@ def test_models_and_a_bad_request(served):
     assert (m["id"], m["root"], m["max_model_len"]) == ("m", "mock", 64)
     r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 100})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_reset_prefix_cache_endpoint_is_behind_the_api_key():
+    engine = MockEngine()
+    with TestClient(build_app(engine, served_model_name="m", api_key="k")) as client:
+        assert client.post("/reset_prefix_cache").status_code == 401
+        r = client.post("/reset_prefix_cache", headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json() == {"num_cached_pages_reset": 0}
+        assert engine.num_cache_resets == 1
+        assert client.get("/health").status_code == 200  # still open
