@@ -147,6 +147,7 @@ class KVCacheManager:
         self.prefix_queries = 0  # tokens of admitted requests that looked up the cache, since start
         self.prefix_hits = 0  # of those, tokens found cached
         self._evictions_logged = 0  # evictions at the last eviction-pressure log line
+        self._pending: dict[bytes, int] = {}  # hashes of prompt pages admitted requests are computing: how many
 
     @property
     def num_ranks(self) -> int:
@@ -216,7 +217,10 @@ class KVCacheManager:
         hashes, S = req.page_hashes, self.page_size
         while len(hashes) < num_pages:
             j = len(hashes)
-            tokens = array("q", (req.token_at(i) for i in range(j * S, (j + 1) * S)))
+            if (j + 1) * S <= len(req.prompt_token_ids):
+                tokens = array("q", req.prompt_token_ids[j * S:(j + 1) * S])
+            else:
+                tokens = array("q", (req.token_at(i) for i in range(j * S, (j + 1) * S)))
             hashes.append(hashlib.sha256((hashes[-1] if hashes else b"") + tokens.tobytes()).digest())
         return hashes[:num_pages]
 
@@ -246,6 +250,32 @@ class KVCacheManager:
         _, r0, pages = best
         return [(r0 + i) % self.num_ranks for i in range(self._where(len(pages) - 1)[0] + 1)], pages
 
+    def mark_pending(self, req) -> None:
+        """`req` is admitted: the full pages of its prompt it will compute are pending until cached or freed."""
+        if not self.prefix_caching:
+            return
+        end = req.num_prompt_tokens // self.page_size
+        for h in self.page_hashes(req, end)[req.num_registered_pages:]:
+            self._pending[h] = self._pending.get(h, 0) + 1
+        req.pending_pages = (req.num_registered_pages, end)
+
+    def _unmark_pending(self, req, upto: int) -> None:
+        start, end = req.pending_pages
+        for h in req.page_hashes[start:min(upto, end)]:
+            self._pending[h] -= 1
+            if not self._pending[h]:
+                del self._pending[h]
+        req.pending_pages = (max(start, min(upto, end)), end)
+
+    def waits_for_pending(self, req, num_cached: int) -> bool:
+        """The page of `req` after its `num_cached` cached tokens is being computed by an admitted request: `req`
+        should wait for it rather than compute it again (the choices of an n > 1 request, or several requests
+        sent with one new context at once)."""
+        j = num_cached // self.page_size
+        if not self._pending or j >= (req.num_tokens - 1) // self.page_size:
+            return False
+        return self.page_hashes(req, j + 1)[j] in self._pending
+
     def count_lookup(self, req, num_cached: int) -> None:
         """Counts an admitted request's lookup (its known tokens) and its hit (`num_cached` tokens)."""
         if self._looks_up(req):
@@ -266,6 +296,7 @@ class KVCacheManager:
             i, k = self._where(j)
             self.ranks[req.kv_ranks[i]].register(req.pages[i][k], h)
         req.num_registered_pages = max(req.num_registered_pages, full)
+        self._unmark_pending(req, full)
 
     @property
     def num_evictions(self) -> int:
@@ -318,3 +349,4 @@ class KVCacheManager:
             self.ranks[r].free(pages)
         req.kv_ranks, req.pages = [], []
         req.num_registered_pages = 0
+        self._unmark_pending(req, len(req.page_hashes))

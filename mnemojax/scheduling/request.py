@@ -38,6 +38,7 @@ class Request:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_registered_pages: int = 0
     num_cached_tokens: int | None = None
+    pending_pages: tuple[int, int] = (0, 0)  # [start, end) of its prompt pages it computes and has not cached yet
     # Pipeline bookkeeping: chunks scheduled but whose micro-batch has not left the last stage yet, and
     # whether one of them samples (then no further token can be scheduled until it comes back).
     in_flight: int = 0

@@ -346,6 +346,7 @@ class Scheduler:
 
     def _admit(self, req: Request) -> None:
         self.kv.count_lookup(req, req.num_computed)
+        self.kv.mark_pending(req)
         if req.num_preemptions == 0:
             req.num_cached_tokens = req.num_computed  # what it found cached (usage reports this)
         self.waiting.remove(req)
@@ -426,6 +427,9 @@ class Scheduler:
                 if len(self.running) >= c.max_num_seqs or (c.scheduler_policy == "fcfs" and preempted):
                     continue
                 req.num_computed = self.kv.place(req)  # its cached prefix, if any
+                if self.kv.waits_for_pending(req, req.num_computed):
+                    self._unplace(req)
+                    continue  # its next page is being computed by another request: take it cached later
             if req.kv_ranks[0] in full and req is not primary:
                 self._unplace(req)
                 continue  # a longer context only costs more

@@ -58,19 +58,21 @@ def test_follow_ups_reuse_the_shared_prefix_exactly(ckpt, ref):
 
 
 def test_request_arriving_while_prefix_is_prefilled(ckpt, ref):
-    """The second request arrives after the first has computed part of the shared context: it takes the pages
-    finished so far and computes the rest itself."""
+    """The second request arrives after the first has computed part of the shared context: it waits for the
+    first to compute the rest of it (its next page is pending), then takes all of the context's full pages."""
     on = LLM(model=ckpt, **{**KW, "chunk_size": 8})
     e = on.engine
     a = e.add_request(PROMPTS[0], GREEDY)
     e.step(), e.step()  # 16 tokens of the first: 4 full pages
     b = e.add_request(PROMPTS[1], GREEDY)
+    e.step()
+    assert e.requests[b].status.value == "waiting" and e.requests[a].num_computed == 24  # it waits
     while e.has_unfinished():
         e.step()
     out_a, out_b = e.pop_finished(a), e.pop_finished(b)
     _same(out_a, ref[0])
     _same(out_b, ref[1])
-    assert out_a.num_cached_tokens == 0 and out_b.num_cached_tokens == 16
+    assert out_a.num_cached_tokens == 0 and out_b.num_cached_tokens == 40
     assert e.kv.num_used == 0
 
 
@@ -84,17 +86,22 @@ def test_prompt_logprobs_skip_the_cache(ckpt, off):
         np.testing.assert_allclose([a[k] for k in b], list(b.values()), atol=1e-5, rtol=0)
 
 
-def test_preemption_and_eviction_keep_results(ckpt, ref, caplog):
+def test_preemption_and_eviction_keep_results(ckpt, off, ref, caplog):
     """Pages for about two requests: requests preempt each other, cached pages are evicted for new ones."""
     small = LLM(model=ckpt, num_pages=34, **KW)
+    extra = [_tokens(50, 8), _tokens(50, 9)]  # unrelated to the context: they compete for pages
+    ref_extra = [off.generate([p], GREEDY)[0] for p in extra]
     with caplog.at_level("INFO"):
-        outs = small.generate(PROMPTS + PROMPTS[:2], GREEDY)
+        small_outs = outs = small.generate(extra + PROMPTS + PROMPTS[:2], GREEDY)
+        for out, r in zip(outs[:2], ref_extra):
+            _same(out, r)
+        outs = outs[2:]
         outs += small.generate([_tokens(124, 5)], GREEDY)  # 132 tokens: all 33 pages, the whole cache evicted
         outs += small.generate(PROMPTS[:1], GREEDY)
     for out, r in zip(outs[:6] + outs[7:], ref + ref[:2] + ref[:1]):
         _same(out, r)
     kv = small.engine.kv
-    assert sum(o.num_preemptions for o in outs) > 0 and kv.num_evictions > 0
+    assert sum(o.num_preemptions for o in small_outs) > 0 and kv.num_evictions > 0
     assert outs[-1].num_cached_tokens == 0  # its pages were evicted
     assert "eviction pressure" in caplog.text
     assert kv.num_used == 0
@@ -128,3 +135,16 @@ def test_prefix_over_kvp_ranks_is_reused_on_the_same_ranks(ckpt, ref):
     out = e.pop_finished(second)
     _same(out, ref[1])
     assert out.num_cached_tokens == 40 and e.kv.num_used == 0
+
+
+def test_n_choices_share_the_prompt(ckpt, off):
+    """Three choices of one prompt arrive together: the first computes the prompt, the others wait for its full
+    pages and compute only the partial last page (recomputed, not copied) and their own tokens."""
+    on = LLM(model=ckpt, **KW)
+    params = [SamplingParams(max_tokens=6, temperature=0.8, seed=s, logprobs=2, ignore_eos=True) for s in (1, 2, 3)]
+    outs = on.generate([PROMPTS[0]] * 3, params)
+    refs = off.generate([PROMPTS[0]] * 3, params)
+    for out, r in zip(outs, refs):
+        _same(out, r)
+    assert sorted(o.num_cached_tokens for o in outs) == [0, 48, 48]  # 52 tokens: 12 full pages, last token computed
+    assert on.engine.kv.num_used == 0 and not on.engine.kv._pending
