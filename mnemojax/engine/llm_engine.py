@@ -59,9 +59,6 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
     slow, for tests)."""
     hardware: str | None = dataclasses.field(default=None, metadata={"choices": HARDWARE_NAMES})
     """Runtime predictor preset (default: detected from the device)."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV pages of prompt prefixes computed before (full pages, matched by a chained hash of their tokens;
-    exact). A request asking for prompt_logprobs computes its whole prompt."""
     predictor_profile: str | None = None
     """Fitted efficiency factors of the runtime predictor: a profile name or a JSON path
     (scripts/profile_predictor.py)."""

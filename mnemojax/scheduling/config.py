@@ -45,6 +45,10 @@ class SchedulerConfig:
     """TTFT deadline seconds per prompt token."""
     ttft_slo_prefill_factor: float = 0.0
     """... and at least this x the predicted time to prefill the prompt alone (0: off)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV pages of prompt prefixes computed before (full pages, matched by a chained hash of their tokens;
+    exact); deadlines and priorities count only the tokens left to compute. A request asking for prompt_logprobs
+    computes its whole prompt. The simulator models it for traces with shared prefixes (prefix_id)."""
 
     def __post_init__(self):
         _positive_ints(self, "max_num_batched_tokens", "max_num_seqs", "chunk_size", "min_chunk_size")

@@ -86,6 +86,11 @@ class TraceRequest:
     """Prompt length."""
     output_tokens: int
     """Tokens to generate (exactly: no EOS)."""
+    prefix_id: int | None = None
+    """Requests with the same prefix id share their first `prefix_tokens` prompt tokens (a shared context: the
+    prefix cache reuses it); the rest of every prompt is its own."""
+    prefix_tokens: int = 0
+    """How many of its prompt tokens are the shared prefix's."""
 
     def __post_init__(self):
         if not (isinstance(self.arrival_time, (int, float)) and math.isfinite(self.arrival_time)
@@ -95,6 +100,36 @@ class TraceRequest:
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.prefix_tokens, (int, np.integer)) or not 0 <= self.prefix_tokens <= self.prompt_tokens:
+            raise ValueError(f"prefix_tokens must be an integer in [0, prompt_tokens], got {self.prefix_tokens!r}")
+        if (self.prefix_id is None) != (self.prefix_tokens == 0):
+            raise ValueError("prefix_id and prefix_tokens go together (a shared prefix has an id and a length), got "
+                             f"{self.prefix_id!r} and {self.prefix_tokens!r}")
+
+
+class SimPrompt(Sequence):
+    """A simulated prompt's token ids, made up on demand: the first `prefix_tokens` are those of prefix
+    `prefix_id` (equal across requests sharing it), the others the request's own (distinct from every other's)."""
+
+    _SPAN = 1 << 40
+
+    def __init__(self, uid: int, n: int, prefix_id: int | None = None, prefix_tokens: int = 0):
+        self.uid, self.n, self.prefix_id, self.prefix_tokens = uid, n, prefix_id, prefix_tokens
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _token(self, i: int) -> int:
+        if i < self.prefix_tokens:
+            return (self.prefix_id + 1) * self._SPAN + i
+        return -(self.uid + 1) * self._SPAN - i
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._token(k) for k in range(*i.indices(self.n))]
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self._token(i % self.n)
 
 
 def synthetic_trace(qps: float, duration_s: float, *, long_fraction: float = 0.0, long_min_tokens: int = 131072,
@@ -129,27 +164,34 @@ def synthetic_trace(qps: float, duration_s: float, *, long_fraction: float = 0.0
 
 
 def save_trace(trace: Iterable[TraceRequest], path: str) -> None:
-    """Writes a JSONL trace: one `{"arrival_time", "prompt_tokens", "output_tokens"}` object per line."""
+    """Writes a JSONL trace: one `{"arrival_time", "prompt_tokens", "output_tokens"}` object per line, with
+    `"prefix_id"` and `"prefix_tokens"` for a request with a shared prefix."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         for r in trace:
-            f.write(json.dumps({"arrival_time": r.arrival_time, "prompt_tokens": int(r.prompt_tokens),
-                                "output_tokens": int(r.output_tokens)}) + "\n")
+            d = {"arrival_time": r.arrival_time, "prompt_tokens": int(r.prompt_tokens),
+                 "output_tokens": int(r.output_tokens)}
+            if r.prefix_id is not None:
+                d.update(prefix_id=int(r.prefix_id), prefix_tokens=int(r.prefix_tokens))
+            f.write(json.dumps(d) + "\n")
 
 
 def load_trace(path: str) -> list[TraceRequest]:
     """Reads a JSONL trace (see `save_trace`), sorted by arrival time. Blank lines are skipped; a line with
     missing or unknown keys is an error naming the line."""
     keys = {"arrival_time", "prompt_tokens", "output_tokens"}
+    prefix_keys = keys | {"prefix_id", "prefix_tokens"}
     out = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue
             d = json.loads(line)
-            if not isinstance(d, dict) or set(d) != keys:
-                raise ValueError(f"{path}:{i}: expected an object with exactly the keys {sorted(keys)}, got {line!r}")
-            out.append(TraceRequest(float(d["arrival_time"]), d["prompt_tokens"], d["output_tokens"]))
+            if not isinstance(d, dict) or set(d) not in (keys, prefix_keys):
+                raise ValueError(f"{path}:{i}: expected an object with exactly the keys {sorted(keys)} (and "
+                                 f"optionally prefix_id and prefix_tokens), got {line!r}")
+            out.append(TraceRequest(float(d["arrival_time"]), d["prompt_tokens"], d["output_tokens"],
+                                    d.get("prefix_id"), d.get("prefix_tokens", 0)))
     return sorted(out, key=lambda r: r.arrival_time)
 
 
@@ -346,7 +388,11 @@ class Simulator:
         self.model = preset(config.model)
         self.predictor = predictor or make_predictor(config, self.model)
         self.num_pages = kv_pages_per_rank(config, self.model)
-        self.kv = KVCacheManager(config.kvp, self.num_pages, config.page_size, config.max_tokens_per_kvp_rank)
+        # Prefix reuse is modelled for traces with shared prefixes (their prompts' tokens are then made up, see
+        # `SimPrompt`); the others' prompts share nothing, so the cache is left out and their tokens never made.
+        self.prefix_caching = config.enable_prefix_caching and any(t.prefix_id is not None for t in trace)
+        self.kv = KVCacheManager(config.kvp, self.num_pages, config.page_size, config.max_tokens_per_kvp_rank,
+                                 prefix_caching=self.prefix_caching)
         self._empty_time = self.predictor.stage_time([])
         self.executor = PredictedExecutor(self.stage_time, config.spp)
         # As in the engine, the scheduler gets the predictor with a target batch time (without one, its LRS /
@@ -403,7 +449,9 @@ class Simulator:
                 if why is not None:
                     rejected.append((t, why))
                     continue
-                req = Request(str(len(reqs)), range(t.prompt_tokens),
+                tokens = SimPrompt(len(reqs), t.prompt_tokens, t.prefix_id, t.prefix_tokens) \
+                    if self.prefix_caching else range(t.prompt_tokens)
+                req = Request(str(len(reqs)), tokens,
                               SamplingParams(max_tokens=t.output_tokens, ignore_eos=True), t.arrival_time, seed=0)
                 reqs.append(req)
                 kinds.append("long" if t.prompt_tokens > cfg.long_threshold_tokens else "short")
@@ -454,7 +502,7 @@ class Simulator:
                 "ttft": None if r.first_token_time is None else r.first_token_time - r.arrival_time,
                 "tbt_mean": float(gaps.mean()) if gaps.size else None,
                 "tbt_max": float(gaps.max()) if gaps.size else None,
-                "preemptions": r.num_preemptions, "rejected": None}
+                "preemptions": r.num_preemptions, "cached_tokens": r.num_cached_tokens or 0, "rejected": None}
 
     def _metrics(self, reqs, kinds, rejected, start, end) -> dict[str, Any]:
         cfg = self.config
