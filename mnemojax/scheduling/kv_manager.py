@@ -272,7 +272,7 @@ class KVCacheManager:
         should wait for it rather than compute it again (the choices of an n > 1 request, or several requests
         sent with one new context at once)."""
         j = num_cached // self.page_size
-        if not self._pending or j >= (req.num_tokens - 1) // self.page_size:
+        if not self._pending or not self._looks_up(req) or j >= (req.num_tokens - 1) // self.page_size:
             return False
         return self.page_hashes(req, j + 1)[j] in self._pending
 

@@ -102,3 +102,28 @@ def test_a_caller_that_does_not_read_holds_one_merged_output(async_llm, kind):
         last = first.outputs[0]
     assert last.token_ids == ref.token_ids and last.text == ref.text and len(last.logprobs) == 24
     assert last.logprobs == ref.logprobs
+
+
+def test_prefix_cache_stats_and_reset():
+    """A repeated prompt is served from the prefix cache: the published counters count it, the final output
+    says how many prompt tokens were cached, and a reset (run on the engine thread) forgets the pages."""
+    llm = AsyncLLM("tiny", **KW)
+    try:
+        prompt = list(range(1, 42))  # 41 tokens: 10 full pages of 4
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+        async def main():
+            first = (await _collect(llm, prompt, params))[-1]
+            second = (await _collect(llm, prompt, params))[-1]
+            stats = llm.stats()
+            reset = await llm.reset_prefix_cache()
+            third = (await _collect(llm, prompt, params))[-1]
+            return first, second, stats, reset, third
+
+        first, second, stats, reset, third = asyncio.run(main())
+        assert (first.num_cached_tokens, second.num_cached_tokens, third.num_cached_tokens) == (0, 40, 0)
+        assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (82, 40)
+        assert reset == 10  # 41 prompt + 1 generated token computed: 10 full pages
+        assert second.outputs[0].token_ids == first.outputs[0].token_ids == third.outputs[0].token_ids
+    finally:
+        llm.shutdown()
