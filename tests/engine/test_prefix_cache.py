@@ -148,3 +148,13 @@ def test_n_choices_share_the_prompt(ckpt, off):
         _same(out, r)
     assert sorted(o.num_cached_tokens for o in outs) == [0, 48, 48]  # 52 tokens: 12 full pages, last token computed
     assert on.engine.kv.num_used == 0 and not on.engine.kv._pending
+
+
+def test_pipeline_and_tensor_parallel_reuse(ckpt, ref):
+    """spp = 2 (a chunk's K/V is written over two steps: pages are cached only once it has left the pipeline) and
+    tp = 2: follow-ups equal the one-device results without the cache."""
+    on = LLM(model=ckpt, spp=2, tp=2, **KW)
+    outs = [on.generate([p], GREEDY)[0] for p in PROMPTS[:2]]
+    for out, r in zip(outs, ref):
+        _same(out, r)
+    assert [o.num_cached_tokens for o in outs] == [0, 40] and on.engine.kv.num_used == 0
