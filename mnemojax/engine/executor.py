@@ -47,6 +47,7 @@ class RowSampling:
     seeds: jax.Array  # u32[R]
     steps: jax.Array  # i32[R] index of the generated token (keys the sampler's random stream)
     targets: jax.Array  # i32[R] prompt token scored by this row; -1 => score the sampled token
+    want_top: jax.Array  # bool[R] its request asked for top log-probs (else the vocabulary top-k is skipped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,7 @@ class Executor:
     def _build_step(self):
         t, spec = self.table, self.spec
         stage = StepBatch.partition_specs(t)
-        samp = RowSampling(*([t.rows_kr] * 6))
+        samp = RowSampling(*([t.rows_kr] * len(dataclasses.fields(RowSampling))))
         param_specs = jax.tree.map(lambda a: a.sharding.spec, self.params)
 
         def step(params, k_cache, v_cache, register, batch: StepBatch, rows, samp: RowSampling):
@@ -119,7 +120,7 @@ class Executor:
             rows, samp = rows[0], jax.tree.map(lambda a: a[0], samp)
             logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows)
             tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps)
-            lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS)
+            lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS, jnp.any(samp.want_top))
             out = jax.tree.map(lambda a: a[None], (tokens, *lps))
             return k_cache, v_cache, pipeline_shift(x)[None, None], out
 
@@ -164,8 +165,9 @@ class Executor:
             p = req.params
             refs.append(RowRef(rank, len(rows[rank]), chunk_i, token_index, is_sample))
             rows[rank].append(row)
+            num_top = p.logprobs if is_sample else p.prompt_logprobs
             samp[rank].append((0.0 if p.greedy else p.temperature, p.top_k, p.top_p, req.seed & 0xFFFFFFFF,
-                               len(req.output_token_ids), target))
+                               len(req.output_token_ids), target, bool(num_top)))
 
         def place(chunk_i, ch, rank, span_i, t0, is_shared, logits):
             req, s, n = ch.request, ch.start, ch.num_tokens
@@ -214,7 +216,7 @@ class Executor:
 
         R = bucket(max(len(x) for x in rows), 8)
         pad_rows = np.zeros((K, R), np.int32)
-        cols = [np.zeros((K, R), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32)]
+        cols = [np.zeros((K, R), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool)]
         cols[2][:] = 1.0  # top_p
         cols[5][:] = -1  # targets
         for r in range(K):
