@@ -44,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
+from mnemojax.bench import parse_with_small  # noqa: E402
 from mnemojax.bench.attention import copy_bandwidth, hardware, matmul_ceiling, median_time  # noqa: E402
 from models.attention import AttentionMetadata  # noqa: E402
 from models.config import PRESETS, LlamaConfig, preset  # noqa: E402
@@ -78,11 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--long_decode", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="tiny model and shapes, interpreted kernels (a CPU)")
-    args = p.parse_args(argv)
+    args = parse_with_small(p, argv, SMALL)
     if args.small:
-        for k, v in SMALL.items():
-            if getattr(args, k) == p.get_default(k):
-                setattr(args, k, v)
         args.long = True
     return args
 
