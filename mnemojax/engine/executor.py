@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import defaultdict
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +95,7 @@ class Executor:
         self.max_num_seqs = max_num_seqs
         self.max_pages_per_seq = max_pages_per_seq
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_num_batched_tokens = max_num_batched_tokens
         # Every micro-batch in flight must have the register's shape, so a pipeline fixes T.
         self.pipeline_tokens = bucket(max_num_batched_tokens, 16) if self.spp > 1 else None
         c = spec.config
@@ -214,7 +216,7 @@ class Executor:
                 offsets[r] += ch.num_tokens
         assert max(offsets) <= T, (offsets, T)
 
-        R = bucket(max(len(x) for x in rows), 8)
+        R = self.logits_rows(T, max(len(x) for x in rows))
         pad_rows = np.zeros((K, R), np.int32)
         cols = [np.zeros((K, R), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool)]
         cols[2][:] = 1.0  # top_p
@@ -227,6 +229,34 @@ class Executor:
                           attn=AttentionMetadata(seq_ids=seq, positions=pos, page_table=table, kv_lens=kv_lens,
                                                  kv_start=kv_start))
         return MicroBatch(plan, batch, pad_rows, RowSampling(*cols), refs)
+
+    def logits_rows(self, T: int, n: int) -> int:
+        """Logits rows R of a step of T token rows whose busiest rank has n of them: a power of two up to one row
+        per sequence (sampling), T itself beyond that (prompt log-probs), so every T has a few known R's."""
+        cap = min(T, bucket(self.max_num_seqs, 8))
+        return bucket(n, 8) if n <= cap else T
+
+    def shape_buckets(self) -> list[tuple[int, int]]:
+        """Every (T, R) a step of this executor can have, smallest first: T a power of two from 16 up to the token
+        budget's bucket (only that bucket with spp > 1), R as `logits_rows` gives."""
+        Ts = [self.pipeline_tokens] if self.pipeline_tokens else \
+            [16 << i for i in range(bucket(self.max_num_batched_tokens, 16).bit_length() - 4)]
+        shapes = []
+        for T in Ts:
+            cap = min(T, bucket(self.max_num_seqs, 8))
+            shapes += [(T, 8 << i) for i in range(cap.bit_length() - 3)] + ([(T, T)] if T > cap else [])
+        return shapes
+
+    def warm_up(self, progress: Callable[[], None] | None = None) -> int:
+        """Compiles the step of every shape in `shape_buckets()` by running it on all-padding arrays (every row
+        writes the reserved page 0 and reads nothing), so that serving never compiles; `progress` is called after
+        each. Runs on the followers too (multi-host). Returns the number of shapes."""
+        shapes = self.shape_buckets()
+        for T, R in shapes:
+            self._launch(T, self.host_template(T, R), fetch=True)
+            if progress is not None:
+                progress()
+        return len(shapes)
 
     def has_in_flight(self) -> bool:
         return any(mb.plan.chunks for mb in self.in_flight)
@@ -259,6 +289,12 @@ class Executor:
         if self.register is None or self.register.shape[2] != T:
             self.register = self._register_alloc(T)()
         return self.params, self.k_cache, self.v_cache, self.register, stages, rows, samp
+
+    def _launch(self, T: int, host, fetch: bool):
+        """Runs the step on `host` arrays (on every process: multi-host followers get them first)."""
+        if self.channel is not None:
+            self.channel.step(T, host[1].shape[1], host, fetch)
+        return self.run(self.put(T, host), fetch)
 
     def run(self, args, fetch: bool):
         """Runs the step; returns its sampled tokens and log-probs as numpy when `fetch`, else None."""
@@ -294,9 +330,7 @@ class Executor:
         """
         T, host, leaving = self._host_args(plan)
         fetch = bool(leaving.refs)
-        if self.channel is not None:
-            self.channel.step(T, leaving.rows.shape[1], host, fetch)
-        out = self.run(self.put(T, host), fetch)
+        out = self._launch(T, host, fetch)
         self.in_flight.pop()
         return leaving.plan, self._chunk_outputs(leaving, out) if fetch else [ChunkOutput()] * len(leaving.plan.chunks)
 

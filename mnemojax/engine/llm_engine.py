@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -62,6 +63,13 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
     predictor_profile: str | None = None
     """Fitted efficiency factors of the runtime predictor: a profile name or a JSON path
     (scripts/profile_predictor.py)."""
+    precompile: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("MNEMOJAX_PRECOMPILE", "1").strip().lower() not in ("0", "false"))
+    """Compile the step of every shape bucket before serving, so no step compiles later (default true;
+    MNEMOJAX_PRECOMPILE=0 makes the default false). False: each shape compiles the first time a step needs it."""
+    compilation_cache_dir: str = "~/.cache/mnemojax/jax"
+    """JAX's persistent compilation cache, so a restart loads compiled steps instead of compiling them again;
+    empty: none. A cache directory already set in jax's config wins."""
 
     def __post_init__(self):
         SchedulerConfig.__post_init__(self)
@@ -118,6 +126,8 @@ class LLMEngine:
                                  max_pages_per_seq=pages_per_seq, max_num_batched_tokens=config.max_num_batched_tokens,
                                  max_tokens_per_rank=config.max_tokens_per_kvp_rank, table=loaded.table,
                                  channel=channel)
+        if config.precompile:
+            self.precompile()
         self.predictor = self._make_predictor(config, self.model_config) \
             if config.target_batch_time_ms is not None else None
         self.scheduler = Scheduler(config, self.kv, self.predictor, clock=time.perf_counter,
@@ -128,6 +138,20 @@ class LLMEngine:
         self._delta_sent: dict[str, tuple[int, int, int]] = {}  # DELTA requests: prompt log-probs, tokens, chars
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
+
+    def precompile(self) -> float:
+        """Compiles the step of every shape the engine can meet (`Executor.shape_buckets`), with a progress bar;
+        returns the seconds it took. Called by the constructor when `config.precompile`."""
+        from tqdm import tqdm
+
+        start = time.perf_counter()
+        shapes = self.executor.shape_buckets()
+        with tqdm(total=len(shapes), desc="compiling step shapes", unit="shape", leave=False) as bar:
+            self.executor.warm_up(progress=bar.update)
+        took = time.perf_counter() - start
+        logger.info("compiled %d step shapes in %.1f s (token rows %s)", len(shapes), took,
+                    sorted({T for T, _ in shapes}))
+        return took
 
     @staticmethod
     def _make_predictor(config: EngineConfig, mc: LlamaConfig):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +41,21 @@ class LoadedModel:
     num_pages: int  # KV pages per device (page 0 reserved)
 
 
+def use_compilation_cache(path: str) -> str | None:
+    """Points JAX's persistent compilation cache at `path` (`~` expanded; empty: none) unless one is already set;
+    returns the directory in use."""
+    current = jax.config.jax_compilation_cache_dir
+    if current or not path:
+        return current or None
+    path = os.path.expanduser(path)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
+
+
 def load(config) -> LoadedModel:
     """Resolves model, mesh, weights, tokenizer and KV sizing of an `EngineConfig`."""
+    use_compilation_cache(config.compilation_cache_dir)
     is_preset = config.model in PRESETS
     mc = preset(config.model) if is_preset else LlamaConfig.from_pretrained(config.model)
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
