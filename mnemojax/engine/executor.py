@@ -82,6 +82,9 @@ def _logprob_dict(top_ids: np.ndarray, top_lps: np.ndarray, k: int, token: int, 
     return d
 
 
+assert DUMMY_PAGE == 0, "Executor.prepare builds page tables with np.zeros"
+
+
 class Executor:
     def __init__(self, spec: ModelSpec, params: dict, mesh, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_pages_per_seq: int, max_num_batched_tokens: int,
@@ -155,7 +158,9 @@ class Executor:
         wpage = np.full((K, T), DUMMY_PAGE, np.int32)
         wslot = np.zeros((K, T), np.int32)
         shared = np.zeros((K, T), bool)
-        table = np.full((K, B, M), DUMMY_PAGE, np.int32)
+        # Zeros are DUMMY_PAGE (asserted at import): np.zeros maps zeroed memory lazily, where np.full writes every
+        # entry; with 1M-token tables (65,536 columns a sequence) that write was most of the host's step time.
+        table = np.zeros((K, B, M), np.int32)
         kv_lens = np.zeros((K, B), np.int32)
         kv_start = np.zeros((K, B), np.int32)
         rows: list[list[int]] = [[] for _ in range(K)]
@@ -266,7 +271,8 @@ class Executor:
         T = self.pipeline_tokens or bucket(self._rows_needed(plan), 16)
         leaving = self.in_flight.push(self.prepare(plan, T), lambda: self.prepare(StepPlan([], []), T))
         # Stage s works on the micro-batch that entered s steps ago: stack them along the spp axis.
-        stages = jax.tree.map(lambda *a: np.stack(a, axis=1), *(m.batch for m in self.in_flight))
+        stages = jax.tree.map(lambda *a: np.stack(a, axis=1) if len(a) > 1 else a[0][:, None],  # spp 1: a view
+                              *(m.batch for m in self.in_flight))
         return T, (stages, leaving.rows, leaving.sampling), leaving
 
     @functools.lru_cache(maxsize=None)
