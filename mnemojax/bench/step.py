@@ -50,7 +50,7 @@ from models.attention import AttentionMetadata  # noqa: E402
 from models.config import PRESETS, LlamaConfig, preset  # noqa: E402
 from models.kernels import ATTENTION_IMPLS  # noqa: E402
 from models.llama import ModelSpec, StepBatch, forward  # noqa: E402
-from models.params import init_params  # noqa: E402
+from models.params import init_params, split_layers  # noqa: E402
 from shardings.mesh import make_mesh  # noqa: E402
 from shardings.specs import ShardingTable  # noqa: E402
 
@@ -120,8 +120,8 @@ class Model:
         self.spec = ModelSpec(c, args.dtype, args.block_pages, args.attention)
         table = ShardingTable()
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)  # noqa: E731
-        self.params = init_params(c, dtype=jnp.dtype(args.dtype), seed=args.seed,
-                                  shardings=named(table.params(c.tie_word_embeddings)))
+        self.params = split_layers(init_params(c, dtype=jnp.dtype(args.dtype), seed=args.seed,
+                                               shardings=named(table.params(c.tie_word_embeddings))), 1)
         shape = (c.num_layers, 1 + self.max_pages, args.page_size, c.num_kv_heads, c.head_dim)
         alloc = jax.jit(lambda: jnp.zeros(shape, args.dtype), out_shardings=NamedSharding(self.mesh, table.kv_lpskh))
         self.k, self.v = alloc(), alloc()

@@ -102,7 +102,8 @@ class Executor:
         # Every micro-batch in flight must have the register's shape, so a pipeline fixes T.
         self.pipeline_tokens = bucket(max_num_batched_tokens, 16) if self.spp > 1 else None
         c = spec.config
-        num_layers, kv_heads = params["layers"]["wk"].shape[0], params["layers"]["wk"].shape[2]
+        # params["layers"]: one dict per layer of a stage, leaves [spp, ...] (`models.params.split_layers`)
+        num_layers, kv_heads = len(params["layers"]) * self.spp, params["layers"][0]["wk"].shape[2]
         cache_shape = (num_layers, self.kvp * num_pages, page_size, kv_heads, c.head_dim)
         # Zeros, never uninitialized memory: 0 * NaN would poison masked attention (JAX_NOTES.md).
         alloc = jax.jit(lambda: jnp.zeros(cache_shape, spec.dtype),

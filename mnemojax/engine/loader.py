@@ -19,7 +19,7 @@ from models import checkpoint, orbax_io
 from models.attention import resolve_attention
 from models.config import PRESETS, LlamaConfig, preset
 from models.llama import ModelSpec
-from models.params import init_params, mesh_layout, to_mesh_layout
+from models.params import init_params, mesh_layout, split_layers, to_mesh_layout
 from models.tokenizer import load_tokenizer
 from shardings.mesh import make_mesh
 from shardings.specs import ShardingTable
@@ -36,7 +36,7 @@ class LoadedModel:
     mesh: jax.sharding.Mesh
     table: ShardingTable
     spec: ModelSpec
-    params: dict  # in the mesh layout, on the mesh
+    params: dict  # in the mesh layout, on the mesh, layers split (`models.params.split_layers`)
     tokenizer: object | None  # None: token-id prompts only
     num_pages: int  # KV pages per device (page 0 reserved)
 
@@ -81,6 +81,7 @@ def load(config) -> LoadedModel:
         params = checkpoint.load_hf_params(config.model, mc, dtype, canonical)
     params = to_mesh_layout(params, mc, tp=config.tp, spp=config.spp,
                             shardings=named(table.params(mc.tie_word_embeddings)))
+    params = split_layers(params, config.spp)  # each layer's weights a buffer of their own
     if config.kv_memory_fraction is not None:
         num_pages = _pages_from_memory(config, mc, mesh)
     else:

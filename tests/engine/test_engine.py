@@ -228,7 +228,7 @@ def test_text_prompt_without_tokenizer(tmp_path):
 def test_bfloat16_end_to_end(ckpt, alone):
     prompts, ref = alone
     llm = LLM(model=ckpt, dtype="bfloat16", page_size=4, chunk_size=16, max_model_len=256)
-    assert llm.engine.executor.params["layers"]["wq"].dtype == jnp.bfloat16
+    assert llm.engine.executor.params["layers"][0]["wq"].dtype == jnp.bfloat16
     assert llm.engine.executor.k_cache.dtype == jnp.bfloat16
     outs = llm.generate(prompts, GREEDY)
     for out, r in zip(outs, ref):
