@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI), served by `python -m mnemojax.serve`.
 
 Endpoints: POST /v1/completions (`completions.py`), POST /v1/chat/completions (`chat.py`), GET /v1/models,
-GET /health, GET /metrics. Streaming responses are server-sent events (`data: {json}` lines) ending with
+vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info (`tokenization.py`), GET /health, GET /metrics. Streaming responses are server-sent events (`data: {json}` lines) ending with
 `data: [DONE]`.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`:
@@ -9,7 +9,8 @@ Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`:
   a wrong type (types are strict), an empty prompt, prompt + max_tokens beyond max_model_len, a sampling field out
   of range, more stop strings, stop characters, stop token ids or choices than the server's limits, an unknown
   model name or chat role;
-- 401 a missing or wrong API key (only when the server has one; /health and /metrics stay open);
+- 401 a missing or wrong API key (only when the server has one; /health and /metrics stay open, the tokenizer
+  endpoints do not);
 - 408 the body did not arrive within the body timeout;
 - 413 a body larger than the limit;
 - 429 the queue of requests waiting for their first step is full;
@@ -42,7 +43,9 @@ from mnemojax.serving.base import INTERNAL_ERROR, APIError, ServerState, error_b
 from mnemojax.serving.chat import ServingChat
 from mnemojax.serving.completions import ServingCompletion
 from mnemojax.serving.config import ServerConfig
-from mnemojax.serving.protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from mnemojax.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                       describe_validation_error)
+from mnemojax.serving.tokenization import PATHS as TOKENIZER_PATHS, ServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +77,7 @@ class GuardMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(given, self.state.api_key)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1") or scope["path"] in TOKENIZER_PATHS):
             return await self.app(scope, receive, send)
         st = self.state
         if st.draining:
@@ -151,6 +154,7 @@ def build_app(llm: EngineClient, config: ServerConfig | None = None, **overrides
     llm.add_finished_listener(st.metrics.observe_finished)
     app.add_middleware(GuardMiddleware, state=st)
     serving_completion, serving_chat = ServingCompletion(st), ServingChat(st)
+    serving_tokenization = ServingTokenization(st, serving_chat)
 
     def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
         st.metrics.observe_error(status)
@@ -201,5 +205,17 @@ def build_app(llm: EngineClient, config: ServerConfig | None = None, **overrides
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving_chat.create(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return serving_tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return serving_tokenization.detokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return serving_tokenization.tokenizer_info()
 
     return app
