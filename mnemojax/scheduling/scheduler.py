@@ -321,12 +321,15 @@ class Scheduler:
         predicted over the target."""
         if self._target_unmet_logged or getattr(self.predictor, "calibrating", False):
             return
+        entries = [(r, k) for r, k in entries if k == 1 and r.output_token_ids]  # decodes: no packing choice
+        if self._cost(entries + [(req, n)]) <= cap:
+            return  # other prefills took the room: a packing choice, not the step's least work
         self._target_unmet_logged = True
         logger.warning(
-            "target_batch_time_ms=%g cannot be met: a step's least work, %d decodes/chunks (%d tokens) and %d tokens "
+            "target_batch_time_ms=%g cannot be met: a step's least work, %d decodes and %d tokens "
             "of request %s's prefill (min_chunk_size %d, context %d), is predicted at %.1f ms per stage (%.1f ms "
             "without the prefill) against %.1f ms (target / spp %d); such steps run over the target (logged once)",
-            self.config.target_batch_time_ms, len(entries), sum(k for _, k in entries), n, req.request_id,
+            self.config.target_batch_time_ms, len(entries), n, req.request_id,
             self.config.min_chunk_size, req.num_computed + n, 1e3 * self._cost(entries + [(req, n)]),
             1e3 * self._cost(entries), 1e3 * cap, self.spp)
 
@@ -438,7 +441,12 @@ class Scheduler:
             if req.kv_ranks[0] in full and req is not primary:
                 continue  # a longer context only costs more
             # Only the most urgent prefill is sure to progress; the others fit under the cap or wait.
-            n = self._fit(entries(), req, budgets, cap, floor if req is primary else 0)
+            # Before the most urgent prefill is placed, the others are costed with its smallest chunk in the step:
+            # a step's cost is not a sum (the reference kernel runs every row over the longest context), so room
+            # they take could otherwise leave it none.
+            reserve = [(primary, min(floor, primary.num_uncomputed))] if (
+                floor and req is not primary and id(primary) not in scheduled and primary.kv_ranks) else []
+            n = self._fit(entries() + reserve, req, budgets, cap, floor if req is primary else 0)
             if n <= 0:
                 if cap == limit and req.num_computed == 0 and len(req.kv_ranks) == 1:
                     full.add(req.kv_ranks[0])
