@@ -63,7 +63,7 @@ def test_calibrated_engine_keeps_mixed_steps_within_target(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="mnemojax.scheduling.scheduler")
     runs = {policy: serve(policy, save_predictor_profile=str(tmp_path / f"{policy}.json"))
             for policy in ("fcfs", "ilrs")}
-    problems = []
+    problems = []  # timing bounds: on a busy machine they skip with these numbers instead of failing
     for policy, (engine, steps, ttft, load) in runs.items():
         # It started wrong by a large factor: the h100 preset predicts the steps it ran >10x too fast.
         h100 = LLMEngine._make_predictor(engine.config, engine.model_config)
@@ -79,18 +79,23 @@ def test_calibrated_engine_keeps_mixed_steps_within_target(tmp_path, caplog):
         mixed_after = sorted(s for s, _, p in after if p)
         median_mixed = mixed_after[len(mixed_after) // 2]
         # Adaptive chunks use the target (not timid chunks that trivially stay under it) and keep under it.
-        assert median_mixed > 0.4 * TARGET_MS / 1e3, (policy, median_mixed)
+        if median_mixed < 0.4 * TARGET_MS / 1e3:
+            problems.append(f"{policy}: median mixed step {median_mixed * 1e3:.1f} ms < 0.4 x {TARGET_MS} ms")
         if p99 > 1.15 * TARGET_MS / 1e3:
             problems.append(f"{policy}: P99 of {len(after)} steps with decodes {p99 * 1e3:.1f} ms > 1.15 x "
-                            f"{TARGET_MS} ms (median mixed {median_mixed * 1e3:.1f} ms); other processes {load:.0%}")
-        assert engine.prediction_error() < 0.15
-    (fcfs_ttft, fcfs_load), (ilrs_ttft, ilrs_load) = runs["fcfs"][2:], runs["ilrs"][2:]
+                            f"{TARGET_MS} ms (median mixed {median_mixed * 1e3:.1f} ms)")
+        if not engine.prediction_error() < 0.15:
+            problems.append(f"{policy}: median prediction error {engine.prediction_error():.1%} of the last 64 steps")
+
+    fcfs_ttft, ilrs_ttft = runs["fcfs"][2], runs["ilrs"][2]
     if ilrs_ttft > 1.25 * fcfs_ttft:
-        problems.append(f"long prompt TTFT ilrs {ilrs_ttft:.2f} s > 1.25 x fcfs {fcfs_ttft:.2f} s; other processes "
-                        f"{fcfs_load:.0%}, {ilrs_load:.0%}")
-    assert not [r for r in caplog.records if "cannot be met" in r.getMessage()]  # the target is reachable here
+        problems.append(f"long prompt TTFT ilrs {ilrs_ttft:.2f} s > 1.25 x fcfs {fcfs_ttft:.2f} s")
+    unmet = [r.getMessage() for r in caplog.records if "cannot be met" in r.getMessage()]
+    if unmet:  # reachable on this workload: 8 decodes and 16 tokens at 3000 keys measured ~20-30 ms on this CPU
+        problems.append(unmet[0])
+    loads = ", ".join(f"{policy} {load:.0%}" for policy, (*_, load) in runs.items())
     if problems and max(load for *_, load in runs.values()) > QUIET:
-        pytest.skip("machine busy: " + "; ".join(problems))
+        pytest.skip(f"machine busy (other processes' share of the CPUs: {loads}): " + "; ".join(problems))
     assert not problems
 
     # The calibrated profile saves and loads: a new predictor from the file predicts what the engine's does.
