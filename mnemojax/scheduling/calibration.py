@@ -62,7 +62,7 @@ class Calibrator:
       predictor: the predictor the scheduler asks; its current profile is the base.
       window: samples kept for the fit.
       refit_every: samples between refits (after the first at `min_samples`, refits at doubling counts); a
-        sample predicted further off than `outlier` refits at once.
+        sample predicted further off than `outlier` refits at once (at most every 4 samples).
       min_samples: samples before the first refit.
       ridge: pull toward the base, relative to each feature's weight in the window.
       outlier: log ratio measured / predicted beyond which a sample may be dropped as an outlier.
@@ -84,6 +84,7 @@ class Calibrator:
         self.num_observed = 0
         self.num_refits = 0
         self._next_refit = min_samples
+        self._last_refit_at = 0
         predictor.calibrating = True  # until `settled`
 
     # ---------------------------------------------------------------- samples in
@@ -104,11 +105,13 @@ class Calibrator:
         predicted = self.predictor.step_time(chunks)
         self.samples.append(Sample(x, fixed, measured_s, predicted))
         self.num_observed += 1
-        surprise = abs(math.log(predicted / measured_s)) > self.outlier if predicted > 0 else True
+        surprise = (abs(math.log(predicted / measured_s)) > self.outlier if predicted > 0 else True) and \
+            self.num_observed - self._last_refit_at >= 4  # a refit costs ~1 ms: not on every step of a noisy run
         if self.predictor.calibrating and self.settled():
             self.predictor.calibrating = False
         if self.num_observed < self._next_refit and not (surprise and self.num_observed >= self.min_samples):
             return False
+        self._last_refit_at = self.num_observed
         self._next_refit = (self.num_observed + self.refit_every if self.num_observed >= self.refit_every
                             else 2 * self.num_observed)
         return self.refit()
