@@ -67,6 +67,7 @@ class EngineStats:
     kv_pages_used: int = 0  # over all KVP ranks, the reserved dummy pages excluded
     kv_pages_total: int = 0
     preemptions: int = 0  # since start
+    step_time_prediction_error: float | None = None  # median |predicted / measured - 1| of recent steps
 
 
 class EngineClient(Protocol):
@@ -205,6 +206,7 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._commands.put((_STOP,))
             self._thread.join()
+        self.engine.save_predictor_profile()  # the last calibration (with save_predictor_profile set)
 
     # ---------------------------------------------------------------- the engine thread
     def _send(self, rid: str, item) -> None:
@@ -220,7 +222,8 @@ class AsyncLLM:
         e = self.engine
         self._stats = EngineStats(running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
                                   kv_pages_used=e.kv.num_used, kv_pages_total=e.kv.num_usable,
-                                  preemptions=e.scheduler.num_preemptions)
+                                  preemptions=e.scheduler.num_preemptions,
+                                  step_time_prediction_error=e.prediction_error())
 
     def _finish(self, rid: str, last: RequestOutput) -> None:
         """Forgets a finished request; sends its last output (a delta, for DELTA requests) to its caller, and its

@@ -110,6 +110,8 @@ class Executor:
                         out_shardings=NamedSharding(mesh, table.kv_lpskh))
         self.k_cache, self.v_cache = alloc(), alloc()
         self.register = None
+        self._shapes_run: set[tuple[int, int]] = set()  # (T, R) of every step launched
+        self.last_step_first_of_shape = self.last_step_fetched = False
         self.channel = channel  # multi-host: process 0's `mnemojax.engine.multihost.Leader`, which broadcasts each step
         self.in_flight: Pipeline[MicroBatch] = Pipeline(self.spp)
         self._step = self._build_step()
@@ -301,6 +303,12 @@ class Executor:
         """Runs the step on `host` arrays (on every process: multi-host followers get them first)."""
         if self.channel is not None:
             self.channel.step(T, host[1].shape[1], host, fetch)
+        key = (T, host[1].shape[1])
+        # What the engine's online calibration needs to trust a step's wall time: whether it ran a shape for the
+        # first time (it compiled, or loaded from the compilation cache) and whether it waited for the results.
+        self.last_step_first_of_shape = key not in self._shapes_run
+        self.last_step_fetched = fetch
+        self._shapes_run.add(key)
         return self.run(self.put(T, host), fetch)
 
     def run(self, args, fetch: bool):

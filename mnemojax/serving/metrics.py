@@ -37,6 +37,11 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("mnemojax_num_preemptions", "Requests preempted by recompute (out of KV pages).",
                                   value=s.preemptions)
+        if s.step_time_prediction_error is not None:  # only with online calibration (target_batch_time_ms)
+            yield GaugeMetricFamily(
+                "mnemojax_step_time_prediction_error", "Median |predicted / measured - 1| of the runtime predictor "
+                "over the last 64 measured steps, each predicted before it was fitted.",
+                value=s.step_time_prediction_error)
 
 
 class ServerMetrics:

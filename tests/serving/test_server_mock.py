@@ -84,3 +84,12 @@ def test_models_and_a_bad_request(served):
     assert (m["id"], m["root"], m["max_model_len"]) == ("m", "mock", 64)
     r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 100})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_prediction_error_gauge_only_with_calibration():
+    from mnemojax.engine.async_llm import EngineStats
+    from mnemojax.serving.metrics import ServerMetrics
+
+    text = ServerMetrics(lambda: EngineStats(step_time_prediction_error=0.07), "m").render().decode()
+    assert "\nmnemojax_step_time_prediction_error 0.07\n" in text
+    assert "mnemojax_step_time_prediction_error" not in ServerMetrics(EngineStats, "m").render().decode()
