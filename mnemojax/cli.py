@@ -98,7 +98,7 @@ def define_flags(cls, flag_values: flags.FlagValues = flags.FLAGS, *, skip: tupl
             owner = _base_type(typing.get_type_hints(owner)[part])[0]
         help_text = field_docs(owner).get(name) or name.replace("_", " ")
         default = defaults.get(name, _default(f))
-        base, _ = _base_type(tp)
+        base, optional = _base_type(tp)
         choices = f.metadata.get("choices")
         if choices is None and typing.get_origin(base) is typing.Literal:
             choices = list(typing.get_args(base))
@@ -106,6 +106,9 @@ def define_flags(cls, flag_values: flags.FlagValues = flags.FLAGS, *, skip: tupl
             flags.DEFINE_enum(name, default, [str(c) for c in choices], help_text, flag_values=flag_values)
         elif base is bool:
             flags.DEFINE_bool(name, default, help_text, flag_values=flag_values)
+        elif base in (int, float) and optional:  # "none" gives None back (a command's default may not be None)
+            parser = _OrNone(flags.IntegerParser() if base is int else flags.FloatParser())
+            flags.DEFINE(parser, name, default, help_text, flag_values=flag_values)
         elif base is int:
             flags.DEFINE_integer(name, default, help_text, flag_values=flag_values)
         elif base is float:
@@ -116,6 +119,22 @@ def define_flags(cls, flag_values: flags.FlagValues = flags.FLAGS, *, skip: tupl
             raise TypeError(f"no flag type for config field {'.'.join(path)}: {tp}")
         names.append(name)
     return names
+
+
+class _OrNone(flags.ArgumentParser):
+    """A number flag of an optional field: its parser's values, or None for "none"."""
+
+    def __init__(self, inner: flags.ArgumentParser):
+        self.inner = inner
+        self.syntactic_help = f'{inner.syntactic_help} or "none"'
+
+    def parse(self, argument):
+        if argument is None or (isinstance(argument, str) and argument.strip().lower() == "none"):
+            return None
+        return self.inner.parse(argument)
+
+    def flag_type(self) -> str:
+        return self.inner.flag_type()
 
 
 def from_flags(cls, flag_values: flags.FlagValues = flags.FLAGS, **overrides):

@@ -98,13 +98,12 @@ def paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadata, *, bloc
     qg = (q.astype(jnp.float32) * (H ** -0.5)).reshape(T, K, G, H)
     tok_len = meta.kv_lens[meta.seq_ids]  # [T]
     tok_rel = meta.positions - meta.kv_start[meta.seq_ids]  # [T] a key at local index i is visible iff i <= tok_rel
-    tok_table = meta.page_table[meta.seq_ids]  # [T, M]
     num_blocks = (jnp.max(meta.kv_lens) + C - 1) // C  # only the blocks the longest sequence needs
 
     def body(j, carry):
         m, l, acc = carry
         cols = jnp.minimum(j * bp + jnp.arange(bp), M - 1)
-        pages = tok_table[:, cols]  # [T, bp]
+        pages = meta.page_table[meta.seq_ids[:, None], cols[None, :]]  # [T, bp]: only this block's columns
         kb = k_cache[layer, pages].reshape(T, C, K, H).astype(jnp.float32)
         vb = v_cache[layer, pages].reshape(T, C, K, H).astype(jnp.float32)
         s = jnp.einsum("tkgh,tckh->tkgc", qg, kb, precision=precision)

@@ -117,11 +117,12 @@ def forward(spec: ModelSpec, params: dict, k_cache, v_cache, register, batch: St
     """
     first = lax.axis_index(SPP) == 0
     x = jnp.where(first, params["embed"][batch.token_ids], register)  # [T, D]
-    layers = params["layers"]
-    num_layers = layers["wq"].shape[0]
-    (x, k_cache, v_cache), _ = lax.scan(
-        lambda c, l: _layer(spec, batch, c, l), (x, k_cache, v_cache),
-        (layers, jnp.arange(num_layers, dtype=jnp.int32)))
+    carry = (x, k_cache, v_cache)
+    # One layer after another, each reading its own weight buffers ([1, ...] here: this stage's share of
+    # `models.params.split_layers`' [spp, ...]); a scan over stacked weights would copy every layer's slice.
+    for i, layer in enumerate(params["layers"]):
+        carry, _ = _layer(spec, batch, carry, (jax.tree.map(lambda a: a[0], layer), i))
+    x, k_cache, v_cache = carry
     h = from_last_stage(rms_norm(x[logits_rows], params["final_norm"], spec.config.rms_norm_eps))
     if "lm_head" in params:
         logits = jnp.einsum("rd,dv->rv", h, params["lm_head"], precision=spec.precision,

@@ -66,6 +66,16 @@ def test_command_defaults_skips_and_overrides():
     assert from_flags(Outer, fv, model="m") == Outer("m", False, Inner(4096))
 
 
+def test_optional_numbers_take_none():
+    """A command may default an optional field to a number; "none" still gives the field None."""
+    fv, _ = _parse([], defaults={"target_ms": 50.0})
+    assert fv["target_ms"].value == 50.0
+    fv, _ = _parse(["--target_ms=none"], defaults={"target_ms": 50.0})
+    assert from_flags(Outer, fv) == Outer()
+    with pytest.raises(flags.IllegalFlagValueError):
+        _parse(["--target_ms=x"])
+
+
 def test_a_name_in_two_configs_is_refused():
     with pytest.raises(ValueError, match="chunk_size"):
         _parse([], cls=Clash)

@@ -44,6 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from mnemojax.bench import parse_with_small  # noqa: E402
 from models.attention import AttentionMetadata, attention  # noqa: E402
 from models.kernels import ATTENTION_IMPLS  # noqa: E402
 
@@ -69,12 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--block_k", type=int, default=None, help="kernel option: keys per prefill block")
     p.add_argument("--decode_block_k", type=int, default=None, help="kernel option: keys per decode block")
     p.add_argument("--small", action="store_true", help="tiny shapes, interpreted kernels (runs on a CPU)")
-    args = p.parse_args(argv)
-    if args.small:
-        for k, v in SMALL.items():
-            if getattr(args, k) == p.get_default(k):
-                setattr(args, k, v)
-    return args
+    return parse_with_small(p, argv, SMALL)
 
 
 def ints(text: str) -> list[int]:

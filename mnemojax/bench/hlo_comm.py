@@ -9,7 +9,7 @@ KV parallelism splits the request over all KVP ranks (`max_tokens_per_kvp_rank =
 the decode is a shared row on every rank. Each plan's step is lowered with `Executor.lower` and compiled (not
 run); the optimized HLO is parsed for collectives: operand bytes per device, the mesh axes their
 replica_groups / source_target_pairs span, and how many times they run per step (the product of the known
-trip counts of the while loops around them: the layer scan runs layers-per-stage times).
+trip counts of the while loops around them; the layers are unrolled, so each layer's collectives appear once).
 
 Bytes are the payload each device puts into the collective per step (operand bytes x executions), not the
 wire traffic of a particular algorithm (a ring all-reduce of n devices sends 2 (n-1)/n of it). Medha's
@@ -195,7 +195,7 @@ class Collective:
     axes: tuple[str, ...]  # mesh axes (of size > 1) its groups span; () when all groups are single devices
     group_size: int
     count: int | None  # executions per step; None: inside a loop of unknown trip count
-    loop_depth: int  # while bodies around it (1 = the layer scan)
+    loop_depth: int  # while bodies around it (the layers are unrolled: 0 for theirs)
     op_name: str  # jax op it came from (metadata)
 
     @property
@@ -336,8 +336,8 @@ def medha_bytes(llm, T: int) -> dict[str, int]:
     e = llm.engine
     c, ex = e.model_config, e.executor
     kvp, spp, tp = ex.kvp, ex.spp, ex.tp
-    layers = ex.params["layers"]["wq"].shape[0] // spp  # per stage (padded layout)
-    heads = ex.params["layers"]["wq"].shape[2] // tp
+    layers = len(ex.params["layers"])  # per stage (padded layout)
+    heads = ex.params["layers"][0]["wq"].shape[2] // tp
     b = jnp.dtype(e.config.dtype).itemsize
     return {"kvp": layers * T * heads * (c.head_dim + 2) * 4 if kvp > 1 else 0,
             "spp": T * c.hidden_size * b if spp > 1 else 0,

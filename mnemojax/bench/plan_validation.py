@@ -20,6 +20,7 @@ the CPUs while the measured pass ran (this machine is shared; another busy proce
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -117,46 +118,6 @@ def replay(engine, trace: Sequence[TraceRequest], long_threshold: int, seed: int
     return out
 
 
-def warm_buckets(engine) -> int:
-    """Runs one step of every shape bucket the engine can meet (token rows T up to the token budget, logits rows
-    R up to max_num_seqs), so that no step of a measured run compiles; returns how many. The steps' requests are
-    made up, write only scratch pages, and never reach the scheduler."""
-    from mnemojax.scheduling.request import Request
-    from mnemojax.scheduling.sampling_params import SamplingParams
-    from mnemojax.scheduling.scheduler import ScheduledChunk, StepPlan
-
-    ex, config = engine.executor, engine.config
-
-    def buckets(limit: int, smallest: int) -> list[int]:  # the executor's: powers of two, at least `smallest`
-        out = [smallest]
-        while out[-1] < limit:
-            out.append(out[-1] * 2)
-        return out
-
-    cap = ex.max_pages_per_seq * config.page_size  # most tokens of one request
-    usable = engine.kv.ranks[0].num_usable
-    n = 0
-    for T in buckets(ex.pipeline_tokens or config.max_num_batched_tokens, 16):
-        for R in buckets(config.max_num_seqs, 8):
-            rows = min(R, config.max_num_seqs, T)  # sampling chunks: the logits rows
-            tokens = min(T, rows * cap)  # the token rows, spread over the chunks
-            if tokens <= T // 2:
-                continue  # a bucket no step of this engine can reach
-            chunks, page = [], 0
-            for i in range(rows):
-                size = tokens // rows + (i < tokens % rows)
-                req = Request(f"warm{i}", [1] * size, SamplingParams(temperature=0.0, max_tokens=1), 0.0, seed=i)
-                pages = [1 + (page + j) % usable for j in range(-(-size // config.page_size))]
-                req.kv_ranks, req.pages, req.num_computed = [0], [pages], size
-                page += len(pages)
-                chunks.append(ScheduledChunk(req, 0, size, True))
-            ex.execute(StepPlan(chunks, []))
-            n += 1
-    while ex.has_in_flight():  # a pipeline: let the made-up micro-batches out
-        ex.execute(StepPlan([], []))
-    return n
-
-
 def measure(argv: Sequence[str], trace: Sequence[TraceRequest], long_threshold: int, wait_quiet_s: float) -> dict:
     """Builds the engine of a serve command line, compiles every shape bucket, then replays the trace, measured.
     Runs in a child process with the layout's fake devices."""
@@ -164,13 +125,11 @@ def measure(argv: Sequence[str], trace: Sequence[TraceRequest], long_threshold: 
 
     from mnemojax.engine.llm_engine import LLMEngine
 
-    config = engine_config(argv)
+    config = dataclasses.replace(engine_config(argv), precompile=False)  # compiled below, timed on its own
     t = time.perf_counter()
     engine = LLMEngine(config)
     built = time.perf_counter() - t
-    t = time.perf_counter()
-    warm_buckets(engine)
-    warm = time.perf_counter() - t
+    warm = engine.precompile()
     if wait_quiet_s:
         wait_for_quiet(wait_quiet_s, window_s=5.0, log=lambda s: print(s, file=sys.stderr))
     t = time.perf_counter()

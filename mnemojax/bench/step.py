@@ -44,12 +44,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
+from mnemojax.bench import parse_with_small  # noqa: E402
 from mnemojax.bench.attention import copy_bandwidth, hardware, matmul_ceiling, median_time  # noqa: E402
 from models.attention import AttentionMetadata  # noqa: E402
 from models.config import PRESETS, LlamaConfig, preset  # noqa: E402
 from models.kernels import ATTENTION_IMPLS  # noqa: E402
 from models.llama import ModelSpec, StepBatch, forward  # noqa: E402
-from models.params import init_params  # noqa: E402
+from models.params import init_params, split_layers  # noqa: E402
 from shardings.mesh import make_mesh  # noqa: E402
 from shardings.specs import ShardingTable  # noqa: E402
 
@@ -78,11 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--long_decode", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="tiny model and shapes, interpreted kernels (a CPU)")
-    args = p.parse_args(argv)
+    args = parse_with_small(p, argv, SMALL)
     if args.small:
-        for k, v in SMALL.items():
-            if getattr(args, k) == p.get_default(k):
-                setattr(args, k, v)
         args.long = True
     return args
 
@@ -122,8 +120,8 @@ class Model:
         self.spec = ModelSpec(c, args.dtype, args.block_pages, args.attention)
         table = ShardingTable()
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)  # noqa: E731
-        self.params = init_params(c, dtype=jnp.dtype(args.dtype), seed=args.seed,
-                                  shardings=named(table.params(c.tie_word_embeddings)))
+        self.params = split_layers(init_params(c, dtype=jnp.dtype(args.dtype), seed=args.seed,
+                                               shardings=named(table.params(c.tie_word_embeddings))), 1)
         shape = (c.num_layers, 1 + self.max_pages, args.page_size, c.num_kv_heads, c.head_dim)
         alloc = jax.jit(lambda: jnp.zeros(shape, args.dtype), out_shardings=NamedSharding(self.mesh, table.kv_lpskh))
         self.k, self.v = alloc(), alloc()

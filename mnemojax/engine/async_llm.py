@@ -69,6 +69,7 @@ class EngineStats:
     preemptions: int = 0  # since start
     prefix_cache_queries: int = 0  # tokens of admitted requests that looked up the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    step_time_prediction_error: float | None = None  # median |predicted / measured - 1| of recent steps
 
 
 class EngineClient(Protocol):
@@ -215,6 +216,7 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._commands.put((_STOP,))
             self._thread.join()
+        self.engine.save_predictor_profile()  # the last calibration (with save_predictor_profile set)
 
     # ---------------------------------------------------------------- the engine thread
     def _send(self, rid: str, item) -> None:
@@ -231,7 +233,8 @@ class AsyncLLM:
         self._stats = EngineStats(running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
                                   kv_pages_used=e.kv.num_used, kv_pages_total=e.kv.num_usable,
                                   preemptions=e.scheduler.num_preemptions, prefix_cache_queries=e.kv.prefix_queries,
-                                  prefix_cache_hits=e.kv.prefix_hits)
+                                  prefix_cache_hits=e.kv.prefix_hits,
+                                  step_time_prediction_error=e.prediction_error())
 
     def _finish(self, rid: str, last: RequestOutput) -> None:
         """Forgets a finished request; sends its last output (a delta, for DELTA requests) to its caller, and its

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import defaultdict
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ class RowSampling:
     seeds: jax.Array  # u32[R]
     steps: jax.Array  # i32[R] index of the generated token (keys the sampler's random stream)
     targets: jax.Array  # i32[R] prompt token scored by this row; -1 => score the sampled token
+    want_top: jax.Array  # bool[R] its request asked for top log-probs (else the vocabulary top-k is skipped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +82,9 @@ def _logprob_dict(top_ids: np.ndarray, top_lps: np.ndarray, k: int, token: int, 
     return d
 
 
+assert DUMMY_PAGE == 0, "Executor.prepare builds page tables with np.zeros"
+
+
 class Executor:
     def __init__(self, spec: ModelSpec, params: dict, mesh, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_pages_per_seq: int, max_num_batched_tokens: int,
@@ -93,16 +98,20 @@ class Executor:
         self.max_num_seqs = max_num_seqs
         self.max_pages_per_seq = max_pages_per_seq
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_num_batched_tokens = max_num_batched_tokens
         # Every micro-batch in flight must have the register's shape, so a pipeline fixes T.
         self.pipeline_tokens = bucket(max_num_batched_tokens, 16) if self.spp > 1 else None
         c = spec.config
-        num_layers, kv_heads = params["layers"]["wk"].shape[0], params["layers"]["wk"].shape[2]
+        # params["layers"]: one dict per layer of a stage, leaves [spp, ...] (`models.params.split_layers`)
+        num_layers, kv_heads = len(params["layers"]) * self.spp, params["layers"][0]["wk"].shape[2]
         cache_shape = (num_layers, self.kvp * num_pages, page_size, kv_heads, c.head_dim)
         # Zeros, never uninitialized memory: 0 * NaN would poison masked attention (JAX_NOTES.md).
         alloc = jax.jit(lambda: jnp.zeros(cache_shape, spec.dtype),
                         out_shardings=NamedSharding(mesh, table.kv_lpskh))
         self.k_cache, self.v_cache = alloc(), alloc()
         self.register = None
+        self._shapes_run: set[tuple[int, int]] = set()  # (T, R) of every step launched
+        self.last_step_first_of_shape = self.last_step_fetched = False
         self.channel = channel  # multi-host: process 0's `mnemojax.engine.multihost.Leader`, which broadcasts each step
         self.in_flight: Pipeline[MicroBatch] = Pipeline(self.spp)
         self._step = self._build_step()
@@ -111,7 +120,7 @@ class Executor:
     def _build_step(self):
         t, spec = self.table, self.spec
         stage = StepBatch.partition_specs(t)
-        samp = RowSampling(*([t.rows_kr] * 6))
+        samp = RowSampling(*([t.rows_kr] * len(dataclasses.fields(RowSampling))))
         param_specs = jax.tree.map(lambda a: a.sharding.spec, self.params)
 
         def step(params, k_cache, v_cache, register, batch: StepBatch, rows, samp: RowSampling):
@@ -119,7 +128,7 @@ class Executor:
             rows, samp = rows[0], jax.tree.map(lambda a: a[0], samp)
             logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows)
             tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps)
-            lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS)
+            lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS, jnp.any(samp.want_top))
             out = jax.tree.map(lambda a: a[None], (tokens, *lps))
             return k_cache, v_cache, pipeline_shift(x)[None, None], out
 
@@ -152,7 +161,9 @@ class Executor:
         wpage = np.full((K, T), DUMMY_PAGE, np.int32)
         wslot = np.zeros((K, T), np.int32)
         shared = np.zeros((K, T), bool)
-        table = np.full((K, B, M), DUMMY_PAGE, np.int32)
+        # Zeros are DUMMY_PAGE (asserted at import): np.zeros maps zeroed memory lazily, where np.full writes every
+        # entry; with 1M-token tables (65,536 columns a sequence) that write was most of the host's step time.
+        table = np.zeros((K, B, M), np.int32)
         kv_lens = np.zeros((K, B), np.int32)
         kv_start = np.zeros((K, B), np.int32)
         rows: list[list[int]] = [[] for _ in range(K)]
@@ -164,8 +175,9 @@ class Executor:
             p = req.params
             refs.append(RowRef(rank, len(rows[rank]), chunk_i, token_index, is_sample))
             rows[rank].append(row)
+            num_top = p.logprobs if is_sample else p.prompt_logprobs
             samp[rank].append((0.0 if p.greedy else p.temperature, p.top_k, p.top_p, req.seed & 0xFFFFFFFF,
-                               len(req.output_token_ids), target))
+                               len(req.output_token_ids), target, bool(num_top)))
 
         def place(chunk_i, ch, rank, span_i, t0, is_shared, logits):
             req, s, n = ch.request, ch.start, ch.num_tokens
@@ -212,9 +224,9 @@ class Executor:
                 offsets[r] += ch.num_tokens
         assert max(offsets) <= T, (offsets, T)
 
-        R = bucket(max(len(x) for x in rows), 8)
+        R = self.logits_rows(T, max(len(x) for x in rows))
         pad_rows = np.zeros((K, R), np.int32)
-        cols = [np.zeros((K, R), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32)]
+        cols = [np.zeros((K, R), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool)]
         cols[2][:] = 1.0  # top_p
         cols[5][:] = -1  # targets
         for r in range(K):
@@ -226,6 +238,34 @@ class Executor:
                                                  kv_start=kv_start))
         return MicroBatch(plan, batch, pad_rows, RowSampling(*cols), refs)
 
+    def logits_rows(self, T: int, n: int) -> int:
+        """Logits rows R of a step of T token rows whose busiest rank has n of them: a power of two up to one row
+        per sequence (sampling), T itself beyond that (prompt log-probs), so every T has a few known R's."""
+        cap = min(T, bucket(self.max_num_seqs, 8))
+        return bucket(n, 8) if n <= cap else T
+
+    def shape_buckets(self) -> list[tuple[int, int]]:
+        """Every (T, R) a step of this executor can have, smallest first: T a power of two from 16 up to the token
+        budget's bucket (only that bucket with spp > 1), R as `logits_rows` gives."""
+        Ts = [self.pipeline_tokens] if self.pipeline_tokens else \
+            [16 << i for i in range(bucket(self.max_num_batched_tokens, 16).bit_length() - 4)]
+        shapes = []
+        for T in Ts:
+            cap = min(T, bucket(self.max_num_seqs, 8))
+            shapes += [(T, 8 << i) for i in range(cap.bit_length() - 3)] + ([(T, T)] if T > cap else [])
+        return shapes
+
+    def warm_up(self, progress: Callable[[], None] | None = None) -> int:
+        """Compiles the step of every shape in `shape_buckets()` by running it on all-padding arrays (every row
+        writes the reserved page 0 and reads nothing), so that serving never compiles; `progress` is called after
+        each. Runs on the followers too (multi-host). Returns the number of shapes."""
+        shapes = self.shape_buckets()
+        for T, R in shapes:
+            self._launch(T, self.host_template(T, R), fetch=True)
+            if progress is not None:
+                progress()
+        return len(shapes)
+
     def has_in_flight(self) -> bool:
         return any(mb.plan.chunks for mb in self.in_flight)
 
@@ -234,7 +274,8 @@ class Executor:
         T = self.pipeline_tokens or bucket(self._rows_needed(plan), 16)
         leaving = self.in_flight.push(self.prepare(plan, T), lambda: self.prepare(StepPlan([], []), T))
         # Stage s works on the micro-batch that entered s steps ago: stack them along the spp axis.
-        stages = jax.tree.map(lambda *a: np.stack(a, axis=1), *(m.batch for m in self.in_flight))
+        stages = jax.tree.map(lambda *a: np.stack(a, axis=1) if len(a) > 1 else a[0][:, None],  # spp 1: a view
+                              *(m.batch for m in self.in_flight))
         return T, (stages, leaving.rows, leaving.sampling), leaving
 
     @functools.lru_cache(maxsize=None)
@@ -257,6 +298,18 @@ class Executor:
         if self.register is None or self.register.shape[2] != T:
             self.register = self._register_alloc(T)()
         return self.params, self.k_cache, self.v_cache, self.register, stages, rows, samp
+
+    def _launch(self, T: int, host, fetch: bool):
+        """Runs the step on `host` arrays (on every process: multi-host followers get them first)."""
+        if self.channel is not None:
+            self.channel.step(T, host[1].shape[1], host, fetch)
+        key = (T, host[1].shape[1])
+        # What the engine's online calibration needs to trust a step's wall time: whether it ran a shape for the
+        # first time (it compiled, or loaded from the compilation cache) and whether it waited for the results.
+        self.last_step_first_of_shape = key not in self._shapes_run
+        self.last_step_fetched = fetch
+        self._shapes_run.add(key)
+        return self.run(self.put(T, host), fetch)
 
     def run(self, args, fetch: bool):
         """Runs the step; returns its sampled tokens and log-probs as numpy when `fetch`, else None."""
@@ -292,9 +345,7 @@ class Executor:
         """
         T, host, leaving = self._host_args(plan)
         fetch = bool(leaving.refs)
-        if self.channel is not None:
-            self.channel.step(T, leaving.rows.shape[1], host, fetch)
-        out = self.run(self.put(T, host), fetch)
+        out = self._launch(T, host, fetch)
         self.in_flight.pop()
         return leaving.plan, self._chunk_outputs(leaving, out) if fetch else [ChunkOutput()] * len(leaving.plan.chunks)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
+import collections
 import random
 import time
 from collections.abc import Sequence
@@ -19,10 +21,12 @@ from mnemojax.scheduling.outputs import CompletionOutput, RequestMetrics, Reques
 from mnemojax.scheduling.request import Request
 from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
 from mnemojax.scheduling.config import ParallelConfig, SchedulerConfig
+from mnemojax.scheduling.calibration import Calibrator
 from mnemojax.scheduling.predictor import HARDWARE, default_profile, make_predictor
 from mnemojax.scheduling.scheduler import Scheduler
 from models.config import LlamaConfig
-from models.kernels import ATTENTION_IMPLS, AUTO, check_attention_impl
+from models.attention import resolve_attention
+from models.kernels import ATTENTION_IMPLS, AUTO, PALLAS, REFERENCE, check_attention_impl
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,19 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
     predictor_profile: str | None = None
     """Fitted efficiency factors of the runtime predictor: a profile name or a JSON path
     (scripts/profile_predictor.py)."""
+    calibrate: bool = True
+    """With target_batch_time_ms: refit the runtime predictor's factors online from every step's measured time
+    (mnemojax.scheduling.calibration), starting from predictor_profile (or the hardware's shipped profile)."""
+    save_predictor_profile: str | None = None
+    """With calibrate: write the calibrated profile to this JSON path (at most every 10 s while serving, and on
+    `LLMEngine.save_predictor_profile()`); give it back as predictor_profile to start calibrated."""
+    precompile: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("MNEMOJAX_PRECOMPILE", "1").strip().lower() not in ("0", "false"))
+    """Compile the step of every shape bucket before serving, so no step compiles later (default true;
+    MNEMOJAX_PRECOMPILE=0 makes the default false). False: each shape compiles the first time a step needs it."""
+    compilation_cache_dir: str = "~/.cache/mnemojax/jax"
+    """JAX's persistent compilation cache, so a restart loads compiled steps instead of compiling them again;
+    empty: none. A cache directory already set in jax's config wins."""
 
     def __post_init__(self):
         SchedulerConfig.__post_init__(self)
@@ -119,26 +136,48 @@ class LLMEngine:
                                  max_pages_per_seq=pages_per_seq, max_num_batched_tokens=config.max_num_batched_tokens,
                                  max_tokens_per_rank=config.max_tokens_per_kvp_rank, table=loaded.table,
                                  channel=channel)
+        if config.precompile:
+            self.precompile()
         self.predictor = self._make_predictor(config, self.model_config) \
             if config.target_batch_time_ms is not None else None
         self.scheduler = Scheduler(config, self.kv, self.predictor, clock=time.perf_counter,
                                    eos_token_ids=self.model_config.eos_token_ids, spp=config.spp,
                                    max_model_len=self.max_model_len)
+        self.calibrator = Calibrator(self.predictor) if self.predictor is not None and config.calibrate else None
+        self._in_flight_shapes: collections.deque = collections.deque(maxlen=config.spp)
+        self._trust_next_step = True  # False after a step that did not wait for its results
+        self._profile_saved_at = time.monotonic()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}  # of unfinished requests, when there is a tokenizer
         self._delta_sent: dict[str, tuple[int, int, int]] = {}  # DELTA requests: prompt log-probs, tokens, chars
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
+    def precompile(self) -> float:
+        """Compiles the step of every shape the engine can meet (`Executor.shape_buckets`), with a progress bar;
+        returns the seconds it took. Called by the constructor when `config.precompile`."""
+        from tqdm import tqdm
+
+        start = time.perf_counter()
+        shapes = self.executor.shape_buckets()
+        with tqdm(total=len(shapes), desc="compiling step shapes", unit="shape", leave=False) as bar:
+            self.executor.warm_up(progress=bar.update)
+        took = time.perf_counter() - start
+        logger.info("compiled %d step shapes in %.1f s (token rows %s)", len(shapes), took,
+                    sorted({T for T, _ in shapes}))
+        return took
+
     @staticmethod
     def _make_predictor(config: EngineConfig, mc: LlamaConfig):
         hardware = config.hardware or detect_hardware()
         pages_per_seq = -(-(config.max_model_len or mc.max_position_embeddings) // config.page_size)
+        runs = resolve_attention(config.attention)  # cost the kernels this engine runs, whatever the preset's are
         # the executor runs every micro-batch at the pipeline register's size when spp > 1
         return make_predictor(config, mc, hardware=hardware, dtype_bytes=jnp.dtype(config.dtype).itemsize,
                               profile=config.predictor_profile or default_profile(hardware),
                               pipeline_padding=config.spp > 1,
-                              block_tokens=min(config.block_pages, pages_per_seq) * config.page_size)
+                              block_tokens=min(config.block_pages, pages_per_seq) * config.page_size,
+                              attention=runs if runs in (PALLAS, REFERENCE) else None)
 
     # ---------------------------------------------------------------- requests in
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -203,10 +242,58 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty and not self.executor.has_in_flight():
             return []
+        shapes = self._step_shapes(plan) if self.calibrator is not None else None
+        start = time.perf_counter()
         done, outputs = self.executor.execute(plan)  # the micro-batch leaving the pipeline
+        if shapes is not None:
+            self._calibrate(shapes, time.perf_counter() - start)
         for req in self.scheduler.update_from_output(done, outputs):
             self._detokenize(req)
         return [self.output(ch.request) for ch in done.chunks]
+
+    # ---------------------------------------------------------------- online calibration
+    def _step_shapes(self, plan):
+        """The chunk shapes `predictor.step_time` costs this step by: the slowest micro-batch in flight (the one
+        entering now included), on its busiest KVP rank."""
+        step_time = self.predictor.step_time
+        entering = max(self.scheduler.plan_shapes(plan), key=step_time, default=[])
+        self._in_flight_shapes.append(entering)
+        return max(self._in_flight_shapes, key=lambda s: step_time(s) if s else 0.0)
+
+    def _calibrate(self, shapes, seconds: float) -> None:
+        """Feeds one step's wall time of `executor.execute` to the calibrator, when it measures the step: the
+        host preparing the arrays, the device running the step and the results coming back (`execute` waits for
+        them whenever a row samples or scores a token). Left out: a step that ran a shape for the first time (a
+        compile), one that did not wait for its results (its device time is unmeasured) and the step after it
+        (which also waits for that one's)."""
+        ex = self.executor
+        trusted = self._trust_next_step and ex.last_step_fetched and not ex.last_step_first_of_shape
+        self._trust_next_step = ex.last_step_fetched
+        if not trusted or not shapes:
+            return
+        if self.calibrator.observe(shapes, seconds) and self.config.save_predictor_profile:
+            if time.monotonic() - self._profile_saved_at >= 10.0:
+                self.save_predictor_profile()
+
+    def save_predictor_profile(self, path: str | None = None) -> dict | None:
+        """Writes the (calibrated) predictor's profile to `path` (default `config.save_predictor_profile`), with
+        how it was calibrated; returns what was written, or None without a predictor or path."""
+        path = path or self.config.save_predictor_profile
+        if self.predictor is None or not path:
+            return None
+        cal = self.calibrator
+        info = self.predictor.save_profile(
+            path, model=self.config.model, calibrated_from=self.config.predictor_profile or
+            default_profile(self.predictor.hardware.name) or "defaults",
+            calibration=None if cal is None else {
+                "steps": cal.num_observed, "refits": cal.num_refits, "window": len(cal.samples),
+                "median_error_last_64": cal.recent_error(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        self._profile_saved_at = time.monotonic()
+        return info
+
+    def prediction_error(self) -> float | None:
+        """Median |predicted / measured - 1| of the recent measured steps (None without calibration or steps)."""
+        return None if self.calibrator is None else self.calibrator.recent_error()
 
     def _detokenize(self, req: Request) -> None:
         """Text for `req`'s new token. A stop string it completes ends the request, and names the reason even

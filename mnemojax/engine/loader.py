@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from models import checkpoint, orbax_io
 from models.attention import resolve_attention
 from models.config import PRESETS, LlamaConfig, preset
 from models.llama import ModelSpec
-from models.params import init_params, mesh_layout, to_mesh_layout
+from models.params import init_params, mesh_layout, split_layers, to_mesh_layout
 from models.tokenizer import load_tokenizer
 from shardings.mesh import make_mesh
 from shardings.specs import ShardingTable
@@ -35,13 +36,26 @@ class LoadedModel:
     mesh: jax.sharding.Mesh
     table: ShardingTable
     spec: ModelSpec
-    params: dict  # in the mesh layout, on the mesh
+    params: dict  # in the mesh layout, on the mesh, layers split (`models.params.split_layers`)
     tokenizer: object | None  # None: token-id prompts only
     num_pages: int  # KV pages per device (page 0 reserved)
 
 
+def use_compilation_cache(path: str) -> str | None:
+    """Points JAX's persistent compilation cache at `path` (`~` expanded; empty: none) unless one is already set;
+    returns the directory in use."""
+    current = jax.config.jax_compilation_cache_dir
+    if current or not path:
+        return current or None
+    path = os.path.expanduser(path)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
+
+
 def load(config) -> LoadedModel:
     """Resolves model, mesh, weights, tokenizer and KV sizing of an `EngineConfig`."""
+    use_compilation_cache(config.compilation_cache_dir)
     is_preset = config.model in PRESETS
     mc = preset(config.model) if is_preset else LlamaConfig.from_pretrained(config.model)
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
@@ -67,6 +81,7 @@ def load(config) -> LoadedModel:
         params = checkpoint.load_hf_params(config.model, mc, dtype, canonical)
     params = to_mesh_layout(params, mc, tp=config.tp, spp=config.spp,
                             shardings=named(table.params(mc.tie_word_embeddings)))
+    params = split_layers(params, config.spp)  # each layer's weights a buffer of their own
     if config.kv_memory_fraction is not None:
         num_pages = _pages_from_memory(config, mc, mesh)
     else:

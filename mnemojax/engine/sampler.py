@@ -120,10 +120,14 @@ def logprobs(
         top_lp, top_ids = jax.lax.top_k(lp, num_top)
         return top_ids.astype(jnp.int32), top_lp
 
+    def skipped():
+        # Zeros computed from `lp` (not created afresh), so inside shard_map both branches vary over the same
+        # mesh axes, as cond requires.
+        zeros = jnp.where(False, lp[:, :num_top], 0.0)
+        return zeros.astype(jnp.int32), zeros
+
     if want_top is None:
         top_ids, top_lp = top()
     else:
-        n = logits.shape[0]
-        top_ids, top_lp = jax.lax.cond(
-            want_top, top, lambda: (jnp.zeros((n, num_top), jnp.int32), jnp.zeros((n, num_top), jnp.float32)))
+        top_ids, top_lp = jax.lax.cond(want_top, top, skipped)
     return sampled_lp, target_lp, top_ids, top_lp

@@ -39,6 +39,7 @@ between two tokens of a decoding request.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -223,12 +224,14 @@ class Predictor:
         spreads a request over ranks by it, as the page manager does (None: a request stays on one rank).
       block_tokens: keys per block of the reference attention, `min(block_pages, pages per sequence) x
         page_size` of the engine being predicted; None: the profile's (the engine it was fitted on).
+      attention: the attention kernels the engine being predicted runs ("reference" or "pallas"); None: the
+        profile's, resolved for `hardware`.
     """
 
     def __init__(self, model: LlamaConfig, hardware: Hardware | str, *, tp: int = 1, spp: int = 1, kvp: int = 1,
                  dtype_bytes: int | None = None, profile: Profile | dict | str | None = None,
                  pipeline_tokens: int | None = None, max_tokens_per_kvp_rank: int | None = None,
-                 block_tokens: int | None = None):
+                 block_tokens: int | None = None, attention: str | None = None):
         for name, v in (("tp", tp), ("spp", spp), ("kvp", kvp)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -254,6 +257,8 @@ class Predictor:
                 self.profile = Profile.from_dict(info)
         if block_tokens is not None:
             self.profile = dataclasses.replace(self.profile, block_tokens=block_tokens)
+        if attention is not None:
+            self.profile = dataclasses.replace(self.profile, attention=attention)
         self.attention = resolve_attention_impl(self.profile.attention, hardware.nvidia_gpu)  # the kernels costed
         fitted_on = self.profile_info.get("hardware", hardware.name)
         if fitted_on != hardware.name:
@@ -264,6 +269,10 @@ class Predictor:
         self.max_tokens_per_kvp_rank = max_tokens_per_kvp_rank
         self.pipeline_tokens = (bucket(pipeline_tokens, self.profile.pad_tokens_min)
                                 if pipeline_tokens is not None and spp > 1 else None)
+        self.version = 0
+        """Bumped by `set_profile`: a caller caching predictions compares it."""
+        self.calibrating = False
+        """True while an online calibration has not settled (the scheduler then keeps its target-unmet message)."""
 
         c = model
         self.layers_per_stage = -(-c.num_layers // spp)
@@ -276,6 +285,21 @@ class Predictor:
         self.lm_head_params = d * c.vocab_size  # replicated over tp, computed on every stage
 
     # ------------------------------------------------------------------ profiles
+    _LAYOUT = ("attention", "block_tokens", "pad_tokens_min", "pad_rows_min")
+
+    def set_profile(self, profile: Profile) -> None:
+        """Replaces the efficiency factors and overheads in place (online calibration,
+        `mnemojax.scheduling.calibration`); the fields that describe the executor's layout must not change."""
+        changed = [k for k in self._LAYOUT if getattr(profile, k) != getattr(self.profile, k)]
+        if changed:
+            raise ValueError(f"set_profile changes the executor's layout fields {changed}")
+        self.profile = profile
+        self.version += 1
+
+    def copy(self) -> Predictor:
+        """An independent predictor of the same model, hardware, layout and (current) profile."""
+        return copy.copy(self)
+
     @staticmethod
     def load_profile(path: str) -> dict[str, Any]:
         """A profile file's contents (a path, or the name of a shipped profile in `PROFILE_DIR`)."""
@@ -407,11 +431,13 @@ class Predictor:
 
 
 def make_predictor(config, model: LlamaConfig, *, hardware: Hardware | str, dtype_bytes: int, profile: str | None,
-                   pipeline_padding: bool, block_tokens: int | None = None) -> Predictor:
+                   pipeline_padding: bool, block_tokens: int | None = None,
+                   attention: str | None = None) -> Predictor:
     """The runtime predictor of a deployment, for the engine and the simulator alike. `config` has the fields of
     `mnemojax.scheduling.config.ParallelConfig` and `SchedulerConfig` (an `EngineConfig` or a `SimConfig`);
     `pipeline_padding`: cost every micro-batch at the pipeline register's size (`max_num_batched_tokens` rows),
     as the executor runs it when spp > 1."""
     return Predictor(model, hardware, tp=config.tp, spp=config.spp, kvp=config.kvp, dtype_bytes=dtype_bytes,
                      profile=profile, pipeline_tokens=config.max_num_batched_tokens if pipeline_padding else None,
-                     max_tokens_per_kvp_rank=config.max_tokens_per_kvp_rank, block_tokens=block_tokens)
+                     max_tokens_per_kvp_rank=config.max_tokens_per_kvp_rank, block_tokens=block_tokens,
+                     attention=attention)

@@ -127,7 +127,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self._order = itertools.count()
         self.num_preemptions = 0  # since start, for the server's metrics
-        self._prefill_cache: dict[int, tuple[int, float]] = {}
+        self._prefill_cache: dict[int, tuple[int, int, int, float]] = {}  # id: (num_computed, start, predictor version, s)
+        self._target_unmet_logged = False
 
     @property
     def num_unfinished(self) -> int:
@@ -238,16 +239,17 @@ class Scheduler:
     def remaining_prefill_time(self, req: Request) -> float:
         """Predicted seconds to compute the rest of `req`'s known tokens alone."""
         key = id(req)
+        version = getattr(self.predictor, "version", 0)  # online calibration changes the predictor
         hit = self._prefill_cache.get(key)
-        if hit is not None and hit[0] == req.num_computed:
-            return hit[1]
         # a waiting request is expected to find its cached pages (estimated when it was added)
         start = req.num_computed if req.status is RequestStatus.RUNNING else (req.num_cached_tokens or 0)
+        if hit is not None and hit[:3] == (req.num_computed, start, version):
+            return hit[3]
         if self.predictor is None:
             t = (req.num_tokens - start) * DEFAULT_SECONDS_PER_TOKEN
         else:
             t = self.predictor.prefill_time(req.num_tokens, self.config.chunk_size, context_start=start)
-        self._prefill_cache[key] = (req.num_computed, t)
+        self._prefill_cache[key] = (req.num_computed, start, version, t)
         return t
 
     def relative_slack(self, req: Request, now: float) -> float:
@@ -265,25 +267,36 @@ class Scheduler:
         return self.relative_slack(req, now)
 
     # ---------------------------------------------------------------- packing
-    def _ranks_of(self, req: Request, n: int) -> list[int]:
-        """Ranks whose rows a chunk of `n` tokens of `req` occupies (all ranks once its KV spans several)."""
-        if len(self.kv.rank_tokens(req.num_computed + n)) > 1:
+    def _ranks_of(self, req: Request, n: int, start: int | None = None) -> list[int]:
+        """Ranks whose rows a chunk of `n` tokens of `req` from `start` (default: `num_computed`) occupies (all
+        ranks once its KV spans several)."""
+        start = req.num_computed if start is None else start
+        if len(self.kv.rank_tokens(start + n)) > 1:
             return list(range(self.kv.num_ranks))
         return req.kv_ranks[:1]
 
+    def _rank_shapes(self, items) -> dict[int, list[ChunkShape]]:
+        """Per KVP rank, the chunk shapes of `items` ((request, start, tokens)) that occupy its rows."""
+        by_rank: dict[int, list[ChunkShape]] = {}
+        for req, start, n in items:
+            shape = ChunkShape(n, start + n, max(1, len(self.kv.rank_tokens(start + n))))
+            for r in self._ranks_of(req, n, start):
+                by_rank.setdefault(r, []).append(shape)
+        return by_rank
+
+    def plan_shapes(self, plan: StepPlan) -> list[list[ChunkShape]]:
+        """The chunk shapes of `plan` on each KVP rank that has rows in it, as the predictor costs them (call it
+        before the plan's requests move on: ranks are read from their current pages)."""
+        return list(self._rank_shapes((ch.request, ch.start, ch.num_tokens) for ch in plan.chunks).values())
+
     def _cost(self, entries: list[tuple[Request, int]]) -> float:
         """A step's cost: its busiest rank's predicted time, or its token count without a predictor."""
-        by_rank: dict[int, list[tuple[Request, int]]] = {}
-        for req, n in entries:
-            for r in self._ranks_of(req, n):
-                by_rank.setdefault(r, []).append((req, n))
+        by_rank = self._rank_shapes((req, req.num_computed, n) for req, n in entries)
         if not by_rank:
             return 0.0
         if self.target_s is None:
-            return float(max(sum(n for _, n in es) for es in by_rank.values()))
-        return max(self.predictor.step_time([
-            ChunkShape(n, req.num_computed + n, max(1, len(self.kv.rank_tokens(req.num_computed + n))))
-            for req, n in es]) for es in by_rank.values())
+            return float(max(sum(ch.query_tokens for ch in es) for es in by_rank.values()))
+        return max(self.predictor.step_time(es) for es in by_rank.values())
 
     def _limit(self) -> float:
         c = self.config
@@ -302,6 +315,8 @@ class Scheduler:
         if self._cost(entries + [(req, hi)]) <= cap:
             return hi
         if self._cost(entries + [(req, 1)]) > cap:
+            if floor > 0:
+                self._log_target_unmet(entries, req, min(floor, hi), cap)
             return min(floor, hi)  # not even one token fits
         best, a, b = 1, 2, hi - 1  # the cost grows with the chunk: binary search for the largest that fits
         while a <= b:
@@ -310,7 +325,26 @@ class Scheduler:
                 best, a = mid, mid + 1
             else:
                 b = mid - 1
+        if best < min(floor, hi):
+            self._log_target_unmet(entries, req, min(floor, hi), cap)
         return max(best, min(floor, hi))
+
+    def _log_target_unmet(self, entries, req: Request, n: int, cap: float) -> None:
+        """Says once that a step's least work (its decodes and the most urgent prefill's smallest chunk) is
+        predicted over the target."""
+        if self._target_unmet_logged or getattr(self.predictor, "calibrating", False):
+            return
+        entries = [(r, k) for r, k in entries if k == 1 and r.output_token_ids]  # decodes: no packing choice
+        if self._cost(entries + [(req, n)]) <= cap:
+            return  # other prefills took the room: a packing choice, not the step's least work
+        self._target_unmet_logged = True
+        logger.warning(
+            "target_batch_time_ms=%g cannot be met: a step's least work, %d decodes and %d tokens "
+            "of request %s's prefill (min_chunk_size %d, context %d), is predicted at %.1f ms per stage (%.1f ms "
+            "without the prefill) against %.1f ms (target / spp %d); such steps run over the target (logged once)",
+            self.config.target_batch_time_ms, len(entries), n, req.request_id,
+            self.config.min_chunk_size, req.num_computed + n, 1e3 * self._cost(entries + [(req, n)]),
+            1e3 * self._cost(entries), 1e3 * cap, self.spp)
 
     def _schedule(self, req: Request, n: int, budgets: list[int], chunks: list[ScheduledChunk],
                   preempted: list[Request]) -> bool:
@@ -434,7 +468,12 @@ class Scheduler:
                 self._unplace(req)
                 continue  # a longer context only costs more
             # Only the most urgent prefill is sure to progress; the others fit under the cap or wait.
-            n = self._fit(entries(), req, budgets, cap, floor if req is primary else 0)
+            # Before the most urgent prefill is placed, the others are costed with its smallest chunk in the step:
+            # a step's cost is not a sum (the reference kernel runs every row over the longest context), so room
+            # they take could otherwise leave it none.
+            reserve = [(primary, min(floor, primary.num_uncomputed))] if (
+                floor and req is not primary and id(primary) not in scheduled and primary.kv_ranks) else []
+            n = self._fit(entries() + reserve, req, budgets, cap, floor if req is primary else 0)
             if n <= 0:
                 if cap == limit and req.num_computed == 0 and len(req.kv_ranks) == 1:
                     full.add(req.kv_ranks[0])

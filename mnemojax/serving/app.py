@@ -1,16 +1,17 @@
 """The OpenAI-compatible HTTP API (FastAPI), served by `python -m mnemojax.serve`.
 
 Endpoints: POST /v1/completions (`completions.py`), POST /v1/chat/completions (`chat.py`), GET /v1/models,
-GET /health, GET /metrics, and the admin POST /reset_prefix_cache (forgets the engine's cached KV pages). Streaming responses are server-sent events (`data: {json}` lines) ending with
-`data: [DONE]`.
+vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info (`tokenization.py`), GET /health, GET /metrics, and
+the admin POST /reset_prefix_cache (forgets the engine's cached KV pages). Streaming responses are server-sent
+events (`data: {json}` lines) ending with `data: [DONE]`.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`:
 - 400 bad input (the message names the field and the limit): malformed JSON, invalid UTF-8 or a lone surrogate,
   a wrong type (types are strict), an empty prompt, prompt + max_tokens beyond max_model_len, a sampling field out
   of range, more stop strings, stop characters, stop token ids or choices than the server's limits, an unknown
   model name or chat role;
-- 401 a missing or wrong API key (only when the server has one, for /v1 and admin paths; /health and /metrics
-  stay open);
+- 401 a missing or wrong API key (only when the server has one, for /v1, the tokenizer endpoints and admin paths;
+  /health and /metrics stay open);
 - 408 the body did not arrive within the body timeout;
 - 413 a body larger than the limit;
 - 429 the queue of requests waiting for their first step is full;
@@ -43,7 +44,9 @@ from mnemojax.serving.base import INTERNAL_ERROR, APIError, ServerState, error_b
 from mnemojax.serving.chat import ServingChat
 from mnemojax.serving.completions import ServingCompletion
 from mnemojax.serving.config import ServerConfig
-from mnemojax.serving.protocol import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from mnemojax.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                       describe_validation_error)
+from mnemojax.serving.tokenization import PATHS as TOKENIZER_PATHS, ServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +79,8 @@ class GuardMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(given, self.state.api_key)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not (scope["path"].startswith("/v1") or scope["path"] in ADMIN_PATHS):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1") or scope["path"] in TOKENIZER_PATHS
+                                           or scope["path"] in ADMIN_PATHS):
             return await self.app(scope, receive, send)
         st = self.state
         if st.draining:
@@ -153,6 +157,7 @@ def build_app(llm: EngineClient, config: ServerConfig | None = None, **overrides
     llm.add_finished_listener(st.metrics.observe_finished)
     app.add_middleware(GuardMiddleware, state=st)
     serving_completion, serving_chat = ServingCompletion(st), ServingChat(st)
+    serving_tokenization = ServingTokenization(st, serving_chat)
 
     def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
         st.metrics.observe_error(status)
@@ -208,5 +213,17 @@ def build_app(llm: EngineClient, config: ServerConfig | None = None, **overrides
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving_chat.create(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return serving_tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return serving_tokenization.detokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return serving_tokenization.tokenizer_info()
 
     return app

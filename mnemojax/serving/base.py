@@ -69,6 +69,13 @@ def _api_error(e: BaseException) -> BaseException:
     return e
 
 
+def top_entries(d: dict[int, float], k: int, token: int) -> list[tuple[int, float]]:
+    """The `k` most likely (token, log-prob) entries of an engine's log-prob dict (its top entries come first, in
+    order), and `token`'s own after them if it is not among them."""
+    top = list(d.items())[:k]
+    return top if any(t == token for t, _ in top) else top + [(token, d[token])]
+
+
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -111,7 +118,11 @@ class Choice:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    show_prompt_logprobs: int | None = None  # the request's `prompt_logprobs` (the engine may compute more)
+    echo: bool = False  # completions: the prompt leads the text and the log-probs
+    discard_output: bool = False  # echo with max_tokens 0: the engine generates 1 token, the response shows none
     pending: RequestOutput | None = None  # received, not taken: the DELTA outputs added up
+    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)  # received so far
     num_tokens: int = 0  # generated so far
     num_cached_tokens: int = 0  # prompt tokens the engine's prefix cache gave it
     taken_chars: int = 0  # characters of text taken so far
@@ -119,6 +130,12 @@ class Choice:
     emptied: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set while nothing is pending
 
     def receive(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs:
+            self.prompt_logprobs.extend(out.prompt_logprobs)
+        if self.discard_output:
+            co = out.outputs[0]
+            reason = co.finish_reason if co.finish_reason in (None, "abort") else "length"
+            out = dataclasses.replace(out, outputs=[CompletionOutput(co.index, "", [], None, reason)])
         self.num_tokens += len(out.outputs[0].token_ids)
         self.num_cached_tokens = out.num_cached_tokens
         self.emptied.clear()
@@ -174,9 +191,10 @@ class OpenAIServing:
             raise APIError(400, f"{num_prompts} prompt(s) with n = {n} make {num_prompts * n} choices; this server "
                                 f"takes at most {most} in one request", "n" if n > 1 else "prompt")
 
-    def admit(self, prompts: list, base: SamplingParams, n: int) -> list[Choice]:
+    def admit(self, prompts: list, base: SamplingParams, n: int, **choice_fields) -> list[Choice]:
         """Validates every prompt before anything is queued; 400 or 429 on failure. Each prompt gets `n` choices:
-        with a seed, choice j draws with seed + j (choice 0 equals the same request with n = 1)."""
+        with a seed, choice j draws with seed + j (choice 0 equals the same request with n = 1). `choice_fields`
+        go to every `Choice`."""
         self.check_limits(base, len(prompts), n)
         base = dataclasses.replace(base, output_kind=RequestOutputKind.DELTA)
         params = [base if base.seed is None else dataclasses.replace(base, seed=base.seed + j) for j in range(n)]
@@ -189,7 +207,7 @@ class OpenAIServing:
             except ValueError as e:
                 raise bad_request(e, "" if len(prompts) == 1 else f"prompt[{pi}]: ") from None
             first = len(choices)
-            choices += [Choice(first + j, pi, ids, p) for j, p in enumerate(params)]
+            choices += [Choice(first + j, pi, ids, p, **choice_fields) for j, p in enumerate(params)]
         max_queue = self.state.config.max_queue
         if self.llm.num_waiting + len(choices) > max_queue:
             raise APIError(429, f"too many requests waiting ({self.llm.num_waiting}, the limit is max_queue = "
@@ -270,7 +288,7 @@ class OpenAIServing:
         if not await self.run_to_end(request, rid, choices):
             return Response(status_code=499)  # the client is gone; nobody reads this
         return {**head, "object": self.object_name, "choices": [self.whole_choice(c, c.take()) for c in choices],
-                "usage": self.usage(choices)}
+                "usage": self.usage(choices), **self.response_fields(choices)}
 
     async def _events(self, rid: str, head: dict, choices: list[Choice], include_usage: bool):
         def chunk(choices_, **extra):
@@ -308,6 +326,23 @@ class OpenAIServing:
 
     def preamble(self, c: Choice) -> list[dict]:
         return []
+
+    def response_fields(self, choices: list[Choice]) -> dict:
+        """Fields a whole response has besides id, created, model, object, choices and usage."""
+        return {}
+
+    def prompt_logprobs(self, c: Choice) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token (the first None) `{"<id>": {"logprob", "rank",
+        "decoded_token"}}` for the top `show_prompt_logprobs` tokens and the prompt's own token. `rank` is 1 for the
+        most likely; it is null for a prompt token outside the top tokens the engine computed."""
+        if c.show_prompt_logprobs is None:
+            return None
+        out: list[dict | None] = [None]
+        for t, d in zip(c.prompt_ids[1:], c.prompt_logprobs[1:]):
+            ranks = {k: r for r, k in enumerate(list(d)[:c.params.prompt_logprobs], 1)}
+            out.append({str(k): {"logprob": lp, "rank": ranks.get(k), "decoded_token": self.token_text(k)}
+                        for k, lp in top_entries(d, c.show_prompt_logprobs, t)})
+        return out
 
     def stream_choice(self, c: Choice, new: CompletionOutput, offset: int) -> dict:
         """A chunk's choice: `new` is what arrived since the previous chunk, `offset` where its text starts."""

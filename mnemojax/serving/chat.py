@@ -6,7 +6,7 @@ from fastapi import Request
 from mnemojax.scheduling.outputs import CompletionOutput
 from mnemojax.scheduling.sampling_params import ParamError
 from mnemojax.serving.base import APIError, Choice, OpenAIServing, bad_request
-from mnemojax.serving.protocol import ChatCompletionRequest
+from mnemojax.serving.protocol import ChatCompletionRequest, ChatMessage
 
 
 class ServingChat(OpenAIServing):
@@ -20,16 +20,7 @@ class ServingChat(OpenAIServing):
             body.check()
         except ParamError as e:
             raise bad_request(e) from None
-        if self.tokenizer is None:
-            raise APIError(400, f"model {self.state.served_model_name!r} has no tokenizer, so no chat template; "
-                                "use /v1/completions with token ids", "messages")
-        try:
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
-                                                      add_generation_prompt=body.add_generation_prompt,
-                                                      tokenize=False)
-            prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        except Exception as e:  # noqa: BLE001 - a template error is the caller's messages
-            raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
+        prompt_ids = self.render(body.messages, body.add_generation_prompt)
         max_tokens = body.token_limit
         if max_tokens is None:
             max_tokens = max(self.llm.max_model_len - len(prompt_ids), 1)
@@ -37,8 +28,24 @@ class ServingChat(OpenAIServing):
             params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         except ValueError as e:
             raise bad_request(e) from None
-        choices = self.admit([prompt_ids], params, body.n)
+        choices = self.admit([prompt_ids], params, body.n, show_prompt_logprobs=body.prompt_logprobs)
         return await self.respond(request, body.stream, body.include_usage, choices)
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """The token ids of `messages` through the tokenizer's chat template (400 naming `messages` if it fails)."""
+        if self.tokenizer is None:
+            raise APIError(400, f"model {self.state.served_model_name!r} has no tokenizer, so no chat template; "
+                                "use /v1/completions with token ids", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                                      add_generation_prompt=add_generation_prompt, tokenize=False)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except Exception as e:  # noqa: BLE001 - a template error is the caller's messages
+            raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
+
+    def response_fields(self, choices: list[Choice]) -> dict:
+        """vLLM's chat response has `prompt_logprobs` once, beside the choices (their prompt is the same)."""
+        return {"prompt_logprobs": self.prompt_logprobs(choices[0])}
 
     def logprobs(self, c: Choice, ids: list[int], lps: list[dict]) -> dict | None:
         if c.params.logprobs is None:

@@ -41,6 +41,11 @@ class _EngineCollector:
                                   "prefix cache.", value=s.prefix_cache_queries)
         yield CounterMetricFamily("mnemojax_prefix_cache_hits", "Tokens found in the prefix cache (not computed).",
                                   value=s.prefix_cache_hits)
+        if s.step_time_prediction_error is not None:  # only with online calibration (target_batch_time_ms)
+            yield GaugeMetricFamily(
+                "mnemojax_step_time_prediction_error", "Median |predicted / measured - 1| of the runtime predictor "
+                "over the last 64 measured steps, each predicted before it was fitted.",
+                value=s.step_time_prediction_error)
 
 
 class ServerMetrics:

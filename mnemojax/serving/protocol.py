@@ -4,8 +4,8 @@ Field names, types and defaults follow the OpenAI API, plus vLLM's extensions (`
 `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`). Types are strict: a wrong type is a 400
 naming the field, never coerced ("2" is not 2, true is not 1; an int is a valid float). Strings must be Unicode
 (JSON's `\ud800` escapes can spell a lone surrogate, which no tokenizer takes). Unknown fields are ignored, as
-OpenAI-compatible servers do; fields we cannot honour (penalties, `echo`, `suffix`, `best_of`) are accepted in
-the schema and rejected with a 400 naming them when set, never silently dropped. Range checks live in
+OpenAI-compatible servers do; fields we cannot honour (penalties, `suffix`, `best_of`, `echo` or `prompt_logprobs`
+with `stream`) are accepted in the schema and rejected with a 400 naming them when set, never silently dropped. Range checks live in
 `SamplingParams` and the engine, so the server and the library share one set of limits and messages.
 """
 from __future__ import annotations
@@ -65,6 +65,8 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: Text | None = None
+    prompt_logprobs: int | None = Field(default=None, description=f"vLLM's: top log-probs per prompt token, "
+                                                                  f"0..{MAX_LOGPROBS}; not with stream")
 
     def _check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -76,15 +78,20 @@ class _SamplingRequest(_Strict):
             raise ParamError("logit_bias", "logit_bias is not supported")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise ParamError("n", f"n must be between 1 and {MAX_N}, got {self.n}")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ParamError("prompt_logprobs", "prompt_logprobs is not supported with stream (as in vLLM)")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The request's `SamplingParams` (ValueError names the bad field and its limit)."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request's `SamplingParams` (ValueError names the bad field and its limit); `prompt_logprobs`: how
+        many top log-probs per prompt token the engine computes (None: the request's `prompt_logprobs`)."""
         self._check_unsupported()
+        prompt_logprobs = self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
 
     @property
@@ -116,8 +123,11 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
     def check(self) -> None:
-        if self.echo:
-            raise ParamError("echo", "echo is not supported")
+        if self.echo and self.stream:
+            raise ParamError("echo", "echo is not supported with stream (the prompt's log-probs come whole)")
+        least = 0 if self.echo else 1
+        if self.max_tokens is not None and self.max_tokens < least:
+            raise ParamError("max_tokens", f"max_tokens must be at least 1 (0 only with echo), got {self.max_tokens}")
         if self.suffix:
             raise ParamError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -168,8 +178,32 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
 
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): a `prompt`, or chat `messages` through the chat template; not both."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ParamError("prompt", "give exactly one of prompt and messages")
+        if self.messages is not None and not self.messages:
+            raise ParamError("messages", "messages must not be empty")
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's)."""
+
+    model: Text | None = None
+    tokens: list[int]
+
+
 FIELD_NAMES = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart,
-                                           StreamOptions) for name in model.model_fields)
+                                           StreamOptions, TokenizeRequest, DetokenizeRequest) for name in model.model_fields)
 """Every field name of a request body: what a validation error's location may name (the rest of a location is
 pydantic's tags for the members of a union of types)."""
 

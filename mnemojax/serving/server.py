@@ -134,12 +134,18 @@ def main(argv):
     logger.info("stopped")
 
 
+SERVE_DEFAULTS = {"scheduler_policy": "ilrs", "target_batch_time_ms": 50.0}
+"""The server's scheduling defaults, where they differ from EngineConfig's (the library keeps fcfs, no target):
+ILRS with a calibrated 50 ms target served the serving benchmark's long + short mix best (docs/benchmarks.md,
+2026-11-23). `--target_batch_time_ms=none` turns adaptive chunking off."""
+
+
 def define_serve_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     """The command's flags: every EngineConfig, ServerConfig and MultiHostConfig field."""
     from mnemojax.engine.llm_engine import EngineConfig
 
     for cls in (EngineConfig, ServerConfig, MultiHostConfig):
-        define_flags(cls, flag_values)
+        define_flags(cls, flag_values, defaults=SERVE_DEFAULTS if cls is EngineConfig else None)
 
 
 def run():

@@ -985,7 +985,9 @@ def serve_command(outcome: Outcome, setup: Setup) -> ServeCommand:
         "max_model_len": setup.max_model_len, "page_size": sp.page_size,
         "num_pages": outcome.metrics["kv_pages_per_rank"], "chunk_size": c.chunk_size,
         "max_num_batched_tokens": c.max_num_batched_tokens, "max_num_seqs": sp.max_num_seqs,
-        "scheduler_policy": c.scheduler_policy, "target_batch_time_ms": c.target_batch_time_ms,
+        "scheduler_policy": c.scheduler_policy,
+        # the server's default target is 50 ms: a candidate without one says so
+        "target_batch_time_ms": "none" if c.target_batch_time_ms is None else c.target_batch_time_ms,
         "ppb_max_share": sp.ppb_max_share, "ttft_slo_min_s": setup.deadline_min_s,
         "ttft_slo_per_token_s": setup.deadline_per_token_s, "predictor_profile": cfg.predictor_profile,
     }

@@ -116,6 +116,31 @@ def test_logprobs_shapes(llm):
         assert np.exp(top).sum() <= 1.0 + 1e-5
 
 
+def test_top_logprobs_computed_only_for_rows_that_ask(llm, monkeypatch):
+    """Each logits row says whether its request wants top log-probs (the step skips the vocabulary top-k when
+    no row does); a request with logprobs=3 batched beside one without gets the same top entries as alone."""
+    p0, p1, p2 = _prompts((9, 6, 7), seed=5)
+    asks = SamplingParams(max_tokens=3, temperature=0, logprobs=3, ignore_eos=True)
+    plain = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    scores = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1, ignore_eos=True)
+    alone = llm.generate([p0], asks)[0].outputs[0]
+
+    prepared, prepare = [], llm.engine.executor.prepare
+    monkeypatch.setattr(llm.engine.executor, "prepare", lambda plan, T: prepared.append(prepare(plan, T)) or
+                        prepared[-1])
+    batched = llm.generate([p0, p1, p2], [asks, plain, scores])[0].outputs[0]
+    mb = next(m for m in prepared if len(m.plan.chunks) == 3)
+    want = [(ref.chunk, ref.is_sample, bool(mb.sampling.want_top[ref.rank, ref.row])) for ref in mb.refs]
+    assert (0, True, True) in want and (1, True, False) in want and (2, True, False) in want
+    assert [w for chunk, is_sample, w in want if not is_sample] == [True] * (len(p2) - 1)  # p2's prompt rows
+    assert mb.sampling.want_top[0].sum() == 1 + len(p2) - 1  # padding rows want nothing
+
+    assert batched.token_ids == alone.token_ids
+    for a, b in zip(alone.logprobs, batched.logprobs):
+        assert a.keys() == b.keys() and len(a) >= 3
+        np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=0, atol=1e-5)
+
+
 def test_stop_conditions(llm):
     prompt = _prompts((6,))[0]
     base = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
@@ -203,7 +228,7 @@ def test_text_prompt_without_tokenizer(tmp_path):
 def test_bfloat16_end_to_end(ckpt, alone):
     prompts, ref = alone
     llm = LLM(model=ckpt, dtype="bfloat16", page_size=4, chunk_size=16, max_model_len=256)
-    assert llm.engine.executor.params["layers"]["wq"].dtype == jnp.bfloat16
+    assert llm.engine.executor.params["layers"][0]["wq"].dtype == jnp.bfloat16
     assert llm.engine.executor.k_cache.dtype == jnp.bfloat16
     outs = llm.generate(prompts, GREEDY)
     for out, r in zip(outs, ref):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mnemojax import LLM, SamplingParams
+from models.params import stack_layers
 from models.params import mesh_layout
 from tests.hf_utils import make_hf_checkpoint
 
@@ -132,8 +133,9 @@ def test_per_device_shapes(ckpt, shape):
               "wo": (Ls, N // tp, Dh, D), "w_gate": (Ls, D, F // tp), "w_up": (Ls, D, F // tp),
               "w_down": (Ls, F // tp, D), "attn_norm": (Ls, D), "mlp_norm": (Ls, D)}
     ex = llm.engine.executor
+    layers = stack_layers(ex.params)["layers"]
     for name, shape_ in expect.items():
-        arr = ex.params["layers"][name]
+        arr = layers[name]
         assert len(arr.addressable_shards) == kvp * spp * tp
         for sh in arr.addressable_shards:
             assert sh.data.shape == shape_, name
@@ -141,7 +143,7 @@ def test_per_device_shapes(ckpt, shape):
         for sh in cache.addressable_shards:
             assert sh.data.shape == (Ls, 50, 4, K // tp, Dh)
     if spp == 3:  # 4 layers over 3 stages: padded to 6 with zero layers
-        assert L == 6 and not np.asarray(ex.params["layers"]["wq"])[4:].any()
+        assert L == 6 and not np.asarray(layers["wq"])[4:].any()
 
 
 def test_orbax_checkpoint_restores_under_another_mesh(ckpt, reference, tmp_path):
@@ -151,10 +153,10 @@ def test_orbax_checkpoint_restores_under_another_mesh(ckpt, reference, tmp_path)
     saver = LLM(model=ckpt, page_size=4, max_model_len=96, kvp=2, spp=2, tp=2)
     from models.config import LlamaConfig
     config = LlamaConfig.from_pretrained(ckpt)
-    assert saver.engine.executor.params["layers"]["wq"].sharding.mesh.shape["tp"] == 2
+    assert saver.engine.executor.params["layers"][0]["wq"].sharding.mesh.shape["tp"] == 2
     out = tmp_path / "orbax"
     # The executor's params are in the checkpoint layout here (4 layers / 2 stages, 2 kv heads / tp 2).
-    save_params(saver.engine.executor.params, out, config)
+    save_params(stack_layers(saver.engine.executor.params), out, config)
     copy_tokenizer_files(ckpt, out)
     del saver
     for shape in [(1, 2, 4), (4, 1, 1)]:

@@ -171,6 +171,45 @@ def test_ppb_off_gives_everything_to_the_most_urgent():
     assert got == {"long": 1000}
 
 
+class LongestContextPredictor:
+    """step time = a x query tokens x the longest context in the step: the reference kernel's shape on a CPU, where
+    every row loops over the longest sequence's keys (a step's cost is not the sum of its chunks')."""
+
+    def __init__(self, a=1e-8):
+        self.a = a
+
+    def step_time(self, chunks):
+        return self.a * sum(c.query_tokens for c in chunks) * max((c.context_len for c in chunks), default=0)
+
+    def prefill_time(self, prompt_len, chunk_size, context_start=0):
+        t, s = 0.0, context_start
+        while s < prompt_len:
+            n = min(chunk_size, prompt_len - s)
+            t += self.a * n * (s + n)
+            s += n
+        return t
+
+
+def test_ppb_leaves_the_most_urgent_its_smallest_chunk_when_costs_do_not_add():
+    """Long (50,000 tokens, 20,000 computed) is the most urgent (slack (1.5 - 0.5 - ~10 s) / 1.5 < 0); short (2,000
+    tokens) would take its share, ~0.6 ms, with up to 244 tokens alone, after which the long one's 32-token minimum
+    costs (244 + 32) x 20,032 x 1e-8 = 55 ms, 5.5x the 10 ms target. Costed with that minimum in the step, the short
+    one fits no token (32 x 20,032 x 1e-8 = 6.4 ms already exceeds its share), and the long one takes the largest
+    chunk under 10 ms: 49 tokens (49 x 20,049 x 1e-8 = 9.82 ms; 50 tokens: 10.03 ms)."""
+    s = _sched("ilrs", pages=8192, predictor=LongestContextPredictor(), chunk_size=4096, max_num_batched_tokens=4096,
+               target_batch_time_ms=10.0, min_chunk_size=32, ppb_max_share=0.5, ttft_slo_min_s=1.0,
+               ttft_slo_per_token_s=1e-5)
+    long = _req("long", 50_000, 0.0)
+    s.add(long)
+    _complete(s, s.schedule(now=0.0))
+    s.kv.grow(long, 20_000)
+    long.num_computed = 20_000
+    s.add(_req("short", 2000, 0.3))
+    assert s.relative_slack(long, 0.5) < 0 < s.relative_slack(s.waiting[0], 0.5)
+    plan = s.schedule(now=0.5)
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("long", 49)]
+
+
 def test_fcfs_never_shares():
     p = LinearPredictor(overhead=0.0, a=1e-5, b=0.0)
     s = _sched("fcfs", predictor=p, chunk_size=4096, max_num_batched_tokens=4096, target_batch_time_ms=10.0,

@@ -95,3 +95,12 @@ def test_reset_prefix_cache_endpoint_is_behind_the_api_key():
         assert r.status_code == 200 and r.json() == {"num_cached_pages_reset": 0}
         assert engine.num_cache_resets == 1
         assert client.get("/health").status_code == 200  # still open
+
+
+def test_prediction_error_gauge_only_with_calibration():
+    from mnemojax.engine.async_llm import EngineStats
+    from mnemojax.serving.metrics import ServerMetrics
+
+    text = ServerMetrics(lambda: EngineStats(step_time_prediction_error=0.07), "m").render().decode()
+    assert "\nmnemojax_step_time_prediction_error 0.07\n" in text
+    assert "mnemojax_step_time_prediction_error" not in ServerMetrics(EngineStats, "m").render().decode()
