@@ -83,11 +83,18 @@ def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16) 
     return out
 
 
+def hidden_fraction(m: dict[str, float]) -> float:
+    """How much of the host parts' time overlapped the device's: the parts' times beyond the step's wall time, as
+    a fraction of the host parts (0 when they run one after another: they then add up to at most the step)."""
+    host_parts = sum(m[p] for p in PARTS if p != "run")
+    return min(1.0, max(0.0, sum(m[p] for p in PARTS) - m["step"]) / host_parts) if host_parts else 0.0
+
+
 def table(rows: dict[int, dict[str, float]], requests: int) -> str:
     head = f"{'table width':>22} " + " ".join(f"{p:>9}" for p in PARTS) + f" {'host':>9} {'step':>9} {'hidden':>7}"
     lines = [f"ms per decode step, {requests} requests decoding (median)", head]
     for width, m in rows.items():
-        hidden = 0.0  # the parts run one after another: nothing of the host's work overlaps the device's
+        hidden = hidden_fraction(m)
         lines.append(f"{width:>15,} tokens " + " ".join(f"{m[p]:>9.2f}" for p in PARTS)
                      + f" {m['host']:>9.2f} {m['step']:>9.2f} {hidden:>6.0%}")
     return "\n".join(lines)

@@ -1,11 +1,11 @@
 """The engine: requests in, outputs out. Each `step()` is: schedule, execute, update."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
 import os
-import collections
 import random
 import time
 from collections.abc import Sequence
