@@ -55,3 +55,11 @@ def from_last_stage(x):
     """The value of `x` held by the last pipeline stage, on every stage (one block of x over `spp`)."""
     last = lax.axis_size(SPP) - 1
     return lax.psum(jnp.where(lax.axis_index(SPP) == last, x, jnp.zeros_like(x)), SPP)
+
+
+def from_every_rank(x):
+    """Every KVP rank's `x`, stacked [kvp, ...] and the same on every device (a psum of one-hot blocks, so the
+    result is typed invariant over `kvp`; `x` is small: a step's sampled tokens)."""
+    n = lax.axis_size(KVP)
+    mine = lax.axis_index(KVP) == jnp.arange(n).reshape((n,) + (1,) * x.ndim)
+    return lax.psum(jnp.where(mine, x[None], jnp.zeros_like(x)[None]), KVP)

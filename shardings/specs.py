@@ -37,6 +37,15 @@ class ShardingTable:
     # Logits rows of the micro-batch leaving the pipeline, one block per KVP rank: [kvp, R] and [kvp, R, top-k].
     rows_kr: P = P(KVP, None)
     rows_krj: P = P(KVP, None, None)
+    # The tokens the previous step sampled, every rank's logits rows on every device: [kvp, R_max]. The next step
+    # reads a token sampled there but not yet seen by the host from it (async scheduling).
+    sampled_kr: P = P(None, None)
+    # Per token row of the micro-batch entering stage 0, where its input token is in `sampled_kr` (-1: given).
+    entering_kt: P = P(KVP, None)
+    # Page tables kept on the device between steps, one block per KVP rank: [kvp, B, M] (B sequence slots, M
+    # page-table columns), and the step's updates to them, [kvp, U] (flat slot x column indices, pages).
+    table_kbm: P = P(KVP, None, None)
+    updates_ku: P = P(KVP, None)
 
     # The step's pipeline register: the activations each stage hands to the next, one block per (rank, stage).
     register_kstd: P = P(KVP, SPP, None, None)

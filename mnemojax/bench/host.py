@@ -1,9 +1,11 @@
 """Host time per engine step, split by part, against the device's (issue 12, item 4).
 
 The engine's step is: `Scheduler.schedule()` (plan), `Executor._host_args` (the plan as numpy arrays, the
-pipeline stacked), `Executor.put` (arrays onto the mesh), `Executor.run` (the jitted step, then `device_get` of
-its results: the device's time as the host sees it), and `Scheduler.update_from_output` plus detokenizing and
-outputs. Everything but `run` is host work the device waits for while the host loop does not overlap them.
+pipeline stacked), `Executor.put` (arrays onto the mesh), `Executor.run` (dispatching the jitted step),
+`Executor.fetch` (waiting for its results) and `Scheduler.update_from_output` plus detokenizing and outputs.
+Synchronous (`async_scheduling=False`), `run` waits for its own step: all the other parts are host work the device
+waits for. With async scheduling the engine launches step N+1 before it waits for step N, so the host's parts of
+N+1 run while the device runs N: they are hidden as long as they take less than the device's step.
 
 The workload: the tiny model, `--requests` requests (default 256) decoding together after short prompts, with a
 page table as wide as `--max_model_len` tokens (default 1,048,576: 65,536 columns of 16-token pages per
@@ -12,8 +14,9 @@ comparison. Each part is timed by wrapping the engine's own methods; `--steps` d
 
     python scripts/bench_host.py [--requests 256] [--steps 20] [--max_model_len 1048576]
 
-Prints, per page-table width: ms per step of each part, the host total, the device (run) time, and how much of
-the host work is hidden behind the device (none while the loop runs its parts one after another).
+Prints, per page-table width and mode: ms per step of each part, the host parts' total, the step's wall time, and
+how much of the host work is hidden behind the device: (host + device - step) / host, with the device's time
+per step taken from the synchronous run of the same width (its `run`, which waits for the step).
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from collections import defaultdict
 
 import numpy as np
 
-PARTS = ("schedule", "arrays", "put", "run", "update")
+PARTS = ("schedule", "arrays", "put", "run", "wait", "update")
+HOST_PARTS = ("schedule", "arrays", "put", "update")  # besides dispatching the step (`run` when async)
 
 
 def _timed(log: dict, name: str, fn):
@@ -41,8 +45,10 @@ def _timed(log: dict, name: str, fn):
     return wrapper
 
 
-def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16) -> dict[str, float]:
-    """Median ms per decode step of each part, `host` (all but run), `step` (the whole `LLMEngine.step`)."""
+def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16,
+            async_scheduling: bool = False) -> dict[str, float]:
+    """Median ms per decode step of each part and of `step` (the whole `LLMEngine.step`); `host`: the host parts
+    (with the dispatch in `run` when async, whose `run` does not wait)."""
     from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
     from mnemojax.engine.loader import load
     from mnemojax.scheduling.sampling_params import SamplingParams
@@ -50,7 +56,8 @@ def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16) 
     prompt_len = 8
     config = EngineConfig(model="tiny", page_size=page_size, max_num_seqs=requests,
                           max_num_batched_tokens=max(requests * prompt_len, 16), chunk_size=prompt_len,
-                          num_pages=requests * 4 + 2, max_model_len=min(max_model_len, 8192), precompile=False)
+                          num_pages=requests * 4 + 2, max_model_len=min(max_model_len, 8192), precompile=False,
+                          async_scheduling=async_scheduling)
     loaded = load(config)
     if max_model_len > loaded.max_model_len:  # the tiny preset stops at 8K positions; only the table's width grows
         mc = dataclasses.replace(loaded.model_config, max_position_embeddings=max_model_len)
@@ -63,6 +70,7 @@ def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16) 
     ex._host_args = _timed(log, "arrays", ex._host_args)
     ex.put = _timed(log, "put", ex.put)
     ex.run = _timed(log, "run", ex.run)
+    ex.fetch = _timed(log, "wait", ex.fetch)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for _ in range(requests):
@@ -75,28 +83,30 @@ def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16) 
         t = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
-    out = {p: statistics.median(log[p]) * 1e3 for p in PARTS}
+    out = {p: statistics.median(log[p]) * 1e3 if log[p] else 0.0 for p in PARTS}
     out["step"] = statistics.median(walls) * 1e3
-    out["host"] = out["step"] - out["run"]
+    out["host"] = sum(out[p] for p in HOST_PARTS) + (out["run"] if async_scheduling else 0.0)
     while engine.has_unfinished():
         engine.step()
     return out
 
 
-def hidden_fraction(m: dict[str, float]) -> float:
-    """How much of the host parts' time overlapped the device's: the parts' times beyond the step's wall time, as
-    a fraction of the host parts (0 when they run one after another: they then add up to at most the step)."""
-    host_parts = sum(m[p] for p in PARTS if p != "run")
-    return min(1.0, max(0.0, sum(m[p] for p in PARTS) - m["step"]) / host_parts) if host_parts else 0.0
+def hidden_fraction(m: dict[str, float], device_ms: float) -> float:
+    """How much of the host's time per step overlapped the device's `device_ms`: (host + device - step) / host,
+    in [0, 1] (0 when the step takes host + device, as when they run one after another)."""
+    return min(1.0, max(0.0, m["host"] + device_ms - m["step"]) / m["host"]) if m["host"] > 0 else 0.0
 
 
-def table(rows: dict[int, dict[str, float]], requests: int) -> str:
-    head = f"{'table width':>22} " + " ".join(f"{p:>9}" for p in PARTS) + f" {'host':>9} {'step':>9} {'hidden':>7}"
-    lines = [f"ms per decode step, {requests} requests decoding (median)", head]
-    for width, m in rows.items():
-        hidden = hidden_fraction(m)
-        lines.append(f"{width:>15,} tokens " + " ".join(f"{m[p]:>9.2f}" for p in PARTS)
-                     + f" {m['host']:>9.2f} {m['step']:>9.2f} {hidden:>6.0%}")
+def table(rows: dict[tuple[int, bool], dict[str, float]], requests: int) -> str:
+    head = (f"{'table width':>22} {'mode':>6} " + " ".join(f"{p:>8}" for p in PARTS)
+            + f" {'host':>8} {'step':>8} {'hidden':>7}")
+    lines = [f"ms per decode step, {requests} requests decoding (median); device time per step = the sync run's "
+             "'run'", head]
+    for (width, async_), m in rows.items():
+        hidden = hidden_fraction(m, rows[(width, False)]["run"])
+        lines.append(f"{width:>15,} tokens {'async' if async_ else 'sync':>6} "
+                     + " ".join(f"{m[p]:>8.2f}" for p in PARTS) + f" {m['host']:>8.2f} {m['step']:>8.2f} "
+                     f"{hidden:>6.0%}")
     return "\n".join(lines)
 
 
@@ -112,7 +122,8 @@ def main(argv=None) -> None:
     print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; jax {jax.__version__} "
           f"on {jax.devices()[0].platform} ({len(jax.devices())} devices)")
     widths = sorted({8192, args.max_model_len})
-    rows = {w: measure(args.requests, args.steps, w) for w in widths}
+    rows = {(w, a): measure(args.requests, args.steps, w, async_scheduling=a) for w in widths for a in (False, True)}
     print(table(rows, args.requests))
-    print("'run' is the jitted step and the fetch of its results (the device's time as the host sees it); the rest "
-          "is host work the device waits for, since the host loop does not yet overlap the device.")
+    print("sync: 'run' dispatches the step and waits for it (its 'wait' inside), the device's time as the host sees "
+          "it, and the host parts run while the device idles. async: 'run' only dispatches, 'wait' is what is left "
+          "of the device's step after the host's work for the next one; the step is max(host, device) when hidden.")

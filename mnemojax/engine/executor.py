@@ -11,9 +11,21 @@ the step merges them. Requests that live on one rank fill that rank's rows after
 Shapes: token rows T are rounded up to a power of two (fixed at the token budget when spp > 1, since every
 micro-batch in flight shares the pipeline register), logits rows R likewise; sequence rows B and page-table
 width M are fixed by the engine's limits. The KV cache and the pipeline register are donated.
+
+Page tables stay on the device between steps (`page_table` [kvp, B, M]): each request holds a sequence slot
+(a row of it) on each of its ranks while it runs, and a step sends only the page-table entries that changed
+since the device last saw them (new pages, or a whole row when a slot changes hands or a preempted request comes
+back), applied by a small jitted scatter before the step. A slot is given to another request only once its
+holder has finished (or left the rank) and no micro-batch in the pipeline still reads it.
+
+Async scheduling: `launch` runs a step without waiting for it and `collect` fetches its results later, so the
+host schedules and prepares step N+1 while step N runs. A token step N samples stays on the device: every step
+writes its sampled tokens into `sampled` (every rank's rows, on every device), and a row of step N+1 whose
+input is such a token (a decode scheduled before its token reached the host) reads it from there.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections import defaultdict
@@ -21,6 +33,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -28,11 +41,12 @@ from mnemojax.scheduling.buckets import bucket
 from mnemojax.engine import sampler
 from mnemojax.scheduling.kv_manager import DUMMY_PAGE
 from mnemojax.scheduling.pipeline import Pipeline
+from mnemojax.scheduling.request import RequestStatus
 from mnemojax.scheduling.sampling_params import MAX_LOGPROBS
 from mnemojax.scheduling.scheduler import ChunkOutput, StepPlan
 from models.attention import AttentionMetadata
 from models.llama import ModelSpec, StepBatch, forward
-from shardings.collectives import pipeline_shift
+from shardings.collectives import from_every_rank, pipeline_shift
 from shardings.mesh import KVP, SPP, TP
 from shardings.specs import ShardingTable
 
@@ -71,6 +85,15 @@ class MicroBatch:
     rows: np.ndarray  # i32[kvp, R] logits rows
     sampling: RowSampling  # arrays [kvp, R]
     refs: list[RowRef]
+    src: np.ndarray  # i32[kvp, T] where a row's input token is in the previous step's `sampled` (-1: in `batch`)
+
+
+@dataclasses.dataclass
+class Launched:
+    """A step running on the device: the micro-batch that leaves the pipeline in it and its results, unfetched."""
+
+    leaving: MicroBatch
+    out: tuple | None  # device arrays (tokens, log-probs), None when the micro-batch has no logits row to fetch
 
 
 
@@ -82,7 +105,33 @@ def _logprob_dict(top_ids: np.ndarray, top_lps: np.ndarray, k: int, token: int, 
     return d
 
 
-assert DUMMY_PAGE == 0, "Executor.prepare builds page tables with np.zeros"
+assert DUMMY_PAGE == 0, "the device page table starts as zeros: unused entries read the dummy page"
+
+
+class _Slots:
+    """One KVP rank's sequence slots of the device page table: who holds each, and how much of the holder's page
+    list the device has (`sent` pages of list `key`, the last of them `last`, to catch a list that changed)."""
+
+    def __init__(self, num_slots: int):
+        self.owner: list = [None] * num_slots
+        self.key: list = [None] * num_slots
+        self.sent = [0] * num_slots
+        self.last = [-1] * num_slots
+        self.of: dict[int, int] = {}  # id(request) -> slot (the owner is held, so its id stays unique)
+        self.free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+
+    def copy(self) -> _Slots:
+        """The same slots (owners shared), for a state to restore."""
+        other = copy.copy(self)
+        other.owner, other.key, other.sent, other.last = list(self.owner), list(self.key), list(self.sent), \
+            list(self.last)
+        other.of, other.free = dict(self.of), list(self.free)
+        return other
+
+    def release(self, b: int) -> None:
+        del self.of[id(self.owner[b])]
+        self.owner[b], self.key[b], self.sent[b], self.last[b] = None, None, 0, -1
+        self.free.append(b)
 
 
 class Executor:
@@ -115,6 +164,17 @@ class Executor:
         self.channel = channel  # multi-host: process 0's `mnemojax.engine.multihost.Leader`, which broadcasts each step
         self.in_flight: Pipeline[MicroBatch] = Pipeline(self.spp)
         self._step = self._build_step()
+        self.page_table = jax.jit(lambda: jnp.zeros((self.kvp, max_num_seqs, max_pages_per_seq), jnp.int32),
+                                  out_shardings=NamedSharding(mesh, table.table_kbm))()
+        self._slots = [_Slots(max_num_seqs) for _ in range(self.kvp)]
+        self._updates: list[list[np.ndarray]] = [[] for _ in range(self.kvp)]  # per rank: [2, n] (index, page)
+        self._update_table = self._build_table_update()
+        # The previous step's sampled tokens [kvp, R_max] (R_max: the most logits rows of any step shape), and
+        # where each request's token sampled in it is (flat index), for the rows of the next step that read one.
+        self.max_rows = max(R for _, R in self.shape_buckets())
+        self.sampled = jax.jit(lambda: jnp.zeros((self.kvp, self.max_rows), jnp.int32),
+                               out_shardings=self._sampled_sharding)()
+        self._sampled_at: dict[int, int] = {}  # id(request) -> rank * max_rows + row
 
     # ---------------------------------------------------------------- device side
     def _build_step(self):
@@ -123,24 +183,107 @@ class Executor:
         samp = RowSampling(*([t.rows_kr] * len(dataclasses.fields(RowSampling))))
         param_specs = jax.tree.map(lambda a: a.sharding.spec, self.params)
 
-        def step(params, k_cache, v_cache, register, batch: StepBatch, rows, samp: RowSampling):
+        def step(params, k_cache, v_cache, register, sampled, page_table, batch: StepBatch, rows, samp: RowSampling,
+                 src):
             batch = jax.tree.map(lambda a: a[0, 0], batch)  # this (rank, stage)'s micro-batch
-            rows, samp = rows[0], jax.tree.map(lambda a: a[0], samp)
+            batch = dataclasses.replace(batch, attn=dataclasses.replace(batch.attn, page_table=page_table[0]))
+            rows, samp, src = rows[0], jax.tree.map(lambda a: a[0], samp), src[0]
+            # Rows whose input token the previous step sampled read it here (only stage 0 embeds tokens; src
+            # describes its micro-batch, and later stages ignore their token ids).
+            given = jnp.where(src >= 0, sampled.reshape(-1)[jnp.maximum(src, 0)], batch.token_ids)
+            batch = dataclasses.replace(batch, token_ids=given)
             logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows)
             tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps)
             lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS, jnp.any(samp.want_top))
+            sampled = lax.dynamic_update_slice(sampled, from_every_rank(tokens), (0, 0))
             out = jax.tree.map(lambda a: a[None], (tokens, *lps))
-            return k_cache, v_cache, pipeline_shift(x)[None, None], out
+            return k_cache, v_cache, pipeline_shift(x)[None, None], sampled, out
 
-        out_specs = (t.kv_lpskh, t.kv_lpskh, t.register_kstd,
+        out_specs = (t.kv_lpskh, t.kv_lpskh, t.register_kstd, t.sampled_kr,
                      (t.rows_kr, t.rows_kr, t.rows_kr, t.rows_krj, t.rows_krj))
         sharded = jax.shard_map(step, mesh=self.mesh,
-                                in_specs=(param_specs, t.kv_lpskh, t.kv_lpskh, t.register_kstd, stage,
-                                          t.rows_kr, samp),
+                                in_specs=(param_specs, t.kv_lpskh, t.kv_lpskh, t.register_kstd, t.sampled_kr,
+                                          t.table_kbm, stage, t.rows_kr, samp, t.entering_kt),
                                 out_specs=out_specs)
-        self._shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), (stage, t.rows_kr, samp))
+        self._shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), (stage, t.rows_kr, samp, t.entering_kt))
         self._register_sharding = NamedSharding(self.mesh, t.register_kstd)
-        return jax.jit(sharded, donate_argnums=(1, 2, 3))
+        self._sampled_sharding = NamedSharding(self.mesh, t.sampled_kr)
+        return jax.jit(sharded, donate_argnums=(1, 2, 3, 4))
+
+    def _build_table_update(self):
+        """A jitted in-place scatter of [kvp, U] (flat slot x column index, page) updates into the page table;
+        indices past the table are padding, dropped."""
+        t = self.table
+
+        def update(table, index, pages):
+            flat = table[0].reshape(-1).at[index[0]].set(pages[0], mode="drop")
+            return flat.reshape(table.shape)
+
+        sharded = jax.shard_map(update, mesh=self.mesh, in_specs=(t.table_kbm, t.updates_ku, t.updates_ku),
+                                out_specs=t.table_kbm)
+        self._updates_sharding = NamedSharding(self.mesh, t.updates_ku)
+        return jax.jit(sharded, donate_argnums=0)
+
+    def update_buckets(self) -> list[int]:
+        """Every size U of a page-table update: powers of two from 64 up to the whole table of one rank."""
+        B, M = self.page_table.shape[1:]
+        return [64 << i for i in range(max(1, bucket(B * M, 64).bit_length() - 6))]
+
+    def apply_table_updates(self, index: np.ndarray, pages: np.ndarray, broadcast: bool = True) -> None:
+        """Scatters host updates [kvp, U] into the device page table (multi-host: `broadcast` sends them to the
+        followers first)."""
+        if self.channel is not None and broadcast:
+            self.channel.table(index, pages)
+        if jax.process_count() == 1:
+            index, pages = jax.device_put((index, pages), self._updates_sharding)
+        else:
+            index, pages = (jax.make_array_from_callback(a.shape, self._updates_sharding, lambda i, a=a: a[i])
+                            for a in (index, pages))
+        self.page_table = self._update_table(self.page_table, index, pages)
+
+    def _flush_table_updates(self) -> None:
+        """Sends the page-table entries that changed since the last step (none: nothing runs)."""
+        if not any(self._updates):
+            return
+        per_rank = [np.concatenate(u, axis=1) if u else np.zeros((2, 0), np.int32) for u in self._updates]
+        U = bucket(max(u.shape[1] for u in per_rank), 64)
+        B, M = self.page_table.shape[1:]
+        index = np.full((self.kvp, U), B * M, np.int32)  # past the table: dropped
+        pages = np.zeros((self.kvp, U), np.int32)
+        for r, u in enumerate(per_rank):
+            index[r, :u.shape[1]], pages[r, :u.shape[1]] = u
+        self._updates = [[] for _ in range(self.kvp)]
+        self.apply_table_updates(index, pages)
+
+    def _slot(self, rank: int, req, span_i: int) -> int:
+        """`req`'s sequence slot on `rank` (given one if it has none), its new page-table entries queued."""
+        slots = self._slots[rank]
+        b = slots.of.get(id(req))
+        if b is None:
+            b = self._free_slot(rank)
+            slots.of[id(req)], slots.owner[b] = b, req
+        pages = req.pages[span_i]
+        key, sent = (req.num_preemptions, span_i), slots.sent[b]
+        if slots.key[b] != key or sent > len(pages) or (sent and pages[sent - 1] != slots.last[b]):
+            sent = 0  # a new holder, or a page list that is not the one the device has: send it whole
+        if sent < len(pages):
+            M = self.page_table.shape[2]
+            new = np.asarray(pages[sent:], np.int32)
+            self._updates[rank].append(np.stack([b * M + np.arange(sent, len(pages), dtype=np.int32), new]))
+            slots.key[b], slots.sent[b], slots.last[b] = key, len(pages), pages[-1]
+        return b
+
+    def _free_slot(self, rank: int) -> int:
+        slots = self._slots[rank]
+        if not slots.free:  # take back the slots of requests that are done here and read by nothing in flight
+            busy = {id(ch.request) for mb in self.in_flight for ch in mb.plan.chunks}
+            for b, req in enumerate(slots.owner):
+                if req is not None and id(req) not in busy and (
+                        req.status is not RequestStatus.RUNNING or rank not in req.kv_ranks):
+                    slots.release(b)
+        if not slots.free:
+            raise RuntimeError(f"rank {rank}: all {len(slots.owner)} sequence slots (max_num_seqs) are held")
+        return slots.free.pop()
 
     # ---------------------------------------------------------------- host side
     def _rows_needed(self, plan: StepPlan) -> int:
@@ -156,43 +299,45 @@ class Executor:
         K, S, M, B = self.kvp, self.page_size, self.max_pages_per_seq, self.max_num_seqs
         mt = self.max_tokens_per_rank
         tok = np.zeros((K, T), np.int32)
+        src = np.full((K, T), -1, np.int32)
         pos = np.zeros((K, T), np.int32)
         seq = np.full((K, T), B - 1, np.int32)  # padding rows belong to the last row, never read
         wpage = np.full((K, T), DUMMY_PAGE, np.int32)
         wslot = np.zeros((K, T), np.int32)
         shared = np.zeros((K, T), bool)
-        # Zeros are DUMMY_PAGE (asserted at import): np.zeros maps zeroed memory lazily, where np.full writes every
-        # entry; with 1M-token tables (65,536 columns a sequence) that write was most of the host's step time.
-        table = np.zeros((K, B, M), np.int32)
+        table = np.zeros((K, 1, 1), np.int32)  # a stand-in: the step reads the device's `page_table`
         kv_lens = np.zeros((K, B), np.int32)
         kv_start = np.zeros((K, B), np.int32)
         rows: list[list[int]] = [[] for _ in range(K)]
         samp: list[list[tuple]] = [[] for _ in range(K)]
         refs: list[RowRef] = []
-        nseq = [0] * K
 
         def add_row(rank, row, chunk_i, token_index, req, target, is_sample):
             p = req.params
             refs.append(RowRef(rank, len(rows[rank]), chunk_i, token_index, is_sample))
             rows[rank].append(row)
             num_top = p.logprobs if is_sample else p.prompt_logprobs
+            # the generated token's index keys its random stream (known before the tokens before it are)
+            step = token_index - req.num_prompt_tokens if is_sample else len(req.output_token_ids)
             samp[rank].append((0.0 if p.greedy else p.temperature, p.top_k, p.top_p, req.seed & 0xFFFFFFFF,
-                               len(req.output_token_ids), target, bool(num_top)))
+                               step, target, bool(num_top)))
 
         def place(chunk_i, ch, rank, span_i, t0, is_shared, logits):
             req, s, n = ch.request, ch.start, ch.num_tokens
-            b = nseq[rank]
-            nseq[rank] += 1
-            if nseq[rank] > B:
-                raise ValueError(f"rank {rank} has more than max_num_seqs ({B}) sequences in one step")
+            b = self._slot(rank, req, span_i)
             idx = np.arange(s, s + n)
             lo = span_i * mt if mt is not None else 0
             pages = np.asarray(req.pages[span_i], np.int32)
-            table[rank, b, :len(pages)] = pages
             kv_start[rank, b] = lo
             kv_lens[rank, b] = max(0, min(s + n - lo, mt if mt is not None else s + n))
             rows_ = slice(t0, t0 + n)
-            tok[rank, rows_] = [req.token_at(i) for i in range(s, s + n)]
+            known = min(s + n, req.num_tokens)
+            tok[rank, t0:t0 + known - s] = [req.token_at(i) for i in range(s, known)]
+            if known < s + n:  # a token sampled by the previous step, not yet on the host
+                if s + n - known > 1 or id(req) not in self._sampled_at:
+                    raise ValueError(f"request {req.request_id}: token {known} is neither known nor sampled by "
+                                     "the previous step")
+                src[rank, t0 + known - s] = self._sampled_at[id(req)]
             pos[rank, rows_] = idx
             seq[rank, rows_] = b
             shared[rank, rows_] = is_shared
@@ -236,7 +381,7 @@ class Executor:
         batch = StepBatch(token_ids=tok, write_pages=wpage, write_slots=wslot, shared=shared,
                           attn=AttentionMetadata(seq_ids=seq, positions=pos, page_table=table, kv_lens=kv_lens,
                                                  kv_start=kv_start))
-        return MicroBatch(plan, batch, pad_rows, RowSampling(*cols), refs)
+        return MicroBatch(plan, batch, pad_rows, RowSampling(*cols), refs, src)
 
     def logits_rows(self, T: int, n: int) -> int:
         """Logits rows R of a step of T token rows whose busiest rank has n of them: a power of two up to one row
@@ -264,6 +409,11 @@ class Executor:
             self._launch(T, self.host_template(T, R), fetch=True)
             if progress is not None:
                 progress()
+        B, M = self.page_table.shape[1:]
+        for U in self.update_buckets():  # the page-table scatters, all dropped
+            self.apply_table_updates(np.full((self.kvp, U), B * M, np.int32), np.zeros((self.kvp, U), np.int32),
+                                     broadcast=False)
+        jax.block_until_ready(self.page_table)
         return len(shapes)
 
     def has_in_flight(self) -> bool:
@@ -272,11 +422,12 @@ class Executor:
     def _host_args(self, plan: StepPlan):
         """Pushes `plan` into the pipeline; returns (T, the step's host arrays, the micro-batch leaving)."""
         T = self.pipeline_tokens or bucket(self._rows_needed(plan), 16)
-        leaving = self.in_flight.push(self.prepare(plan, T), lambda: self.prepare(StepPlan([], []), T))
+        entering = self.prepare(plan, T)
+        leaving = self.in_flight.push(entering, lambda: self.prepare(StepPlan([], []), T))
         # Stage s works on the micro-batch that entered s steps ago: stack them along the spp axis.
         stages = jax.tree.map(lambda *a: np.stack(a, axis=1) if len(a) > 1 else a[0][:, None],  # spp 1: a view
                               *(m.batch for m in self.in_flight))
-        return T, (stages, leaving.rows, leaving.sampling), leaving
+        return T, (stages, leaving.rows, leaving.sampling, entering.src), leaving
 
     @functools.lru_cache(maxsize=None)
     def host_template(self, T: int, R: int):
@@ -285,7 +436,7 @@ class Executor:
         mb = self.prepare(StepPlan([], []), T)
         stages = jax.tree.map(lambda a: np.zeros((a.shape[0], self.spp) + a.shape[1:], a.dtype), mb.batch)
         samp = jax.tree.map(lambda a: np.zeros((self.kvp, R), a.dtype), mb.sampling)
-        return stages, np.zeros((self.kvp, R), np.int32), samp
+        return stages, np.zeros((self.kvp, R), np.int32), samp, mb.src
 
     def put(self, T: int, host):
         """The step's arguments: host arrays placed on the mesh (on every process's own devices)."""
@@ -294,10 +445,11 @@ class Executor:
         else:  # each process fills only its addressable shards, from the same (broadcast) host arrays
             placed = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
                                   host, self._shardings)
-        stages, rows, samp = placed
+        stages, rows, samp, src = placed
         if self.register is None or self.register.shape[2] != T:
             self.register = self._register_alloc(T)()
-        return self.params, self.k_cache, self.v_cache, self.register, stages, rows, samp
+        return (self.params, self.k_cache, self.v_cache, self.register, self.sampled, self.page_table, stages, rows,
+                samp, src)
 
     def _launch(self, T: int, host, fetch: bool):
         """Runs the step on `host` arrays (on every process: multi-host followers get them first)."""
@@ -309,13 +461,18 @@ class Executor:
         self.last_step_first_of_shape = key not in self._shapes_run
         self.last_step_fetched = fetch
         self._shapes_run.add(key)
+        self._flush_table_updates()
         return self.run(self.put(T, host), fetch)
 
     def run(self, args, fetch: bool):
-        """Runs the step; returns its sampled tokens and log-probs as numpy when `fetch`, else None."""
-        self.k_cache, self.v_cache, self.register, out = self._step(*args)
-        if not fetch:
-            return None
+        """Runs the step; returns its sampled tokens and log-probs as numpy when `fetch`, else their device
+        arrays (dispatched, not waited for)."""
+        self.k_cache, self.v_cache, self.register, self.sampled, out = self._step(*args)
+        return self.fetch(out) if fetch else out
+
+    @staticmethod
+    def fetch(out):
+        """A step's device results as numpy (waits for the step)."""
         if jax.process_count() == 1:
             return jax.device_get(out)
         from jax.experimental import multihost_utils
@@ -330,24 +487,43 @@ class Executor:
 
     def lower(self, plan: StepPlan) -> jax.stages.Lowered:
         """The step as it would run for `plan`, lowered but not run (for inspecting its HLO); state unchanged."""
-        saved = self.in_flight.copy()
+        saved = self.in_flight.copy(), ([s.copy() for s in self._slots], [list(u) for u in self._updates])
         try:
             T, host, _ = self._host_args(plan)
             return self._step.lower(*self.put(T, host))
         finally:
-            self.in_flight = saved
+            self.in_flight, (self._slots, self._updates) = saved
 
     def execute(self, plan: StepPlan) -> tuple[StepPlan, list[ChunkOutput]]:
-        """Feeds `plan` into stage 0 and advances the pipeline one stage.
+        """Feeds `plan` into stage 0 and advances the pipeline one stage, waiting for the step.
 
         Returns the plan whose micro-batch left the last stage in this step (an empty plan while the pipeline
         fills) and one `ChunkOutput` per chunk of it: the sampled token, the log-probs asked for.
         """
+        return self.collect(self.launch(plan, fetch=True))
+
+    def launch(self, plan: StepPlan, fetch: bool = False) -> Launched:
+        """`execute` without waiting: the step is dispatched and its results stay on the device until `collect`.
+        A chunk of `plan` may end one token past its request's known tokens when the previous step launched
+        sampled that token (async scheduling: the row reads it on the device). `fetch`: wait for the results now
+        (multi-host followers fetch in every step, so the leader does too)."""
         T, host, leaving = self._host_args(plan)
-        fetch = bool(leaving.refs)
-        out = self._launch(T, host, fetch)
+        has_rows = bool(leaving.refs)
+        out = self._launch(T, host, fetch and has_rows)
         self.in_flight.pop()
-        return leaving.plan, self._chunk_outputs(leaving, out) if fetch else [ChunkOutput()] * len(leaving.plan.chunks)
+        self._sampled_at = {id(leaving.plan.chunks[r.chunk].request): r.rank * self.max_rows + r.row
+                            for r in leaving.refs if r.is_sample}
+        return Launched(leaving, out if has_rows else None)
+
+    def collect(self, launched: Launched) -> tuple[StepPlan, list[ChunkOutput]]:
+        """The plan whose micro-batch left the pipeline in `launched`'s step and its `ChunkOutput`s (waits for
+        the step's results when they are still on the device)."""
+        mb, out = launched.leaving, launched.out
+        if out is None:
+            return mb.plan, [ChunkOutput()] * len(mb.plan.chunks)
+        if not isinstance(out[0], np.ndarray):
+            out = self.fetch(out)
+        return mb.plan, self._chunk_outputs(mb, out)
 
     @staticmethod
     def _chunk_outputs(mb: MicroBatch, out) -> list[ChunkOutput]:

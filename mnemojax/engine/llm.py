@@ -60,4 +60,5 @@ class LLM:
         while pending:
             engine.step()
             pending = {rid for rid in pending if not engine.requests[rid].is_finished}
+        engine.drain()  # a step launched after the last one finished computed nothing anyone needs: let it end
         return [engine.pop_finished(rid) for rid in ids]

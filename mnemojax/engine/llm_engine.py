@@ -76,6 +76,11 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
         default_factory=lambda: os.environ.get("MNEMOJAX_PRECOMPILE", "1").strip().lower() not in ("0", "false"))
     """Compile the step of every shape bucket before serving, so no step compiles later (default true;
     MNEMOJAX_PRECOMPILE=0 makes the default false). False: each shape compiles the first time a step needs it."""
+    async_scheduling: bool | None = None
+    """Overlap the host with the device (vLLM's async scheduling): step N+1 is scheduled and its arrays prepared
+    and launched while step N runs, and a token step N samples enters step N+1 on the device; results are the
+    same. A request that stops on a token (EOS, a stop token or string) has one more token computed and thrown
+    away. Default (None): on, except in multi-host serving, which does not support it (true there raises)."""
     compilation_cache_dir: str = "~/.cache/mnemojax/jax"
     """JAX's persistent compilation cache, so a restart loads compiled steps instead of compiling them again;
     empty: none. A cache directory already set in jax's config wins."""
@@ -98,6 +103,17 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
                 raise ValueError("give num_pages or kv_memory_fraction, not both")
             if not 0 < self.kv_memory_fraction <= 1:
                 raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+
+
+@dataclasses.dataclass
+class _Launch:
+    """A step the engine launched: the executor's handle, and what calibration needs to time it."""
+
+    launched: object  # mnemojax.engine.executor.Launched
+    shapes: list | None  # the chunk shapes the predictor costs the step by (None without calibration)
+    start: float  # perf_counter when the launch began
+    first_of_shape: bool  # it ran a step shape for the first time (compiled or loaded it)
+    queued_behind: bool  # async: launched while the previous launch was not collected (the device had work)
 
 
 def detect_hardware() -> str:
@@ -136,6 +152,12 @@ class LLMEngine:
                                  max_pages_per_seq=pages_per_seq, max_num_batched_tokens=config.max_num_batched_tokens,
                                  max_tokens_per_rank=config.max_tokens_per_kvp_rank, table=loaded.table,
                                  channel=channel)
+        if config.async_scheduling and (channel is not None or jax.process_count() > 1):
+            raise ValueError("async_scheduling is not supported in multi-host serving: leave it unset or false")
+        self.async_scheduling = config.async_scheduling is not False and channel is None \
+            and jax.process_count() == 1
+        self._launched: _Launch | None = None  # async scheduling: the step launched and not yet collected
+        self._last_wait_end: float | None = 0.0  # when the last collect's wait ended (None: it did not wait)
         if config.precompile:
             self.precompile()
         self.predictor = self._make_predictor(config, self.model_config) \
@@ -145,7 +167,6 @@ class LLMEngine:
                                    max_model_len=self.max_model_len)
         self.calibrator = Calibrator(self.predictor) if self.predictor is not None and config.calibrate else None
         self._in_flight_shapes: collections.deque = collections.deque(maxlen=config.spp)
-        self._trust_next_step = True  # False after a step that did not wait for its results
         self._profile_saved_at = time.monotonic()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}  # of unfinished requests, when there is a tokenizer
@@ -234,22 +255,48 @@ class LLMEngine:
         return self.kv.reset_cache()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self.executor.has_in_flight()
+        return self.scheduler.num_unfinished > 0 or self.executor.has_in_flight() or self._launched is not None
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update. Returns the outputs of requests that made progress this step."""
+        """Schedule, execute, update. Returns the outputs of requests that made progress.
+
+        With async scheduling the step launched here is collected (its tokens appended, its outputs returned) in
+        the next call, after that call has launched its own: the outputs returned are the previous launch's."""
         plan = self.scheduler.schedule()
-        if plan.is_empty and not self.executor.has_in_flight():
-            return []
-        shapes = self._step_shapes(plan) if self.calibrator is not None else None
-        start = time.perf_counter()
-        done, outputs = self.executor.execute(plan)  # the micro-batch leaving the pipeline
-        if shapes is not None:
-            self._calibrate(shapes, time.perf_counter() - start)
+        launch = None
+        if not plan.is_empty or self.executor.has_in_flight():
+            shapes = self._step_shapes(plan) if self.calibrator is not None else None
+            start = time.perf_counter()
+            launched = self.executor.launch(plan, fetch=not self.async_scheduling)
+            launch = _Launch(launched, shapes, start, self.executor.last_step_first_of_shape,
+                             queued_behind=self._launched is not None)
+        if not self.async_scheduling:
+            return [] if launch is None else self._collect(launch)
+        previous, self._launched = self._launched, launch
+        if launch is not None:
+            for ch in launch.launched.leaving.plan.chunks:
+                ch.request.num_unfetched += ch.sample  # on the device until the next call collects it
+        return [] if previous is None else self._collect(previous)
+
+    def drain(self) -> list[RequestOutput]:
+        """Collects the step launched and not yet collected (async scheduling), launching nothing; returns its
+        outputs. `LLM.generate` calls it when its requests are done, so nothing is left running."""
+        previous, self._launched = self._launched, None
+        return [] if previous is None else self._collect(previous)
+
+    def _collect(self, launch: _Launch) -> list[RequestOutput]:
+        """Waits for a launched step's results and applies them: the update half of a step."""
+        done, outputs = self.executor.collect(launch.launched)
+        if self.calibrator is not None:
+            self._calibrate(launch, waited=launch.launched.out is not None)
+        if self.async_scheduling:
+            for ch in done.chunks:
+                ch.request.num_unfetched -= ch.sample
+        gone = {id(ch.request) for ch in done.chunks if ch.request.is_finished}  # finished while in flight
         for req in self.scheduler.update_from_output(done, outputs):
             self._detokenize(req)
-        return [self.output(ch.request) for ch in done.chunks]
+        return [self.output(ch.request) for ch in done.chunks if id(ch.request) not in gone]
 
     # ---------------------------------------------------------------- online calibration
     def _step_shapes(self, plan):
@@ -260,17 +307,23 @@ class LLMEngine:
         self._in_flight_shapes.append(entering)
         return max(self._in_flight_shapes, key=lambda s: step_time(s) if s else 0.0)
 
-    def _calibrate(self, shapes, seconds: float) -> None:
-        """Feeds one step's wall time of `executor.execute` to the calibrator, when it measures the step: the
-        host preparing the arrays, the device running the step and the results coming back (`execute` waits for
-        them whenever a row samples or scores a token). Left out: a step that ran a shape for the first time (a
-        compile), one that did not wait for its results (its device time is unmeasured) and the step after it
-        (which also waits for that one's)."""
-        ex = self.executor
-        trusted = self._trust_next_step and ex.last_step_fetched and not ex.last_step_first_of_shape
-        self._trust_next_step = ex.last_step_fetched
-        if not trusted or not shapes:
+    def _calibrate(self, launch: _Launch, waited: bool) -> None:
+        """Feeds one step's time to the calibrator, when it measures the step (`waited`: its collect waited for
+        the device, which it does whenever a row samples or scores a token). Synchronous: the wall time from
+        launch to results, the host preparing the arrays included. Async: the time between the ends of two
+        consecutive waiting collects, that is the device time of the step (launched before the previous collect,
+        it started when the previous step ended) or, when the host is slower, the time the host made it take.
+        Left out: a step that ran a shape for the first time (a compile) and one whose start is not measured
+        (no waiting collect right before it, or, synchronous, a step after one that did not wait)."""
+        now, previous = time.perf_counter(), self._last_wait_end
+        self._last_wait_end = now if waited else None
+        if self.async_scheduling:  # launched while the step before it ran, whose collect waited
+            start = previous if launch.queued_behind else None
+        else:  # the step before it did not leave device work for it to wait for
+            start = launch.start if previous is not None else None
+        if not waited or start is None or launch.first_of_shape or not launch.shapes:
             return
+        shapes, seconds = launch.shapes, now - start
         if self.calibrator.observe(shapes, seconds) and self.config.save_predictor_profile:
             if time.monotonic() - self._profile_saved_at >= 10.0:
                 self.save_predictor_profile()

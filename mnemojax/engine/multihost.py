@@ -5,7 +5,8 @@ parameters and KV cache shards). Process 0 owns the HTTP front end and the sched
 the step's host arrays (the executor's numpy view of the plan) and every process feeds them into the same
 jitted step, so all run the same SPMD program. Followers never see requests, only arrays.
 
-The broadcast is two collectives per step: a fixed-size header (command, token rows T, logits rows R, whether
+Page-table updates (the entries that changed since the previous step) go first when there are any: a header with
+command TABLE and their count, then the [kvp, U] index and page arrays. The step's broadcast is two collectives: a fixed-size header (command, token rows T, logits rows R, whether
 results are fetched), then the arrays, whose shapes the header fixes. While idle, process 0 sends a no-op header
 about once a second so the followers' pending collective never waits indefinitely.
 """
@@ -19,7 +20,7 @@ from jax.experimental import multihost_utils
 
 logger = logging.getLogger(__name__)
 
-STEP, NOOP, STOP = 1, 2, 3
+STEP, NOOP, STOP, TABLE = 1, 2, 3, 4
 
 
 def _broadcast(tree):
@@ -35,6 +36,11 @@ class Leader:
     def step(self, T: int, R: int, host, fetch: bool) -> None:
         _broadcast(np.array([STEP, T, R, int(fetch)], np.int32))
         _broadcast(host)
+
+    def table(self, index: np.ndarray, pages: np.ndarray) -> None:
+        """The page-table updates [kvp, U] the executor applies before its next step."""
+        _broadcast(np.array([TABLE, index.shape[1], 0, 0], np.int32))
+        _broadcast((index, pages))
 
     def noop(self) -> None:
         _broadcast(np.array([NOOP, 0, 0, 0], np.int32))
@@ -53,6 +59,11 @@ def follow(executor) -> int:
             logger.info("process %d: stop after %d steps", jax.process_index(), steps)
             return steps
         if cmd == NOOP:
+            continue
+        if cmd == TABLE:
+            U = T
+            zeros = np.zeros((executor.kvp, U), np.int32)
+            executor.apply_table_updates(*_broadcast((zeros, zeros)), broadcast=False)
             continue
         if cmd != STEP:
             raise RuntimeError(f"unknown multi-host command {cmd}")

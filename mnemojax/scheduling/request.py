@@ -39,10 +39,13 @@ class Request:
     num_registered_pages: int = 0
     num_cached_tokens: int | None = None
     pending_pages: tuple[int, int] = (0, 0)  # [start, end) of its prompt pages it computes and has not cached yet
-    # Pipeline bookkeeping: chunks scheduled but whose micro-batch has not left the last stage yet, and
-    # whether one of them samples (then no further token can be scheduled until it comes back).
+    # Pipeline bookkeeping: chunks scheduled but not yet through `Scheduler.update_from_output`, how many of
+    # them sample a token, and how many tokens it has sampled on the device that the host has not seen yet
+    # (async scheduling: the engine collects a step's results after launching the next one). A request awaiting
+    # a sample gets no further token scheduled, except one decode of the unseen token (read on the device).
     in_flight: int = 0
-    awaiting_sample: bool = False
+    awaiting_sample: int = 0
+    num_unfetched: int = 0
     # Log-probs: prompt entries are filled as prefill chunks pass (index i scores prompt token i; entry 0 is
     # None); output entries as tokens are sampled.
     prompt_logprobs: list[dict[int, float] | None] | None = None

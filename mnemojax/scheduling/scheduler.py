@@ -191,7 +191,7 @@ class Scheduler:
             req = ch.request
             req.in_flight -= 1
             if ch.sample:
-                req.awaiting_sample = False
+                req.awaiting_sample -= 1
             if req.kv_ranks:
                 self.kv.cache_computed(req, ch.start + ch.num_tokens)  # its K/V is written on every stage now
             if req.is_finished and req.in_flight == 0:
@@ -364,6 +364,16 @@ class Scheduler:
         self.kv.grow(req, req.num_computed + n)
         return self._add_chunk(req, n, chunks)
 
+    def _decodes_unseen(self, req: Request) -> bool:
+        """`req`'s only sample in flight is a token already sampled on the device (its step launched, its result
+        not collected): decode that token, unless it ends the request by length. (A token that turns out to be
+        EOS or a stop token ends the request when it is seen; the decode then computed one token for nothing.)"""
+        if not (req.num_unfetched == 1 and req.awaiting_sample == 1 and req.num_uncomputed == 0):
+            return False
+        max_len = self.max_model_len
+        return len(req.output_token_ids) + 1 < req.params.max_tokens and (
+            max_len is None or req.num_tokens + 1 < max_len)
+
     def _fits_in_last_page(self, req: Request) -> bool:
         """One more token of a single-rank request fits in the pages it holds, within its rank's span."""
         mt = self.kv.max_tokens_per_rank
@@ -371,10 +381,11 @@ class Scheduler:
                 and (mt is None or req.num_computed < mt))
 
     def _add_chunk(self, req: Request, n: int, chunks: list[ScheduledChunk]) -> bool:
-        chunk = ScheduledChunk(req, req.num_computed, n, req.num_computed + n == req.num_tokens)
+        # a chunk samples when it computes every token known (or the one sampled on the device, not yet seen)
+        chunk = ScheduledChunk(req, req.num_computed, n, req.num_computed + n >= req.num_tokens)
         req.num_computed += n
         req.in_flight += 1
-        req.awaiting_sample = chunk.sample
+        req.awaiting_sample += chunk.sample
         chunks.append(chunk)
         return True
 
@@ -404,9 +415,10 @@ class Scheduler:
         def entries():
             return [(ch.request, ch.num_tokens) for ch in chunks]
 
-        # 1. Decodes, in admission order.
+        # 1. Decodes, in admission order (with async scheduling, also of a token sampled but not yet seen).
         for req in list(self.running):
-            if req.status is RequestStatus.RUNNING and not req.awaiting_sample and req.in_decode:
+            if req.status is RequestStatus.RUNNING and (not req.awaiting_sample and req.in_decode
+                                                       or self._decodes_unseen(req)):
                 if self._fits_in_last_page(req):  # the common decode: no page to find
                     if budgets[req.kv_ranks[0]] >= 1:
                         budgets[req.kv_ranks[0]] -= 1

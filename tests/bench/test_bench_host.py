@@ -1,16 +1,25 @@
 """`scripts/bench_host.py` (`mnemojax.bench.host`): each part of the engine's step is timed by wrapping the
-engine's own methods, on a page table wider than the model's positions."""
+engine's own methods, on a page table wider than the model's positions, synchronous and async."""
+import pytest
+
 from mnemojax.bench import host
 
 
-def test_measure_times_every_part_of_a_decode_step():
-    m = host.measure(requests=8, steps=3, max_model_len=65536)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_measure_times_every_part_of_a_decode_step(async_scheduling):
+    m = host.measure(requests=8, steps=3, max_model_len=65536, async_scheduling=async_scheduling)
     assert set(m) == set(host.PARTS) | {"host", "step"}
     assert all(m[p] > 0 for p in host.PARTS)
+    assert m["host"] == pytest.approx(sum(m[p] for p in host.HOST_PARTS) + (m["run"] if async_scheduling else 0))
     # the parts are inside the step (medians of different steps, so compare with room)
     assert m["run"] < m["step"] and sum(m[p] for p in host.PARTS) < 2 * m["step"]
-    assert 0.0 <= host.hidden_fraction(m) <= 1.0
-    # by hand: parts 1+2+3+10+1 = 17 ms in a 12 ms step: 5 ms of the 7 ms of host parts overlapped the device
-    assert host.hidden_fraction({"schedule": 1, "arrays": 2, "put": 3, "run": 10, "update": 1, "step": 12}) == 5 / 7
-    text = host.table({65536: m}, 8)
-    assert "65,536 tokens" in text and "8 requests decoding" in text
+    assert 0.0 <= host.hidden_fraction(m, m["run"]) <= 1.0
+    text = host.table({(65536, False): m, (65536, True): m}, 8)
+    assert "65,536 tokens" in text and "8 requests decoding" in text and " async " in text
+
+
+def test_hidden_fraction_by_hand():
+    # 7 ms of host work and a 10 ms device step in a 12 ms step: 5 of the 7 ms overlapped the device
+    assert host.hidden_fraction({"host": 7, "step": 12}, 10) == 5 / 7
+    assert host.hidden_fraction({"host": 7, "step": 17}, 10) == 0.0  # one after the other
+    assert host.hidden_fraction({"host": 7, "step": 10}, 10) == 1.0  # all behind the device

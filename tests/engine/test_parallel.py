@@ -105,19 +105,23 @@ def test_every_other_mesh_shape_matches_one_device(ckpt, reference, shape):
     _check_shape(ckpt, reference, shape)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("spp", [1, 2, 4])
-def test_pipelined_prefill_takes_k_plus_s_minus_1_steps(ckpt, spp):
-    """A prefill of K chunks alone on S stages completes (first token out) in K + S - 1 steps, not K x S."""
+def test_pipelined_prefill_takes_k_plus_s_minus_1_steps(ckpt, spp, async_scheduling):
+    """A prefill of K chunks alone on S stages completes (first token out) in K + S - 1 device steps, not K x S.
+    With async scheduling the host sees the token one `step()` later (it collects a step after launching the
+    next), and launches nothing more: the request ends at max_tokens=1."""
     K, chunk = 5, 16
     llm = LLM(model=ckpt, page_size=4, chunk_size=chunk, max_num_batched_tokens=chunk, max_model_len=96,
-              spp=spp)
+              spp=spp, async_scheduling=async_scheduling)
     e = llm.engine
     rid = e.add_request(list(range(K * chunk)), SamplingParams(max_tokens=1, temperature=0))
     steps = 0
     while not e.requests[rid].is_finished:
         e.step()
         steps += 1
-    assert steps == K + spp - 1
+    assert steps == K + spp - 1 + async_scheduling
+    assert e.executor._shapes_run and not e.has_unfinished() and e.kv.num_used == 0
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 1, 4), (1, 3, 1)], ids=str)
@@ -169,7 +173,7 @@ def test_out_of_pages_on_a_rank_queues_or_preempts_and_stays_exact(ckpt, referen
     """Per-rank pools of 11 usable pages (44 tokens): the long request needs 10 pages on rank 0 and 9 on rank
     1, so short requests queue or are preempted by recompute (a log line says which); results stay exact and
     every page comes back."""
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG, logger="mnemojax.scheduling"):  # the wait is a DEBUG line
         outs, _ = run_workload(ckpt, kvp=2, num_pages=12)
     _check_same(outs, reference)
     assert "preempted request" in caplog.text or "waits: not enough free KV pages" in caplog.text
