@@ -41,13 +41,17 @@ def test_kv_page_bytes_by_hand(tp, spp, want_layers, want_heads):
 def test_multi_host_channel_is_a_constructor_argument():
     class Channel:
         def __init__(self):
-            self.steps = []
+            self.steps, self.tables = [], []
 
         def step(self, T, R, host, fetch):
             self.steps.append((T, R, fetch))
+
+        def table(self, index, pages):
+            self.tables.append(index.shape)
 
     channel = Channel()
     engine = LLMEngine(dataclasses.replace(CFG, max_num_seqs=4), channel=channel)
     assert engine.executor.channel is channel
     _run(engine, [1, 2, 3])
     assert len(channel.steps) == 5  # one broadcast per step: a prefill that samples, then 4 decodes
+    assert channel.tables  # and the page-table updates before the steps that change the table
