@@ -237,9 +237,9 @@ def test_compiled_kernels_lower_to_triton(dtype):
 
 def test_switch_refuses_what_it_cannot_run():
     step = make_step(np.random.default_rng(0), [(5, 2, 0)], num_heads=2, num_kv_heads=1, **SMALL)
-    with pytest.raises(ValueError, match="valid: auto, reference, pallas, pallas_interpret"):
+    with pytest.raises(ValueError, match="valid: auto, reference, pallas, pallas_interpret, mosaic, mosaic_interpret"):
         run(functools.partial(attention, "cudnn"), step, block_pages=1)
-    assert ATTENTION_IMPLS == ("auto", "reference", "pallas", "pallas_interpret")
+    assert ATTENTION_IMPLS == ("auto", "reference", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
     if jax.default_backend() != "gpu":
         with pytest.raises(RuntimeError, match="attention='pallas' needs an NVIDIA GPU; use 'reference' or "
                                                "'pallas_interpret'"):
