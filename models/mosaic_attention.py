@@ -347,21 +347,8 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_partitions:
     if bq * G > ROWS:
         raise ValueError(f"a tile of {bq} tokens x {G} heads exceeds the kernel's {ROWS} rows")
 
-    # Per-tile metadata (the Triton kernels' definitions): keys each token sees, all rows see, any row sees.
-    valid = tile_tok < T
-    tok = jnp.minimum(tile_tok, T - 1)
-    tile_seq = jnp.where(valid[:, 0], meta.seq_ids[tok[:, 0]], 0).astype(jnp.int32)
-    lim = jnp.minimum(meta.kv_lens[tile_seq][:, None], meta.positions[tok] - meta.kv_start[tile_seq][:, None] + 1)
-    lim = jnp.where(valid, jnp.maximum(lim, 0), 0).astype(jnp.int32)
-    kv_hi = lim.max(axis=1)
-    kv_full = jnp.where(valid.any(axis=1), jnp.where(valid, lim, jnp.iinfo(jnp.int32).max).min(axis=1), 0)
-    info = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (nt,)), tile_seq,
-                      kv_full.astype(jnp.int32), kv_hi], axis=1)
-    lim_rows = jnp.pad(jnp.repeat(lim, G, axis=1), ((0, 0), (0, ROWS - bq * G)))  # [nt, 64]: row = token x head
-
-    qt = jnp.concatenate([q, jnp.zeros((1, N, H), q.dtype)])[tile_tok]  # [nt, BQ, N, H]
-    qt = qt.reshape(nt, bq, K, G, H).transpose(0, 2, 1, 3, 4).reshape(nt, K, bq * G, H)
-    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, ROWS - bq * G), (0, 0)))  # [nt, K, 64, H]
+    tile_seq, kv_full, kv_hi, lim_rows, qt = pa._tile_metadata(q, meta, tile_tok, K, ROWS)  # the Triton kernels'
+    info = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (nt,)), tile_seq, kv_full, kv_hi], axis=1)
 
     if num_partitions is None:
         num_partitions = max(1, min(_cdiv(M * S, BLOCK_K), _cdiv(TARGET_PROGRAMS, nt * K)))

@@ -18,7 +18,8 @@ import pytest
 
 from models import mosaic_attention as ma
 from models.attention import attention, on_hopper_gpu, paged_attention
-from tests.models.test_pallas_attention import assert_close, dense, f32, make_step, run
+from tests.models.test_pallas_attention import (assert_close, check_compiled, dense, f32, make_step,
+                                                poison_unwritten, run)
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -73,14 +74,7 @@ def test_unwritten_cache_slots_never_reach_the_output():
     rng = np.random.default_rng(9)
     step = make_step(rng, [(45, 9, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16,
                      max_pages=4)
-    page = step["k_cache"].shape[2]
-    written = np.zeros(step["k_cache"].shape[:3], bool)
-    for b, n in enumerate(np.asarray(step["kv_lens"])):
-        for i in range(n):
-            written[:, step["page_table"][b, i // page], i % page] = True
-    poisoned = {**step, **{name: jnp.where(written[..., None, None], step[name], jnp.nan)
-                           for name in ("k_cache", "v_cache")}}
-    got = run(ma.prefill_attention, poisoned, interpret=True, num_partitions=1)
+    got = run(ma.prefill_attention, poison_unwritten(step), interpret=True, num_partitions=1)
     bound = 2.0 ** -8 * float(jnp.abs(step["v_cache"].astype(jnp.float32)).max())
     assert_close(got, run(paged_attention, f32(step), block_pages=2, precision=HIGHEST), out_atol=bound)
 
@@ -144,10 +138,4 @@ def test_compiled_kernels_on_hopper_match_float32_reference():
     for num_heads in (32, 64):
         step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=8, head_dim=128, page=16,
                          dtype=jnp.bfloat16, pad_rows=3)
-        ref_out, ref_lse = (np.asarray(x) for x in run(paged_attention, f32(step), block_pages=8,
-                                                        precision=HIGHEST))
-        for fn in (ma.paged_attention_mosaic, ma.prefill_attention, ma.decode_attention):
-            out, lse = (np.asarray(x) for x in run(fn, step))
-            assert np.isfinite(out).all() and np.isfinite(lse).all()
-            assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2
-            np.testing.assert_allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
+        check_compiled(step, (ma.paged_attention_mosaic, ma.prefill_attention, ma.decode_attention))
