@@ -18,8 +18,8 @@ import pytest
 
 from models import mosaic_attention as ma
 from models.attention import attention, on_hopper_gpu, paged_attention
-from tests.models.test_pallas_attention import (assert_close, check_compiled, dense, f32, make_step,
-                                                poison_unwritten, run)
+from tests.models.test_pallas_attention import (assert_close, assert_lowers_for_cuda, check_compiled, dense, f32,
+                                                make_step, poison_unwritten, run)
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -89,6 +89,15 @@ def test_mixed_step_through_the_switch():
     got = run(functools.partial(attention, "mosaic_interpret"), step, block_pages=4)
     bound = 2.0 ** -8 * float(jnp.abs(step["v_cache"].astype(jnp.float32)).max())
     assert_close(got, run(paged_attention, f32(step), block_pages=4, precision=HIGHEST), out_atol=bound)
+
+
+@pytest.mark.parametrize("num_heads,page", [(32, 16), (64, 128)], ids=["8b-page16", "70b-page128"])
+def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
+    """The non-interpreted kernels at Llama-3-8B / -70B attention shapes lower through Pallas' Mosaic GPU lowering
+    (layouts, swizzled SMEM, TMA copies of pages, transposed wgmma, warpgroups) to the Mosaic GPU custom call for
+    CUDA, alone and inside the step's shard_map (on the CPU; compiling to PTX and running need a Hopper GPU)."""
+    assert_lowers_for_cuda(jnp.bfloat16, ((ma.paged_attention_mosaic, 2), (ma.decode_attention, 1)),
+                           "@mosaic_gpu_v2", num_heads=num_heads, page=page)
 
 
 def test_what_the_kernels_refuse():

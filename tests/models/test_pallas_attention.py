@@ -209,23 +209,31 @@ def test_compiled_kernels_lower_to_triton(dtype):
     """The non-interpreted kernels at Llama-3-8B attention shapes lower to Triton IR for CUDA, alone and inside
     the step's shard_map on the 1x1x1 mesh (on the CPU: catches what the Triton lowering or shard_map's
     varying-axes check rejects; compiling to PTX and running need a GPU)."""
+    assert_lowers_for_cuda(dtype, ((pa.paged_attention_pallas, 2), (pa.prefill_attention, 1),
+                                   (pa.decode_attention, 1)), "@__gpu$xla.gpu.triton")
+
+
+def assert_lowers_for_cuda(dtype, cases, custom_call: str, *, num_heads: int = 32, page: int = 16):
+    """Each (fn, kernels) of `cases` exported for CUDA (Llama-3-8B attention shapes but `num_heads` and `page`),
+    alone and inside the step's shard_map on the 1x1x1 mesh: its module holds `kernels` calls of `custom_call`."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from shardings.mesh import KVP, SPP, TP, make_mesh
 
     T, B, M = 64, 4, 256
-    unchecked = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    unchecked = [jax.export.DisabledSafetyCheck.custom_call(name)
+                 for name in ("__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2")]
     mesh = make_mesh(1, 1, 1)
     specs = dict(q=P(KVP, None, TP, None), cache=P(SPP, KVP, None, TP, None), table=P(KVP, None, None),
                  seqs=P(KVP, None), toks=P(KVP, None))
-    shapes = dict(q=((1, T, 32, 128), dtype), cache=((2, 1 + B * M, 16, 8, 128), dtype),
-                  table=((1, B, M), jnp.int32), seqs=((1, B), jnp.int32), toks=((1, T), jnp.int32))
+    shapes = dict(q=((1, T, num_heads, 128), dtype), cache=((2, 1 + B * M * 16 // page, page, 8, 128), dtype),
+                  table=((1, B, M * 16 // page), jnp.int32), seqs=((1, B), jnp.int32), toks=((1, T), jnp.int32))
     names = ("q", "cache", "cache", "table", "seqs", "seqs", "toks", "toks")
     args = [jax.ShapeDtypeStruct(*shapes[n]) for n in names]
     sharded = [jax.ShapeDtypeStruct(*shapes[n], sharding=NamedSharding(mesh, specs[n])) for n in names]
 
-    for fn, kernels in ((pa.paged_attention_pallas, 2), (pa.prefill_attention, 1), (pa.decode_attention, 1)):
+    for fn, kernels in cases:
         def local(q, k, v, table, lens, start, seq_ids, positions, fn=fn):
             meta = AttentionMetadata(seq_ids=seq_ids[0], positions=positions[0], page_table=table[0],
                                      kv_lens=lens[0], kv_start=start[0])
@@ -236,7 +244,7 @@ def test_compiled_kernels_lower_to_triton(dtype):
                              out_specs=(P(KVP, SPP, TP, None), P(KVP, SPP, TP)))
         for f, a in ((local, args), (step, sharded)):
             text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=unchecked)(*a).mlir_module()
-            assert text.count("@__gpu$xla.gpu.triton") == kernels
+            assert text.count(custom_call + "(") == kernels, (fn, text.count(custom_call))
 
 
 def test_switch_refuses_what_it_cannot_run():
