@@ -39,7 +39,9 @@ which simulates SMEM, barriers, TMA copies and wgmma on the CPU. What it lacks, 
   - `pl.run_state` / accumulating into a register-initialised ACC, and wgmma with its A operand in registers, do
     not run: so every wgmma here starts from a fresh zero ACC (the running output is rescaled and added in
     registers) and P goes through SMEM (FlashAttention-3 keeps P in registers: a cost measured on no GPU).
-Nothing here has run on a GPU: compiled timings and even compiled correctness are unmeasured (issue 15).
+Nothing here has run on a GPU: the compiled path is only known to lower to the Mosaic GPU custom call for CUDA
+(exported on the CPU, tests/models/test_mosaic_attention.py); its compilation to PTX, correctness and timings on a
+Hopper GPU are unmeasured (issue 15).
 """
 from __future__ import annotations
 
