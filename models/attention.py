@@ -14,7 +14,7 @@ A token whose sequence has no visible key (an empty KVP shard, a padding row) ge
 i.e. weight 0 in a log-sum-exp merge.
 
 `attention(impl, ...)` is the one switch between this reference and the Pallas GPU kernels
-(`models.pallas_attention`), by the names of `models.kernels`; `auto` is the only name that chooses, and a
+(`models.pallas_attention`: Triton; `models.mosaic_attention`: Mosaic GPU, Hopper), by the names of `models.kernels`; `auto` is the only name that chooses, and a
 kernel that was asked for and cannot run raises, it never falls back.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models import pallas_attention
-from models.kernels import NEG_INF, PALLAS, PALLAS_INTERPRET, REFERENCE, resolve_attention_impl
+from models import mosaic_attention, pallas_attention
+from models.kernels import MOSAIC, MOSAIC_INTERPRET, NEG_INF, PALLAS, PALLAS_INTERPRET, REFERENCE, resolve_attention_impl
 
 
 @jax.tree_util.register_dataclass
@@ -51,6 +51,14 @@ def on_nvidia_gpu() -> bool:
             and "cuda" in jax.devices()[0].client.platform_version.lower())
 
 
+def on_hopper_gpu() -> bool:
+    """Whether jax's default device is an NVIDIA GPU of compute capability 9.x (Hopper: H100, H200), where the
+    compiled Mosaic GPU kernels (wgmma, TMA) run."""
+    if not on_nvidia_gpu():
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
 def resolve_attention(impl: str) -> str:
     """The implementation that runs for `impl` on this machine (`auto`: pallas on an NVIDIA GPU, else reference)."""
     return resolve_attention_impl(impl, on_nvidia_gpu())
@@ -59,8 +67,10 @@ def resolve_attention(impl: str) -> str:
 def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *, block_pages: int,
               precision=None, **kernel_options):
     """Paged attention by the implementation `impl` (see `models.kernels.ATTENTION_IMPLS`); arguments and results
-    as `paged_attention`. `impl="pallas"` without an NVIDIA GPU raises instead of running something else.
-    `kernel_options` (tile and block sizes, for tuning) go to `models.pallas_attention.paged_attention_pallas`."""
+    as `paged_attention`. `impl="pallas"` without an NVIDIA GPU, `impl="mosaic"` without a Hopper GPU, raise
+    instead of running something else. `kernel_options` (tile and block sizes, for tuning) go to
+    `models.pallas_attention.paged_attention_pallas` or `models.mosaic_attention.paged_attention_mosaic`
+    (whose kernels take bf16/f16 only and ignore `precision`: wgmma, float32 accumulation)."""
     impl = resolve_attention(impl)
     if impl == REFERENCE:
         if kernel_options:
@@ -69,6 +79,14 @@ def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *,
     if impl == PALLAS and not on_nvidia_gpu():
         raise RuntimeError("attention='pallas' needs an NVIDIA GPU; use 'reference' or 'pallas_interpret' "
                            f"(the default backend is {jax.default_backend()!r})")
+    if impl in (MOSAIC, MOSAIC_INTERPRET):
+        if impl == MOSAIC and not on_hopper_gpu():
+            device = jax.devices()[0]
+            raise RuntimeError("attention='mosaic' needs an NVIDIA Hopper GPU (compute capability 9.x: wgmma, TMA); "
+                               "use 'pallas', 'reference' or 'mosaic_interpret' (the default device is "
+                               f"{getattr(device, 'device_kind', device.platform)!r})")
+        return mosaic_attention.paged_attention_mosaic(q, k_cache, v_cache, layer, meta,
+                                                       interpret=impl == MOSAIC_INTERPRET, **kernel_options)
     return pallas_attention.paged_attention_pallas(q, k_cache, v_cache, layer, meta, precision=precision,
                                                    interpret=impl == PALLAS_INTERPRET, **kernel_options)
 

@@ -10,12 +10,20 @@ AUTO = "auto"
 REFERENCE = "reference"
 PALLAS = "pallas"
 PALLAS_INTERPRET = "pallas_interpret"
+MOSAIC = "mosaic"
+MOSAIC_INTERPRET = "mosaic_interpret"
 
-ATTENTION_IMPLS = (AUTO, REFERENCE, PALLAS, PALLAS_INTERPRET)
+ATTENTION_IMPLS = (AUTO, REFERENCE, PALLAS, PALLAS_INTERPRET, MOSAIC, MOSAIC_INTERPRET)
 """auto: `pallas` on an NVIDIA GPU, `reference` anywhere else (the only name that chooses: an explicitly named
 implementation that cannot run raises); reference: `models.attention.paged_attention` (plain jax.numpy, any
 backend); pallas: the Pallas Triton kernels of `models.pallas_attention`, compiled (NVIDIA GPU only);
-pallas_interpret: the same kernels in Pallas' interpreter (any backend: slow, for tests)."""
+pallas_interpret: the same kernels in Pallas' interpreter (any backend: slow, for tests); mosaic: the Pallas Mosaic GPU
+kernels of `models.mosaic_attention` (wgmma, TMA, warp specialisation), compiled (NVIDIA Hopper GPU only, bf16/f16
+caches); mosaic_interpret: the same kernels in jax's Mosaic GPU interpreter (any backend: very slow, for tests).
+`auto` does not pick mosaic: it has not been measured on a GPU (issue 15)."""
+
+INTERPRETED = (PALLAS_INTERPRET, MOSAIC_INTERPRET)
+"""The implementations that interpret GPU kernels on any backend: for tests, with no cost model."""
 
 # Large finite negative instead of -inf: a block with no valid key gives weight 0, not NaN (JAX_NOTES.md). The
 # log-sum-exp of a query token with no visible key, in every implementation.

@@ -211,19 +211,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, n
     if precision is None:
         precision = lax.Precision.HIGHEST if cdt == jnp.float32 else lax.Precision.DEFAULT
 
-    # Per-tile metadata.
-    valid = tile_tok < T  # [nt, BQ]
-    tok = jnp.minimum(tile_tok, T - 1)
-    tile_seq = jnp.where(valid[:, 0], meta.seq_ids[tok[:, 0]], 0).astype(jnp.int32)  # [nt]
-    lim = jnp.minimum(meta.kv_lens[tile_seq][:, None], meta.positions[tok] - meta.kv_start[tile_seq][:, None] + 1)
-    lim = jnp.where(valid, jnp.maximum(lim, 0), 0).astype(jnp.int32)  # [nt, BQ] keys each token sees
-    kv_hi = lim.max(axis=1)
-    kv_full = jnp.where(valid.any(axis=1), jnp.where(valid, lim, jnp.iinfo(jnp.int32).max).min(axis=1), 0)
-    lim_rows = jnp.pad(jnp.repeat(lim, G, axis=1), ((0, 0), (0, R - bq * G)))  # [nt, R]: row = token x head
-
-    qt = jnp.concatenate([q, jnp.zeros((1, N, H), q.dtype)])[tile_tok].astype(cdt)  # [nt, BQ, N, H]
-    qt = qt.reshape(nt, bq, K, G, H).transpose(0, 2, 1, 3, 4).reshape(nt, K, bq * G, H)
-    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, R - bq * G), (0, 0)))  # [nt, K, R, H]
+    tile_seq, kv_full, kv_hi, lim_rows, qt = _tile_metadata(q.astype(cdt), meta, tile_tok, K, R)
 
     max_blocks = _cdiv(M * S, block_k)
     if num_partitions is None:
@@ -257,7 +245,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, n
         compiler_params=_compiler_params(R),
         name=f"paged_attention_r{R}_k{block_k}",
     )
-    operands = (jnp.reshape(layer, (1,)).astype(jnp.int32), tile_seq, kv_full.astype(jnp.int32), kv_hi,
+    operands = (jnp.reshape(layer, (1,)).astype(jnp.int32), tile_seq, kv_full, kv_hi,
                 lim_rows, qt, meta.page_table.astype(jnp.int32), k_cache, v_cache)
     acc, m, l = _interpret_call(call, operands) if interpret else call(_typed_like(operands))(*operands)
 
@@ -265,6 +253,33 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, n
     out = out.reshape(nt, K, bq, G, H).transpose(0, 2, 1, 3, 4).reshape(nt, bq, N, H)
     lse = lse.reshape(nt, K, bq, G).transpose(0, 2, 1, 3).reshape(nt, bq, N)
     return out, lse
+
+
+def _tile_metadata(q, meta, tile_tok, num_kv_heads: int, rows: int):
+    """Per-tile metadata and query rows of the tiles `tile_tok` (i32[nt, BQ], T = empty slot, one sequence per
+    tile), for a kernel of `rows` rows per (tile, kv head); row = token x head of the group, padded.
+
+    Returns tile_seq i32[nt] (the tile's sequence), kv_full i32[nt] (keys every token of it sees), kv_hi i32[nt]
+    (keys its furthest token sees), lim_rows i32[nt, rows] (keys each row sees; 0 for padding) and the query rows
+    qt [nt, K, rows, H] in q's dtype.
+    """
+    T, N, H = q.shape
+    nt, bq = tile_tok.shape
+    K = num_kv_heads
+    G = N // K
+    valid = tile_tok < T  # [nt, BQ]
+    tok = jnp.minimum(tile_tok, T - 1)
+    tile_seq = jnp.where(valid[:, 0], meta.seq_ids[tok[:, 0]], 0).astype(jnp.int32)  # [nt]
+    lim = jnp.minimum(meta.kv_lens[tile_seq][:, None], meta.positions[tok] - meta.kv_start[tile_seq][:, None] + 1)
+    lim = jnp.where(valid, jnp.maximum(lim, 0), 0).astype(jnp.int32)  # [nt, BQ] keys each token sees
+    kv_hi = lim.max(axis=1)
+    kv_full = jnp.where(valid.any(axis=1), jnp.where(valid, lim, jnp.iinfo(jnp.int32).max).min(axis=1), 0)
+    lim_rows = jnp.pad(jnp.repeat(lim, G, axis=1), ((0, 0), (0, rows - bq * G)))  # [nt, R]: row = token x head
+
+    qt = jnp.concatenate([q, jnp.zeros((1, N, H), q.dtype)])[tile_tok]  # [nt, BQ, N, H]
+    qt = qt.reshape(nt, bq, K, G, H).transpose(0, 2, 1, 3, 4).reshape(nt, K, bq * G, H)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, rows - bq * G), (0, 0)))  # [nt, K, R, H]
+    return tile_seq, kv_full.astype(jnp.int32), kv_hi, lim_rows, qt
 
 
 def _merge(acc, m, l):

@@ -1,11 +1,14 @@
 """Attention kernel time vs chunk size at long context (Mnemosyne Figure 7 / Medha Figure 5b), and decode.
 
     python scripts/bench_attention.py [--contexts 262144,1048576] [--chunks 32,64,128,256,512,1024,2048,4096]
-        [--impl pallas] [--repeats 5] [--decode_batches 1,8] [--no_baselines]
+        [--impl pallas,mosaic] [--model_shape llama3-70b] [--repeats 5] [--decode_batches 1,8] [--no_baselines]
     python scripts/bench_attention.py --small     # tiny shapes, interpreted kernels: runs on a CPU (tests)
 
-Meant for an NVIDIA H200 at Llama-3-8B attention shapes (32 query heads, 8 KV heads, head dim 128, bf16, pages
-of 16). One layer's paged KV cache holds one sequence of the largest context; a chunk of c query tokens is
+Meant for an NVIDIA H100 / H200 at Llama-3-8B attention shapes (32 query heads, 8 KV heads, head dim 128, bf16,
+pages of 16; `--model_shape llama3-70b` for 64 query heads, 8 KV heads). `--impl` names one or more of the
+engine's attention implementations (comma-separated; default the Triton kernels "pallas" and the Hopper Mosaic GPU
+kernels "mosaic", issue 15), each timed on the same shapes and printed in its own tables, beside the same
+baselines. One layer's paged KV cache holds one sequence of the largest context; a chunk of c query tokens is
 timed at the end of an x-token context (its own keys included, bottom-right causal), i.e. one chunked-prefill
 step's attention for one layer, metadata and split-K merge included, median of `--repeats` after a warm-up.
 
@@ -46,8 +49,10 @@ import numpy as np  # noqa: E402
 
 from mnemojax.bench import parse_with_small  # noqa: E402
 from models.attention import AttentionMetadata, attention  # noqa: E402
-from models.kernels import ATTENTION_IMPLS  # noqa: E402
+from models.config import preset  # noqa: E402
+from models.kernels import ATTENTION_IMPLS, MOSAIC, MOSAIC_INTERPRET  # noqa: E402
 
+MODEL_SHAPES = ("llama3-8b", "llama3-70b", "llama3.2-1b")
 SMALL = dict(contexts="256", chunks="4,16,64", decode_batches="1,3", num_heads=4, num_kv_heads=2, head_dim=16,
              page_size=4, impl="pallas_interpret", repeats=2, samples=3, dtype="float32")
 
@@ -57,7 +62,10 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="262144,1048576", help="comma-separated context lengths (tokens)")
     p.add_argument("--chunks", default="32,64,128,256,512,1024,2048,4096", help="comma-separated chunk sizes")
     p.add_argument("--decode_batches", default="1,8", help="comma-separated decode batch sizes")
-    p.add_argument("--impl", default="pallas", choices=ATTENTION_IMPLS)
+    p.add_argument("--impl", default="pallas,mosaic",
+                   help=f"comma-separated attention implementations to time, of: {', '.join(ATTENTION_IMPLS)}")
+    p.add_argument("--model_shape", default=None, choices=MODEL_SHAPES,
+                   help="take the attention shape (q heads, kv heads, head dim) of this preset")
     p.add_argument("--num_heads", type=int, default=32)
     p.add_argument("--num_kv_heads", type=int, default=8)
     p.add_argument("--head_dim", type=int, default=128)
@@ -70,7 +78,15 @@ def parse_args(argv=None):
     p.add_argument("--block_k", type=int, default=None, help="kernel option: keys per prefill block")
     p.add_argument("--decode_block_k", type=int, default=None, help="kernel option: keys per decode block")
     p.add_argument("--small", action="store_true", help="tiny shapes, interpreted kernels (runs on a CPU)")
-    return parse_with_small(p, argv, SMALL)
+    args = parse_with_small(p, argv, SMALL)
+    args.impls = [x for x in args.impl.split(",") if x]
+    for impl in args.impls:
+        if impl not in ATTENTION_IMPLS:
+            p.error(f"--impl: unknown attention implementation {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+    if args.model_shape:
+        c = preset(args.model_shape)
+        args.num_heads, args.num_kv_heads, args.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+    return args
 
 
 def ints(text: str) -> list[int]:
@@ -127,7 +143,7 @@ def attn_bytes(args, itemsize, chunk, context, batch=1) -> float:
 class PagedLayer:
     """One layer's paged cache holding `batch` sequences of up to `max_context` keys, random K/V."""
 
-    def __init__(self, args, max_context: int, batch: int = 1, seed: int = 0):
+    def __init__(self, args, max_context: int, batch: int = 1, seed: int = 0, impl: str | None = None):
         S, K, H = args.page_size, args.num_kv_heads, args.head_dim
         self.args, self.batch, self.dtype = args, batch, jnp.dtype(args.dtype)
         self.pages = -(-max_context // S)
@@ -138,9 +154,10 @@ class PagedLayer:
         # Sequence b owns pages 1 + b*pages ... in a shuffled order (pages are not contiguous in a real pool).
         perm = np.random.default_rng(seed).permutation(batch * self.pages) + 1
         self.table = jnp.asarray(perm.reshape(batch, self.pages), jnp.int32)
+        impl = impl or args.impls[0]
         opts = {name: getattr(args, name) for name in ("block_q", "block_k", "decode_block_k")
-                if getattr(args, name) is not None}
-        self.fn = jax.jit(functools.partial(attention, args.impl, block_pages=8, **opts))
+                if getattr(args, name) is not None and impl not in (MOSAIC, MOSAIC_INTERPRET)}  # Triton options
+        self.fn = jax.jit(functools.partial(attention, impl, block_pages=8, **opts))
 
     def step(self, chunk: int, context: int):
         """Arguments of one step: every sequence's last `chunk` tokens at `context` keys."""
@@ -259,9 +276,18 @@ def main(argv=None) -> dict:
     contexts, chunks = ints(args.contexts), ints(args.chunks)
     ref_chunk = 2048 if 2048 in chunks else max(chunks)
     results = {"prefill": [], "decode": [], "figure7": []}
+    baselines = {}  # (context, chunk, batch) -> the baselines' times: measured once, shown beside every impl
 
-    for n in contexts:
-        layer = PagedLayer(args, n)
+    def base_for(c, n, B=1):
+        if args.no_baselines:
+            return {}
+        if (n, c, B) not in baselines:
+            baselines[n, c, B] = {"cudnn": cudnn_time(args, c, n, args.repeats, batch=B),
+                                  "torch": torch_time(args, c, n, args.repeats, batch=B)}
+        return baselines[n, c, B]
+
+    for impl, n in ((impl, n) for impl in args.impls for n in contexts):
+        layer = PagedLayer(args, n, impl=impl)
         totals = {}
         for c in chunks:
             if c > n:
@@ -270,36 +296,41 @@ def main(argv=None) -> dict:
             t = times[n]
             if n % c == 0:  # the chunks tile the prompt exactly
                 totals[c] = figure7_total(times, c, n)
-            base = {} if args.no_baselines else {"cudnn": cudnn_time(args, c, n, args.repeats),
-                                                 "torch": torch_time(args, c, n, args.repeats)}
             results["prefill"].append(dict(
-                context=n, chunk=c, ms=t * 1e3, us_per_token=t / c * 1e6,
+                impl=impl, context=n, chunk=c, ms=t * 1e3, us_per_token=t / c * 1e6,
                 tflops=attn_flops(args.num_heads, args.head_dim, c, n) / t / 1e12,
-                gbps=attn_bytes(args, itemsize, c, n) / t / 1e9, base=base))
-            print(f"  context {n} chunk {c}: {t * 1e3:.3f} ms", flush=True)
-        for row in results["prefill"]:
-            if row["context"] == n and ref_chunk in totals:
-                ref = next(r for r in results["prefill"] if r["context"] == n and r["chunk"] == ref_chunk)
+                gbps=attn_bytes(args, itemsize, c, n) / t / 1e9, base=base_for(c, n)))
+            print(f"  {impl} context {n} chunk {c}: {t * 1e3:.3f} ms", flush=True)
+        mine = [r for r in results["prefill"] if r["impl"] == impl and r["context"] == n]
+        for row in mine:
+            if ref_chunk in totals:
+                ref = next(r for r in mine if r["chunk"] == ref_chunk)
                 row["per_token_vs_ref"] = row["us_per_token"] / ref["us_per_token"]
                 row["total_s"] = totals.get(row["chunk"])
                 row["total_vs_ref"] = totals[row["chunk"]] / totals[ref_chunk] if row["chunk"] in totals else None
         for B in ints(args.decode_batches):
-            dec = PagedLayer(args, n, batch=B, seed=1)
+            dec = PagedLayer(args, n, batch=B, seed=1, impl=impl)
             t = dec.time(1, n, args.repeats)
-            base = {} if args.no_baselines else {"cudnn": cudnn_time(args, 1, n, args.repeats, batch=B),
-                                                 "torch": torch_time(args, 1, n, args.repeats, batch=B)}
-            results["decode"].append(dict(context=n, batch=B, ms=t * 1e3,
-                                          gbps=attn_bytes(args, itemsize, 1, n, batch=B) / t / 1e9, base=base))
+            results["decode"].append(dict(impl=impl, context=n, batch=B, ms=t * 1e3,
+                                          gbps=attn_bytes(args, itemsize, 1, n, batch=B) / t / 1e9,
+                                          base=base_for(1, n, B)))
             del dec
         del layer
 
-    print(f"\nattention ({args.impl}), {args.num_heads} q heads, {args.num_kv_heads} kv heads, head dim "
+    for impl in args.impls:
+        print_tables(args, impl, results, contexts, ref_chunk)
+    return results
+
+
+def print_tables(args, impl, results, contexts, ref_chunk):
+    """The prefill, Figure 7 and decode tables of `impl` (appends its Figure 7 rows to results["figure7"])."""
+    print(f"\nattention ({impl}), {args.num_heads} q heads, {args.num_kv_heads} kv heads, head dim "
           f"{args.head_dim}, {args.dtype}, page {args.page_size}; one layer, one sequence; median of "
           f"{args.repeats}")
     print(f"{'context':>8} {'chunk':>6} {'ms/chunk':>9} {'us/token':>9} {'TFLOP/s':>8} {'GB/s':>7} "
           f"{'tok vs ' + str(ref_chunk):>12} {'fig7 total s':>12} {'fig7 vs ' + str(ref_chunk):>13} "
           f"{'cudnn ms':>9} {'x cudnn':>8} {'torch ms':>9} {'x torch':>8}  baselines")
-    for r in results["prefill"]:
+    for r in (r for r in results["prefill"] if r["impl"] == impl):
         cu, cu_how = r["base"].get("cudnn", (None, "skipped"))
         to, to_how = r["base"].get("torch", (None, "skipped"))
         print(f"{r['context']:>8} {r['chunk']:>6} {r['ms']:>9.3f} {r['us_per_token']:>9.2f} {r['tflops']:>8.4g} "
@@ -308,19 +339,18 @@ def main(argv=None) -> dict:
               f"{fmt(cu and r['ms'] / (cu * 1e3), '.2f'):>8} {fmt(to and to * 1e3):>9} "
               f"{fmt(to and r['ms'] / (to * 1e3), '.2f'):>8}  {cu_how}; {to_how}")
     for n in contexts:
-        rows = {r["chunk"]: r for r in results["prefill"] if r["context"] == n}
+        rows = {r["chunk"]: r for r in results["prefill"] if r["context"] == n and r["impl"] == impl}
         lo = min(rows)
         if ref_chunk in rows and lo != ref_chunk and rows[lo].get("total_vs_ref") is not None:
-            f7 = dict(context=n, small=lo, ref=ref_chunk, per_token=rows[lo]["per_token_vs_ref"],
+            f7 = dict(impl=impl, context=n, small=lo, ref=ref_chunk, per_token=rows[lo]["per_token_vs_ref"],
                       total=rows[lo]["total_vs_ref"])
             results["figure7"].append(f7)
-            print(f"Figure 7 at {n} tokens: chunk {lo} vs {ref_chunk}: whole-prefill attention time x"
+            print(f"Figure 7 ({impl}) at {n} tokens: chunk {lo} vs {ref_chunk}: whole-prefill attention time x"
                   f"{f7['total']:.3f}, time per token at the full context x{f7['per_token']:.3f}")
-    print(f"\ndecode ({args.impl}): B sequences of one query token")
+    print(f"\ndecode ({impl}): B sequences of one query token")
     print(f"{'context':>8} {'B':>4} {'ms':>9} {'GB/s':>7} {'cudnn ms':>9} {'torch ms':>9}  baselines")
-    for r in results["decode"]:
+    for r in (r for r in results["decode"] if r["impl"] == impl):
         cu, cu_how = r["base"].get("cudnn", (None, "skipped"))
         to, to_how = r["base"].get("torch", (None, "skipped"))
         print(f"{r['context']:>8} {r['batch']:>4} {r['ms']:>9.3f} {r['gbps']:>7.4g} {fmt(cu and cu * 1e3):>9} "
               f"{fmt(to and to * 1e3):>9}  {cu_how}; {to_how}")
-    return results

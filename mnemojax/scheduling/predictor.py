@@ -48,7 +48,8 @@ from typing import Any
 
 from mnemojax.scheduling.buckets import bucket
 from models.config import LlamaConfig
-from models.kernels import AUTO, PALLAS, PALLAS_INTERPRET, REFERENCE, check_attention_impl, resolve_attention_impl
+from models.kernels import (AUTO, INTERPRETED, MOSAIC, PALLAS, REFERENCE, check_attention_impl,
+                            resolve_attention_impl)
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 """Where shipped profiles live: `Predictor(..., profile="cpu")` reads `PROFILE_DIR/cpu.json`."""
@@ -143,7 +144,8 @@ class Profile:
     """The engine's attention kernels, by their names (`models.kernels`): "pallas" is costed as an ideal ragged
     paged kernel (each request's own causal work); "reference" as the plain-jnp blockwise kernel (every padded row
     runs the longest sequence's blocks); "auto" as what it runs on the predicted hardware (pallas on an NVIDIA GPU,
-    the reference elsewhere). "pallas_interpret" (Pallas' interpreter, for tests) has no cost model."""
+    the reference elsewhere); "mosaic" like "pallas" (its efficiencies unmeasured). "pallas_interpret" and
+    "mosaic_interpret" (interpreters, for tests) have no cost model."""
     block_tokens: int = 128
     """Keys per block of the reference kernel: `block_pages x page_size` (8 x 16 by default)."""
     pad_tokens_min: int = 16
@@ -153,9 +155,9 @@ class Profile:
 
     def __post_init__(self):
         check_attention_impl(self.attention)
-        if self.attention == PALLAS_INTERPRET:
-            raise ValueError(f"attention {PALLAS_INTERPRET!r} has no cost model (Pallas' interpreter is for tests); "
-                             f"give {AUTO!r}, {REFERENCE!r} or {PALLAS!r}")
+        if self.attention in INTERPRETED:
+            raise ValueError(f"attention {self.attention!r} has no cost model (Pallas' interpreters are for tests); "
+                             f"give {AUTO!r}, {REFERENCE!r}, {PALLAS!r} or {MOSAIC!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name == "attn_gather_cache_bytes":
@@ -352,7 +354,7 @@ class Predictor:
         kv_row = 2 * self.kv_heads * c.head_dim  # K and V elements per key
         local = [-(-ch.context_len // ch.num_ranks) for ch in chunks]
         kv_bytes = sum(local) * kv_row * b
-        if self.attention == PALLAS:
+        if self.attention in (PALLAS, MOSAIC):  # both costed as an ideal ragged paged kernel (mosaic: unmeasured)
             attn = 0.0
             for ch, ctx in zip(chunks, local):
                 q = ch.query_tokens

@@ -90,13 +90,13 @@ def test_no_visible_key_gives_zero_weight():
 
 
 def test_kernel_names_and_what_auto_means():
-    assert ATTENTION_IMPLS == ("auto", "reference", "pallas", "pallas_interpret")
+    assert ATTENTION_IMPLS == ("auto", "reference", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
     assert resolve_attention_impl("auto", nvidia_gpu=False) == "reference"
     assert resolve_attention_impl("auto", nvidia_gpu=True) == "pallas"
     for name in ATTENTION_IMPLS[1:]:  # only auto chooses: a named implementation is itself everywhere
         assert resolve_attention_impl(name, nvidia_gpu=False) == resolve_attention_impl(name, nvidia_gpu=True) == name
     with pytest.raises(ValueError, match="unknown attention implementation 'flash'; valid: auto, reference, pallas, "
-                                         "pallas_interpret$"):
+                                         "pallas_interpret, mosaic, mosaic_interpret$"):
         resolve_attention_impl("flash", nvidia_gpu=True)
 
 

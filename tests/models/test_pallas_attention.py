@@ -182,20 +182,24 @@ def test_no_visible_key_gives_zero_weight():
     np.testing.assert_array_equal(lse, np.float32(NEG_INF))
 
 
+def poison_unwritten(step):
+    """The step with NaN in every cache slot that holds none of a sequence's keys."""
+    page = step["k_cache"].shape[2]
+    written = np.zeros(step["k_cache"].shape[:3], bool)
+    for b, n in enumerate(np.asarray(step["kv_lens"])):
+        for i in range(n):
+            written[:, step["page_table"][b, i // page], i % page] = True
+    return {**step, **{name: jnp.where(written[..., None, None], step[name], jnp.nan)
+                       for name in ("k_cache", "v_cache")}}
+
+
 def test_unwritten_cache_slots_never_reach_the_output():
     """NaN in every cache slot that holds none of a sequence's keys (the rest of a last page, pages behind
     unused page-table columns, as uninitialised memory would be): results equal the reference on a clean
     cache. (The reference itself needs finite garbage: it multiplies weight 0 by whatever V holds.)"""
     rng = np.random.default_rng(11)
     step = make_step(rng, MIXED, num_heads=8, num_kv_heads=2, **SMALL)
-    page = step["k_cache"].shape[2]
-    written = np.zeros(step["k_cache"].shape[:3], bool)
-    for b, n in enumerate(np.asarray(step["kv_lens"])):
-        for i in range(n):
-            written[:, step["page_table"][b, i // page], i % page] = True
-    poisoned = {**step, **{name: jnp.where(written[..., None, None], step[name], jnp.nan)
-                           for name in ("k_cache", "v_cache")}}
-    got = run(pa.paged_attention_pallas, poisoned, interpret=True, block_q=2, block_k=8, decode_block_k=16,
+    got = run(pa.paged_attention_pallas, poison_unwritten(step), interpret=True, block_q=2, block_k=8, decode_block_k=16,
               num_partitions=3, decode_partitions=3)
     assert_close(got, run(paged_attention, step, block_pages=3, precision=HIGHEST))
 
@@ -205,23 +209,31 @@ def test_compiled_kernels_lower_to_triton(dtype):
     """The non-interpreted kernels at Llama-3-8B attention shapes lower to Triton IR for CUDA, alone and inside
     the step's shard_map on the 1x1x1 mesh (on the CPU: catches what the Triton lowering or shard_map's
     varying-axes check rejects; compiling to PTX and running need a GPU)."""
+    assert_lowers_for_cuda(dtype, ((pa.paged_attention_pallas, 2), (pa.prefill_attention, 1),
+                                   (pa.decode_attention, 1)), "@__gpu$xla.gpu.triton")
+
+
+def assert_lowers_for_cuda(dtype, cases, custom_call: str, *, num_heads: int = 32, page: int = 16):
+    """Each (fn, kernels) of `cases` exported for CUDA (Llama-3-8B attention shapes but `num_heads` and `page`),
+    alone and inside the step's shard_map on the 1x1x1 mesh: its module holds `kernels` calls of `custom_call`."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from shardings.mesh import KVP, SPP, TP, make_mesh
 
     T, B, M = 64, 4, 256
-    unchecked = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    unchecked = [jax.export.DisabledSafetyCheck.custom_call(name)
+                 for name in ("__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2")]
     mesh = make_mesh(1, 1, 1)
     specs = dict(q=P(KVP, None, TP, None), cache=P(SPP, KVP, None, TP, None), table=P(KVP, None, None),
                  seqs=P(KVP, None), toks=P(KVP, None))
-    shapes = dict(q=((1, T, 32, 128), dtype), cache=((2, 1 + B * M, 16, 8, 128), dtype),
-                  table=((1, B, M), jnp.int32), seqs=((1, B), jnp.int32), toks=((1, T), jnp.int32))
+    shapes = dict(q=((1, T, num_heads, 128), dtype), cache=((2, 1 + B * M * 16 // page, page, 8, 128), dtype),
+                  table=((1, B, M * 16 // page), jnp.int32), seqs=((1, B), jnp.int32), toks=((1, T), jnp.int32))
     names = ("q", "cache", "cache", "table", "seqs", "seqs", "toks", "toks")
     args = [jax.ShapeDtypeStruct(*shapes[n]) for n in names]
     sharded = [jax.ShapeDtypeStruct(*shapes[n], sharding=NamedSharding(mesh, specs[n])) for n in names]
 
-    for fn, kernels in ((pa.paged_attention_pallas, 2), (pa.prefill_attention, 1), (pa.decode_attention, 1)):
+    for fn, kernels in cases:
         def local(q, k, v, table, lens, start, seq_ids, positions, fn=fn):
             meta = AttentionMetadata(seq_ids=seq_ids[0], positions=positions[0], page_table=table[0],
                                      kv_lens=lens[0], kv_start=start[0])
@@ -232,14 +244,14 @@ def test_compiled_kernels_lower_to_triton(dtype):
                              out_specs=(P(KVP, SPP, TP, None), P(KVP, SPP, TP)))
         for f, a in ((local, args), (step, sharded)):
             text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=unchecked)(*a).mlir_module()
-            assert text.count("@__gpu$xla.gpu.triton") == kernels
+            assert text.count(custom_call + "(") == kernels, (fn, text.count(custom_call))
 
 
 def test_switch_refuses_what_it_cannot_run():
     step = make_step(np.random.default_rng(0), [(5, 2, 0)], num_heads=2, num_kv_heads=1, **SMALL)
-    with pytest.raises(ValueError, match="valid: auto, reference, pallas, pallas_interpret"):
+    with pytest.raises(ValueError, match="valid: auto, reference, pallas, pallas_interpret, mosaic, mosaic_interpret"):
         run(functools.partial(attention, "cudnn"), step, block_pages=1)
-    assert ATTENTION_IMPLS == ("auto", "reference", "pallas", "pallas_interpret")
+    assert ATTENTION_IMPLS == ("auto", "reference", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
     if jax.default_backend() != "gpu":
         with pytest.raises(RuntimeError, match="attention='pallas' needs an NVIDIA GPU; use 'reference' or "
                                                "'pallas_interpret'"):
@@ -291,13 +303,18 @@ def test_compiled_kernels_on_gpu_match_float32_reference():
     with jax.default_device(gpu):
         step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=128, page=16, dtype=jnp.bfloat16,
                          pad_rows=3)
-        ref_out, ref_lse = (np.asarray(x) for x in run(paged_attention, f32(step), block_pages=8,
-                                                        precision=HIGHEST))
-        for fn in (pa.paged_attention_pallas, pa.prefill_attention, pa.decode_attention):
-            out, lse = (np.asarray(x) for x in run(fn, step))
-            assert np.isfinite(out).all() and np.isfinite(lse).all()
-            assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2
-            np.testing.assert_allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
+        check_compiled(step, (pa.paged_attention_pallas, pa.prefill_attention, pa.decode_attention))
+
+
+def check_compiled(step, fns):
+    """Compiled kernels `fns` on a bf16 step against the float32 reference: finite, relative error of out < 1e-2,
+    lse within 1e-3."""
+    ref_out, ref_lse = (np.asarray(x) for x in run(paged_attention, f32(step), block_pages=8, precision=HIGHEST))
+    for fn in fns:
+        out, lse = (np.asarray(x) for x in run(fn, step))
+        assert np.isfinite(out).all() and np.isfinite(lse).all()
+        assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
 
 
 @pytest.fixture(scope="module")

@@ -180,6 +180,9 @@ def test_attention_cost_models_by_the_engines_kernel_names():
         Profile(attention="paged")
     with pytest.raises(ValueError, match="'pallas_interpret' has no cost model"):
         Profile(attention="pallas_interpret")
+    with pytest.raises(ValueError, match="'mosaic_interpret' has no cost model"):
+        Profile(attention="mosaic_interpret")
+    assert attention_s("h100", "mosaic") == attention_s("h100", "pallas")  # same ideal kernel until measured
 
 
 def test_profile_round_trip(tmp_path):

@@ -1,0 +1,150 @@
+"""The Mosaic GPU attention kernels (`models.mosaic_attention`) against the float32 reference.
+
+On the CPU the kernels run in jax's Mosaic GPU interpreter (the same kernel code a Hopper GPU compiles, with SMEM,
+barriers, TMA copies, wgmma and the producer / consumer warpgroups simulated). The interpreter costs seconds per
+grid program (it traces each program's threads anew), so the cases here are tiny: one or two kv heads, head dim
+64, a handful of tiles; they still cover several tiles per sequence, key blocks before and at the causal edge,
+partial pages and blocks, empty partitions, KVP shards, GQA groups of 1 to 8 and pages smaller and larger than a
+key block. Inputs are fresh random bf16 values; the reference runs on the same values in float32, so scores and
+lse agree to float32 rounding and out to the bf16 rounding of P (2^-9 max|v|; asserted 2^-8).
+The GPU test (compiled kernels at Llama-3 shapes) skips without a Hopper GPU.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import mosaic_attention as ma
+from models.attention import attention, on_hopper_gpu, paged_attention
+from tests.models.test_pallas_attention import (assert_close, assert_lowers_for_cuda, check_compiled, dense, f32,
+                                                make_step, poison_unwritten, run)
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def check(fn, step, **kw):
+    """`fn` interpreted on a bf16 step against the float32 reference and dense softmax on the same values."""
+    got = run(fn, step, interpret=True, **kw)
+    assert got[0].dtype == jnp.float32 and got[1].dtype == jnp.float32
+    bound = 2.0 ** -8 * float(jnp.abs(step["v_cache"].astype(jnp.float32)).max())
+    ref = run(paged_attention, f32(step), block_pages=2, precision=HIGHEST)
+    assert_close(got, ref, out_atol=bound)
+    assert_close(got, dense(step), out_atol=bound)
+    err = np.linalg.norm(np.asarray(got[0]) - np.asarray(ref[0])) / max(np.linalg.norm(np.asarray(ref[0])), 1e-30)
+    assert err < 4e-3
+
+
+# (heads, kv heads, page, partitions, sequences (keys after the step, query tokens, kv_start)).
+PREFILL = {
+    # G=4 (16-token tiles): a 21-token chunk mid-prompt (two tiles, the first sees 16 keys unmasked), a first
+    # chunk, a KVP shard's view; page 16, one partition (the in-kernel normalisation). Rows shuffled.
+    "g4-page16-np1": (4, 1, 16, 1, [(37, 21, 0), (5, 5, 0), (29, 6, 37)]),
+    # G=2 (32-token tiles): a 33-token chunk at 70 keys (a block fully visible, then the causal edge), pages of 8
+    # (8 TMA copies a block), two partitions merged after the kernel.
+    "g2-page8-np2": (2, 1, 8, 2, [(70, 33, 0)]),
+    # Two kv heads of G=4, pages of 128 (a block is a slice of a page), a 3-token chunk at 150 keys, 2 partitions.
+    "g4-k2-page128-np2": (8, 2, 128, 2, [(150, 3, 0)]),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFILL), ids=str)
+def test_prefill_kernel_matches_reference(case):
+    num_heads, num_kv_heads, page, parts, seqs = PREFILL[case]
+    rng = np.random.default_rng(len(case))
+    step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64, page=page,
+                     dtype=jnp.bfloat16, shuffle=True)
+    check(ma.prefill_attention, step, num_partitions=parts)
+
+
+def test_decode_kernel_split_k_matches_reference():
+    """Decode tiles (one token, its 8 heads as rows), 3 partitions: 70 keys (two blocks: the third partition is
+    empty), an empty KVP shard (no visible key: out 0, lse NEG_INF), a shard's view from position 100."""
+    rng = np.random.default_rng(5)
+    step = make_step(rng, [(70, 1, 0), (0, 1, 0), (13, 1, 100)], num_heads=8, num_kv_heads=1, head_dim=64,
+                     page=16, dtype=jnp.bfloat16)
+    check(ma.decode_attention, step, num_partitions=3)
+
+
+def test_unwritten_cache_slots_never_reach_the_output():
+    """NaN in every cache slot that holds none of the sequence's keys (the rest of the last page and block, the
+    pages behind unused page-table columns): the kernel zeroes V past the last visible key, so equal to the
+    reference on the clean cache."""
+    rng = np.random.default_rng(9)
+    step = make_step(rng, [(45, 9, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16,
+                     max_pages=4)
+    got = run(ma.prefill_attention, poison_unwritten(step), interpret=True, num_partitions=1)
+    bound = 2.0 ** -8 * float(jnp.abs(step["v_cache"].astype(jnp.float32)).max())
+    assert_close(got, run(paged_attention, f32(step), block_pages=2, precision=HIGHEST), out_atol=bound)
+
+
+@pytest.mark.slow
+def test_mixed_step_through_the_switch():
+    """The engine's path, `attention("mosaic_interpret")`, default partitions: decodes and prefill chunks of one
+    step in two launches, padding rows, contexts that are multiples of no block."""
+    rng = np.random.default_rng(7)
+    seqs = [(95, 31, 0), (41, 2, 0), (100, 1, 0), (3, 1, 0)]
+    step = make_step(rng, seqs, num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16, pad_rows=2)
+    got = run(functools.partial(attention, "mosaic_interpret"), step, block_pages=4)
+    bound = 2.0 ** -8 * float(jnp.abs(step["v_cache"].astype(jnp.float32)).max())
+    assert_close(got, run(paged_attention, f32(step), block_pages=4, precision=HIGHEST), out_atol=bound)
+
+
+@pytest.mark.parametrize("num_heads,page", [(32, 16), (64, 128)], ids=["8b-page16", "70b-page128"])
+def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
+    """The non-interpreted kernels at Llama-3-8B / -70B attention shapes lower through Pallas' Mosaic GPU lowering
+    (layouts, swizzled SMEM, TMA copies of pages, transposed wgmma, warpgroups) to the Mosaic GPU custom call for
+    CUDA, alone and inside the step's shard_map (on the CPU; compiling to PTX and running need a Hopper GPU)."""
+    assert_lowers_for_cuda(jnp.bfloat16, ((ma.paged_attention_mosaic, 2), (ma.decode_attention, 1)),
+                           "@mosaic_gpu_v2", num_heads=num_heads, page=page)
+
+
+def test_what_the_kernels_refuse():
+    """Shapes outside what the kernels support raise, naming it; attention='mosaic' raises off a Hopper GPU."""
+    rng = np.random.default_rng(0)
+    ok = dict(num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
+    for change, message in ((dict(dtype=np.float32), "one 16-bit dtype"), (dict(head_dim=32), "head dims"),
+                            (dict(page=4), "page size"), (dict(page=24), "page size"),
+                            (dict(num_heads=3, num_kv_heads=1), "power of two")):
+        step = make_step(rng, [(5, 2, 0)], **{**ok, **change})
+        with pytest.raises(ValueError, match=message):
+            run(ma.paged_attention_mosaic, step, interpret=True)
+    if not on_hopper_gpu():
+        step = make_step(rng, [(5, 2, 0)], **ok)
+        with pytest.raises(RuntimeError, match="attention='mosaic' needs an NVIDIA Hopper GPU .*use 'pallas', "
+                                               "'reference' or 'mosaic_interpret'"):
+            run(functools.partial(attention, "mosaic"), step, block_pages=1)
+
+
+@pytest.mark.slow
+def test_engine_with_interpreted_mosaic_kernels_matches_reference(tmp_path):
+    """LLM on a tiny bf16 checkpoint of head dim 64 (the kernels' smallest): the same greedy tokens with
+    attention="mosaic_interpret" as with the reference, prefill chunks and decodes in one step."""
+    from mnemojax import LLM, SamplingParams
+    from tests.hf_utils import make_hf_checkpoint
+
+    ckpt = make_hf_checkpoint(tmp_path / "m", hidden_size=128, intermediate_size=128, num_layers=1, num_heads=2,
+                              num_kv_heads=1, head_dim=64, weight_scale=8.0, seed=3)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompts = [np.random.default_rng(0).integers(0, 256, n).tolist() for n in (5, 20)]
+    outs = {}
+    for impl in ("reference", "mosaic_interpret"):
+        llm = LLM(model=str(ckpt), attention=impl, dtype="bfloat16", page_size=16, chunk_size=16,
+                  max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2)
+        outs[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs["mosaic_interpret"] == outs["reference"]
+    assert all(len(t) == 3 for t in outs["reference"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
+def test_compiled_kernels_on_hopper_match_float32_reference():
+    """The compiled kernels at Llama-3-8B and -70B attention shapes (32 or 64 q heads, 8 kv heads, head dim 128,
+    page 16) on random bf16 inputs: a long prefill chunk, short chunks, decodes, an empty KVP shard, padding rows."""
+    rng = np.random.default_rng(0)
+    seqs = [(5000, 512, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (1, 1, 0), (0, 3, 0), (900, 17, 3000)]
+    for num_heads in (32, 64):
+        step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=8, head_dim=128, page=16,
+                         dtype=jnp.bfloat16, pad_rows=3)
+        check_compiled(step, (ma.paged_attention_mosaic, ma.prefill_attention, ma.decode_attention))
