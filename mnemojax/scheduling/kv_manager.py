@@ -235,6 +235,8 @@ class KVCacheManager:
         if not cands:
             raise ValueError(f"request {req.request_id} needs a KVP rank more than the {self.num_ranks} there are "
                              f"({self.capacity_error(req.num_tokens)})")
+        if len(cands) == 1:
+            return cands[0]  # (kvp = 1, or the last rank left: nothing to weigh)
         cands = [r for r in cands if self.ranks[r].pages_for(want) <= self.ranks[r].num_free] or cands
         busy = [0] * self.num_ranks
         if step_rows is not None:
