@@ -29,15 +29,16 @@ def kvp_merge(out, lse, shared):
 
     out f32[T, N, H] and lse f32[T, N]: this rank's attention over its own KV shard. shared bool[T]: the row
     holds a query token of a request whose KV spans several ranks; the same token sits in the same row on
-    each of its ranks. Ranks where the row is not shared contribute weight 0 and keep their own result.
-    Returns out f32[T, N, H].
+    each of its ranks. Ranks where the row is not shared contribute nothing and keep their own result (such a
+    rank may use the row for a request of its own: whatever it holds there, even a non-finite value, never
+    reaches the merge). Returns out f32[T, N, H].
     """
     if lax.axis_size(KVP) == 1:
         return out  # nothing to merge (and no collective left in the layer loop)
     w_lse = jnp.where(shared[:, None], lse, NEG)
     m = lax.pmax(w_lse, KVP)
     w = jnp.where(shared[:, None], jnp.exp(w_lse - m), 0.0)  # [T, N]
-    num = lax.psum(out * w[..., None], KVP)
+    num = lax.psum(jnp.where(shared[:, None, None], out * w[..., None], 0.0), KVP)
     den = lax.psum(w, KVP)
     merged = num / jnp.where(den == 0.0, 1.0, den)[..., None]
     return jnp.where(shared[:, None, None], merged, out)

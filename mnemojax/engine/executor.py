@@ -4,9 +4,11 @@ Each call feeds one micro-batch (a `StepPlan`) into the first pipeline stage and
 stage; it returns the micro-batch that leaves the last stage (with spp = 1, the same one) and what the step gave
 back for each of its chunks, as the scheduler's `update_from_output` takes it.
 
-Rows, per KVP rank: a request whose KV spans several ranks puts its query tokens in a *shared* row range,
-aligned on every rank (first in the batch); each of its ranks computes attention over its own KV there and
-the step merges them. Requests that live on one rank fill that rank's rows after the shared range.
+Rows, per KVP rank (`mnemojax.scheduling.rows`, the rule the scheduler's budgets follow): a request whose KV spans
+several ranks puts its query tokens in a *shared* row range, the same rows on each rank holding its KV (shared
+ranges first, disjoint); each of its ranks computes attention over its own KV there and the step merges them.
+Requests that live on one rank fill that rank's rows after the last shared range it holds: a rank holding none
+uses the rows of the others' shared ranges for its own requests.
 
 Shapes: token rows T are rounded up to a power of two (fixed at the token budget when spp > 1, since every
 micro-batch in flight shares the pipeline register), logits rows R likewise; sequence rows B and page-table
@@ -42,6 +44,7 @@ from mnemojax.engine import sampler
 from mnemojax.scheduling.kv_manager import DUMMY_PAGE
 from mnemojax.scheduling.pipeline import Pipeline
 from mnemojax.scheduling.request import RequestStatus
+from mnemojax.scheduling.rows import layout
 from mnemojax.scheduling.sampling_params import MAX_LOGPROBS
 from mnemojax.scheduling.scheduler import ChunkOutput, StepPlan
 from models.attention import AttentionMetadata
@@ -286,13 +289,12 @@ class Executor:
         return slots.free.pop()
 
     # ---------------------------------------------------------------- host side
+    def _row_layout(self, plan: StepPlan) -> tuple[list[int], list[int]]:
+        """(Each chunk's first row on the ranks holding its request's KV, the rows each rank needs)."""
+        return layout(((c.request.kv_ranks, c.num_tokens) for c in plan.chunks), self.kvp)
+
     def _rows_needed(self, plan: StepPlan) -> int:
-        shared = sum(c.num_tokens for c in plan.chunks if len(c.request.kv_ranks) > 1)
-        local = [0] * self.kvp
-        for c in plan.chunks:
-            if len(c.request.kv_ranks) == 1:
-                local[c.request.kv_ranks[0]] += c.num_tokens
-        return shared + max(local)
+        return max(self._row_layout(plan)[1])
 
     def prepare(self, plan: StepPlan, T: int) -> MicroBatch:
         """The plan as numpy arrays [kvp, ...], padded to T token rows."""
@@ -355,19 +357,12 @@ class Executor:
             if ch.sample:
                 add_row(rank, t0 + n - 1, chunk_i, s + n, req, -1, True)
 
-        t = 0
-        for ci, ch in enumerate(plan.chunks):  # shared range first: the same rows on every rank
-            if len(ch.request.kv_ranks) > 1:
-                for i, r in enumerate(ch.request.kv_ranks):
-                    place(ci, ch, r, i, t, True, logits=(i == 0))
-                t += ch.num_tokens
-        offsets = [t] * K
-        for ci, ch in enumerate(plan.chunks):
-            if len(ch.request.kv_ranks) == 1:
-                r = ch.request.kv_ranks[0]
-                place(ci, ch, r, 0, offsets[r], False, logits=True)
-                offsets[r] += ch.num_tokens
-        assert max(offsets) <= T, (offsets, T)
+        starts, used = self._row_layout(plan)
+        for ci, ch in enumerate(plan.chunks):  # a shared chunk: the same rows on each rank holding its KV
+            ranks = ch.request.kv_ranks
+            for i, r in enumerate(ranks):
+                place(ci, ch, r, i, starts[ci], len(ranks) > 1, logits=(i == 0))
+        assert max(used) <= T, (used, T)
 
         R = self.logits_rows(T, max(len(x) for x in rows))
         pad_rows = np.zeros((K, R), np.int32)

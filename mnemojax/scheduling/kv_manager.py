@@ -126,11 +126,17 @@ class PageManager:
 class KVCacheManager:
     """The page pools of all KVP ranks, and where each request's KV lives.
 
-    A request's KV occupies contiguous token ranges on a list of ranks (`request.kv_ranks`): tokens
-    [i * max_tokens_per_rank, (i + 1) * max_tokens_per_rank) on its i-th rank. It starts on one rank, the
-    least loaded when it is placed, and the next rank joins only once the previous one holds
-    `max_tokens_per_rank` tokens (dynamic onboarding, during prefill or decode). With one rank, or no limit,
-    a request stays on its first rank.
+    A request's KV occupies contiguous token ranges on a list of distinct ranks (`request.kv_ranks`): tokens
+    [i * max_tokens_per_rank, (i + 1) * max_tokens_per_rank) on its i-th rank. It starts on one rank and the
+    next rank joins only once the previous one holds `max_tokens_per_rank` tokens (dynamic onboarding, during
+    prefill or decode). With one rank, or no limit, a request stays on its first rank.
+
+    Placement (Medha's KVP load balancing, section 4.3: by pending prefill work and memory): its first rank, and
+    each rank that joins later, is the least loaded of the ranks it is not on yet (`_least_loaded`): among those
+    with free pages for the known tokens it would keep there (all of them if none has), the one with the least
+    pending prefill work, i.e. the fewest prompt tokens still to compute of the requests whose KV it holds
+    (`pending_prefill`), then the one with the most free pages, then the lowest index. A request found in the
+    prefix cache goes where its cached pages are.
     """
 
     def __init__(self, num_ranks: int, num_pages: int, page_size: int, max_tokens_per_rank: int | None = None,
@@ -148,6 +154,7 @@ class KVCacheManager:
         self.prefix_hits = 0  # of those, tokens found cached
         self._evictions_logged = 0  # evictions at the last eviction-pressure log line
         self._pending: dict[bytes, int] = {}  # hashes of prompt pages admitted requests are computing: how many
+        self._holders: list[dict[int, object]] = [{} for _ in range(num_ranks)]  # per rank: id -> request on it
 
     @property
     def num_ranks(self) -> int:
@@ -186,14 +193,17 @@ class KVCacheManager:
         m = self.max_tokens_per_rank
         return [min(m, num_tokens - i * m) for i in range(-(-num_tokens // m))] or [0]
 
-    def place(self, req) -> int:
+    def place(self, req, step_rows=None) -> int:
         """Chooses the ranks of a request with no KV yet and gives it the longest run of its pages already cached
-        (never its last token: the step that computes it samples). Without a cached page it starts on the rank
-        with the most free pages. Returns the tokens found cached."""
+        (never its last token: the step that computes it samples). Without a cached page it starts on the least
+        loaded rank (see the class docstring). `step_rows` (a `rows.StepRows`), the rows of the step being planned:
+        the tokens already scheduled on a rank count as pending work there, and a rank with room left in the step
+        is preferred, so that the request can start now. Returns the tokens found cached."""
         ranks, pages = self._match(req) if self._looks_up(req) else (None, [])
         if not pages:
-            req.kv_ranks = [max(range(self.num_ranks), key=lambda r: (self.ranks[r].num_free, -r))]
+            req.kv_ranks = [self._least_loaded(req, [], step_rows)]
             req.pages = [[]]
+            self._hold(req)
             return 0
         req.kv_ranks, req.pages = [], []
         for j, page in enumerate(pages):
@@ -204,7 +214,39 @@ class KVCacheManager:
             self.ranks[ranks[i]].acquire(page)
             req.pages[i].append(page)
         req.num_registered_pages = len(pages)
+        self._hold(req)
         return len(pages) * self.page_size
+
+    # ---------------------------------------------------------------- load balancing
+    def pending_prefill(self, rank: int) -> int:
+        """Pending prefill work on `rank`: the tokens still to compute (not yet scheduled) of the requests whose
+        KV it holds and that are not decoding. A request spanning several ranks counts on each: its query rows
+        are computed on all of them."""
+        return sum(q.num_uncomputed for q in self._holders[rank].values() if not q.in_decode)
+
+    def _least_loaded(self, req, taken: list[int], step_rows=None) -> int:
+        """The rank for `req`'s span number len(taken) (its first rank when `taken` is empty), chosen among the
+        ranks not in `taken`: those with free pages for the known tokens that span would hold (all of them if
+        none has), of those the ones with room in `step_rows` if given (all of them if none has), then the least
+        pending prefill work (plus the rows used in `step_rows`), the most free pages, the lowest index."""
+        counts = self.rank_tokens(req.num_tokens)
+        want = max(counts[len(taken)] if len(taken) < len(counts) else 0, 1)
+        cands = [r for r in range(self.num_ranks) if r not in taken]
+        if not cands:
+            raise ValueError(f"request {req.request_id} needs a KVP rank more than the {self.num_ranks} there are "
+                             f"({self.capacity_error(req.num_tokens)})")
+        if len(cands) == 1:
+            return cands[0]  # (kvp = 1, or the last rank left: nothing to weigh)
+        cands = [r for r in cands if self.ranks[r].pages_for(want) <= self.ranks[r].num_free] or cands
+        busy = [0] * self.num_ranks
+        if step_rows is not None:
+            cands = [r for r in cands if step_rows.room([r]) > 0] or cands
+            busy = [step_rows.used(r) for r in range(self.num_ranks)]
+        return min(cands, key=lambda r: (self.pending_prefill(r) + busy[r], -self.ranks[r].num_free, r))
+
+    def _hold(self, req) -> None:
+        for r in req.kv_ranks:
+            self._holders[r][id(req)] = req
 
     # ---------------------------------------------------------------- prefix cache
     def _looks_up(self, req) -> bool:
@@ -232,23 +274,36 @@ class KVCacheManager:
 
     def _match(self, req) -> tuple[list[int] | None, list[int]]:
         """The rank list and cached pages of the longest cached run of `req`'s full pages (at most all but its
-        last token), over every choice of first rank (ties: the one with the most free pages). Reads only."""
+        last token). Span by span, the rank (not yet in the list) holding the longest cached run of that span's
+        pages, ties to the most free pages then the lowest index (ranks join a request by load, not in a fixed
+        order, so each span is looked up on every rank). Reads only."""
         hashes = self.page_hashes(req, (req.num_tokens - 1) // self.page_size)
-        best: tuple | None = None
-        for r0 in range(self.num_ranks):
-            pages = []
-            for j, h in enumerate(hashes):
-                page = self.ranks[(r0 + self._where(j)[0]) % self.num_ranks].lookup(h)
-                if page is None:
-                    break
-                pages.append(page)
-            key = (len(pages), self.ranks[r0].num_free, -r0)
-            if pages and (best is None or key > best[0]):
-                best = key, r0, pages
-        if best is None:
-            return None, []
-        _, r0, pages = best
-        return [(r0 + i) % self.num_ranks for i in range(self._where(len(pages) - 1)[0] + 1)], pages
+        per_span = len(hashes) if self.max_tokens_per_rank is None else self.max_tokens_per_rank // self.page_size
+        ranks: list[int] = []
+        pages: list[int] = []
+        while len(pages) < len(hashes):
+            span = hashes[len(pages):len(pages) + per_span]
+            best: tuple | None = None
+            for r in range(self.num_ranks):
+                if r in ranks:
+                    continue
+                run = []
+                for h in span:
+                    page = self.ranks[r].lookup(h)
+                    if page is None:
+                        break
+                    run.append(page)
+                key = (len(run), self.ranks[r].num_free, -r)
+                if run and (best is None or key > best[0]):
+                    best = key, r, run
+            if best is None:
+                break
+            _, r, run = best
+            ranks.append(r)
+            pages += run
+            if len(run) < len(span):
+                break  # the run ends inside this span
+        return (ranks, pages) if pages else (None, [])
 
     def mark_pending(self, req) -> None:
         """`req` is admitted: the full pages of its prompt it will compute are pending until cached or freed."""
@@ -309,11 +364,18 @@ class KVCacheManager:
         return n
 
     def _targets(self, req, num_tokens):
+        """(The ranks `req` would hold once it holds `num_tokens` tokens, how many tokens on each). Reads only."""
         counts = self.rank_tokens(num_tokens)
-        ranks = list(req.kv_ranks)
+        ranks = req.kv_ranks[:len(counts)]
         while len(ranks) < len(counts):
-            ranks.append((ranks[-1] + 1) % self.num_ranks)
+            ranks.append(self._least_loaded(req, ranks))
         return ranks, counts
+
+    def ranks_for(self, req, num_tokens: int) -> list[int]:
+        """The ranks that hold `req`'s KV once it holds `num_tokens` tokens (the ranks that would join chosen as
+        `grow` would choose them now), in span order. A step computes the query rows of `req`'s chunk ending at
+        `num_tokens` on exactly these ranks. Reads only."""
+        return self._targets(req, num_tokens)[0]
 
     def short_ranks(self, req, num_tokens: int) -> set[int]:
         """The ranks without enough free pages for `req` to hold `num_tokens` tokens."""
@@ -336,6 +398,7 @@ class KVCacheManager:
             if i == len(req.kv_ranks):
                 req.kv_ranks.append(r)
                 req.pages.append([])
+                self._holders[r][id(req)] = req
             self.ranks[r].grow(req.pages[i], n)
         n = self.num_evictions
         if n and (self._evictions_logged == 0 or n - self._evictions_logged >= self.num_usable):
@@ -347,6 +410,7 @@ class KVCacheManager:
     def free(self, req) -> None:
         for r, pages in zip(req.kv_ranks, req.pages):
             self.ranks[r].free(pages)
+            self._holders[r].pop(id(req), None)
         req.kv_ranks, req.pages = [], []
         req.num_registered_pages = 0
         self._unmark_pending(req, len(req.page_hashes))

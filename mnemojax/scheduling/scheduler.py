@@ -21,9 +21,11 @@ A step is packed in this order (Medha, section 4.2):
 TTFT deadlines: arrival + max(`ttft_slo_min_s` + `ttft_slo_per_token_s` x prompt tokens, `ttft_slo_prefill_factor`
 x the predicted time to prefill the prompt alone).
 
-With KV parallelism each KVP rank has its own token budget and page pool; a request whose KV spans several
-ranks computes its tokens on all of them (its rows are replicated), so its chunk counts against every rank's
-budget; a step's cost is its busiest rank's. With a pipeline (spp > 1) a scheduled chunk is in flight for
+With KV parallelism each KVP rank has its own token budget (rows) and page pool. A request whose KV spans several
+ranks computes its query tokens on each rank holding its KV (the same rows on each), so its chunk counts against
+those ranks' budgets and costs, and only theirs: the other ranks use those rows for their own requests
+(`rows.py`, the executor's layout). A step's cost is its busiest rank's. Where a request's KV goes, its first rank
+and each rank that joins later, is the KV manager's choice by load (pending prefill work and free pages). With a pipeline (spp > 1) a scheduled chunk is in flight for
 several steps: `num_computed` counts tokens scheduled, a request waits for its sampled token before it can be
 scheduled again, a request with chunks in flight is never preempted, and a step's target is the batch time
 divided by spp (a decode crosses every stage).
@@ -59,6 +61,7 @@ from mnemojax.scheduling.config import SchedulerConfig
 from mnemojax.scheduling.kv_manager import KVCacheManager
 from mnemojax.scheduling.predictor import ChunkShape
 from mnemojax.scheduling.request import Request, RequestStatus
+from mnemojax.scheduling.rows import StepRows
 
 logger = logging.getLogger(__name__)
 
@@ -268,12 +271,9 @@ class Scheduler:
 
     # ---------------------------------------------------------------- packing
     def _ranks_of(self, req: Request, n: int, start: int | None = None) -> list[int]:
-        """Ranks whose rows a chunk of `n` tokens of `req` from `start` (default: `num_computed`) occupies (all
-        ranks once its KV spans several)."""
-        start = req.num_computed if start is None else start
-        if len(self.kv.rank_tokens(start + n)) > 1:
-            return list(range(self.kv.num_ranks))
-        return req.kv_ranks[:1]
+        """Ranks whose rows a chunk of `n` tokens of `req` from `start` (default: `num_computed`) occupies: the
+        ranks holding its KV once the chunk is in (a rank that would join for it included)."""
+        return self.kv.ranks_for(req, (req.num_computed if start is None else start) + n)
 
     def _rank_shapes(self, items) -> dict[int, list[ChunkShape]]:
         """Per KVP rank, the chunk shapes of `items` ((request, start, tokens)) that occupy its rows."""
@@ -289,9 +289,10 @@ class Scheduler:
         before the plan's requests move on: ranks are read from their current pages)."""
         return list(self._rank_shapes((ch.request, ch.start, ch.num_tokens) for ch in plan.chunks).values())
 
-    def _cost(self, entries: list[tuple[Request, int]]) -> float:
-        """A step's cost: its busiest rank's predicted time, or its token count without a predictor."""
-        by_rank = self._rank_shapes((req, req.num_computed, n) for req, n in entries)
+    def _cost(self, entries: list[tuple[Request, int, int]]) -> float:
+        """A step's cost, its chunks as (request, start, tokens): its busiest rank's predicted time, or its token
+        count without a predictor."""
+        by_rank = self._rank_shapes(entries)
         if not by_rank:
             return 0.0
         if self.target_s is None:
@@ -302,26 +303,24 @@ class Scheduler:
         c = self.config
         return self.target_s / self.spp if self.target_s is not None else float(c.max_num_batched_tokens)
 
-    def _fit(self, entries, req: Request, budgets: list[int], cap: float, floor: int) -> int:
-        """Largest chunk of `req` within the token budgets whose step cost stays under `cap` (at least
+    def _fit(self, entries, req: Request, rows: StepRows, cap: float, floor: int) -> int:
+        """Largest chunk of `req` within the ranks' token budgets whose step cost stays under `cap` (at least
         `floor` tokens when the budgets allow, so a prefill always makes progress)."""
         hi = min(req.num_uncomputed, self.config.chunk_size)
-        if req.kv_ranks:
-            hi = min(hi, budgets[req.kv_ranks[0]])
-        if hi > 0 and len(self.kv.rank_tokens(req.num_computed + hi)) > 1:
-            hi = min(hi, *budgets)
+        if hi > 0:  # (a smaller chunk spans the same ranks or fewer, with as much room or more)
+            hi = min(hi, rows.room(self._ranks_of(req, hi)))
         if hi <= 0:
             return 0
-        if self._cost(entries + [(req, hi)]) <= cap:
+        if self._cost(entries + [(req, req.num_computed, hi)]) <= cap:
             return hi
-        if self._cost(entries + [(req, 1)]) > cap:
+        if self._cost(entries + [(req, req.num_computed, 1)]) > cap:
             if floor > 0:
                 self._log_target_unmet(entries, req, min(floor, hi), cap)
             return min(floor, hi)  # not even one token fits
         best, a, b = 1, 2, hi - 1  # the cost grows with the chunk: binary search for the largest that fits
         while a <= b:
             mid = (a + b) // 2
-            if self._cost(entries + [(req, mid)]) <= cap:
+            if self._cost(entries + [(req, req.num_computed, mid)]) <= cap:
                 best, a = mid, mid + 1
             else:
                 b = mid - 1
@@ -334,8 +333,8 @@ class Scheduler:
         predicted over the target."""
         if self._target_unmet_logged or getattr(self.predictor, "calibrating", False):
             return
-        entries = [(r, k) for r, k in entries if k == 1 and r.output_token_ids]  # decodes: no packing choice
-        if self._cost(entries + [(req, n)]) <= cap:
+        entries = [(r, s, k) for r, s, k in entries if k == 1 and r.output_token_ids]  # decodes: no packing choice
+        if self._cost(entries + [(req, req.num_computed, n)]) <= cap:
             return  # other prefills took the room: a packing choice, not the step's least work
         self._target_unmet_logged = True
         logger.warning(
@@ -343,10 +342,10 @@ class Scheduler:
             "of request %s's prefill (min_chunk_size %d, context %d), is predicted at %.1f ms per stage (%.1f ms "
             "without the prefill) against %.1f ms (target / spp %d); such steps run over the target (logged once)",
             self.config.target_batch_time_ms, len(entries), n, req.request_id,
-            self.config.min_chunk_size, req.num_computed + n, 1e3 * self._cost(entries + [(req, n)]),
+            self.config.min_chunk_size, req.num_computed + n, 1e3 * self._cost(entries + [(req, req.num_computed, n)]),
             1e3 * self._cost(entries), 1e3 * cap, self.spp)
 
-    def _schedule(self, req: Request, n: int, budgets: list[int], chunks: list[ScheduledChunk],
+    def _schedule(self, req: Request, n: int, rows: StepRows, chunks: list[ScheduledChunk],
                   preempted: list[Request]) -> bool:
         """Grows `req`'s pages for `n` more tokens (preempting newer requests if needed) and adds its chunk."""
         while short := self.kv.short_ranks(req, req.num_computed + n):
@@ -359,9 +358,11 @@ class Scheduler:
                 return False
             self._preempt(victims[-1])
             preempted.append(victims[-1])
-        for r in self._ranks_of(req, n):
-            budgets[r] -= n
+        ranks = self._ranks_of(req, n)
+        if rows.room(ranks) < n:
+            return False  # freeing the victims' pages changed which rank would join, and it has no room
         self.kv.grow(req, req.num_computed + n)
+        rows.add(ranks, n)
         return self._add_chunk(req, n, chunks)
 
     def _decodes_unseen(self, req: Request) -> bool:
@@ -407,24 +408,24 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> StepPlan:
         c = self.config
         now = self.clock() if now is None else now
-        budgets = [c.max_num_batched_tokens] * self.kv.num_ranks
+        rows = StepRows(self.kv.num_ranks, c.max_num_batched_tokens)  # each rank's token budget
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         limit = self._limit()
 
         def entries():
-            return [(ch.request, ch.num_tokens) for ch in chunks]
+            return [(ch.request, ch.start, ch.num_tokens) for ch in chunks]
 
         # 1. Decodes, in admission order (with async scheduling, also of a token sampled but not yet seen).
         for req in list(self.running):
             if req.status is RequestStatus.RUNNING and (not req.awaiting_sample and req.in_decode
                                                        or self._decodes_unseen(req)):
                 if self._fits_in_last_page(req):  # the common decode: no page to find
-                    if budgets[req.kv_ranks[0]] >= 1:
-                        budgets[req.kv_ranks[0]] -= 1
+                    if rows.room(req.kv_ranks) >= 1:
+                        rows.add(req.kv_ranks, 1)
                         self._add_chunk(req, 1, chunks)
-                elif all(budgets[r] >= 1 for r in self._ranks_of(req, 1)):
-                    self._schedule(req, 1, budgets, chunks, preempted)
+                elif rows.room(self._ranks_of(req, 1)) >= 1:
+                    self._schedule(req, 1, rows, chunks, preempted)
 
         # 2. Prefill candidates: running ones with tokens to compute, then waiting ones that could be admitted.
         running = [r for r in self.running if r.status is RequestStatus.RUNNING and not r.awaiting_sample
@@ -461,35 +462,44 @@ class Scheduler:
                 caps.append((r, base + (limit - base) * share * acc))
             passes = caps + [(cands[0], limit)] + [(r, limit) for r in cands[1:]]
 
+        def fcfs_blocked(req: Request) -> bool:
+            """`req` does not run in this step: gives back what placing it took; under FCFS a waiting request that
+            cannot start blocks the ones after it (no overtaking)."""
+            waiting = req.status is RequestStatus.WAITING
+            self._unplace(req)
+            return waiting and c.scheduler_policy == "fcfs"
+
         scheduled = {id(ch.request) for ch in chunks}
         primary = cands[0] if cands else None
         full: set[int] = set()  # ranks where not even one token of a fresh prompt fits under the limit
         for req, cap in passes:
-            if max(budgets) <= 0 or len(full) == self.kv.num_ranks:
+            if all(rows.room([r]) <= 0 for r in range(self.kv.num_ranks)) or len(full) == self.kv.num_ranks:
                 break
             if id(req) in scheduled or req in preempted:
                 continue  # one chunk per request per step; a victim is not re-admitted in the same step
             if req.status is RequestStatus.WAITING:
                 if len(self.running) >= c.max_num_seqs or (c.scheduler_policy == "fcfs" and preempted):
                     continue
-                req.num_computed = self.kv.place(req)  # its cached prefix, if any
+                req.num_computed = self.kv.place(req, rows)  # its cached prefix, if any
                 if self.kv.waits_for_pending(req, req.num_computed):
                     self._unplace(req)
                     continue  # its next page is being computed by another request: take it cached later
             if req.kv_ranks[0] in full and req is not primary:
-                self._unplace(req)
+                if fcfs_blocked(req):
+                    break
                 continue  # a longer context only costs more
             # Only the most urgent prefill is sure to progress; the others fit under the cap or wait.
             # Before the most urgent prefill is placed, the others are costed with its smallest chunk in the step:
             # a step's cost is not a sum (the reference kernel runs every row over the longest context), so room
             # they take could otherwise leave it none.
-            reserve = [(primary, min(floor, primary.num_uncomputed))] if (
+            reserve = [(primary, primary.num_computed, min(floor, primary.num_uncomputed))] if (
                 floor and req is not primary and id(primary) not in scheduled and primary.kv_ranks) else []
-            n = self._fit(entries() + reserve, req, budgets, cap, floor if req is primary else 0)
+            n = self._fit(entries() + reserve, req, rows, cap, floor if req is primary else 0)
             if n <= 0:
                 if cap == limit and req.num_computed == 0 and len(req.kv_ranks) == 1:
                     full.add(req.kv_ranks[0])
-                self._unplace(req)
+                if fcfs_blocked(req):
+                    break
                 continue
             if req.status is RequestStatus.WAITING:
                 if not self.kv.can_grow(req, n):
@@ -500,7 +510,7 @@ class Scheduler:
                         break  # first come, first served: nobody overtakes it
                     continue
                 self._admit(req)
-            if self._schedule(req, n, budgets, chunks, preempted):
+            if self._schedule(req, n, rows, chunks, preempted):
                 scheduled.add(id(req))
         for ch in chunks:
             if ch.request.first_scheduled_time is None:

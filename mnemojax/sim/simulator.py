@@ -15,8 +15,9 @@ the executor, an executor whose clock is the predictor. One simulated step:
 3. **Clocked pipeline**: every stage works at once, each on its own micro-batch, so the step lasts as long as
    the slowest: `max` over the micro-batches in flight of `predictor.stage_time(its chunks)`, each chunk as
    `ChunkShape(num_tokens, start + num_tokens, len(request.kv_ranks))`, and with KV parallelism the busiest
-   KVP rank's time (a request spanning several ranks has its rows on every rank, as in the executor). A
-   micro-batch's time is computed when it is planned (its requests' KV placement is known then).
+   KVP rank's time (a request spanning several ranks has its rows on the ranks holding its KV, as in the
+   executor: `Scheduler.plan_shapes`). A micro-batch's time is computed when it is planned (its requests' KV
+   placement is known then).
 4. The micro-batch leaving the last stage (the one that entered `spp - 1` steps earlier) comes back with token
    0 for each sampling chunk, and `scheduler.update_from_output` does what it does in the engine: tokens
    appended at the step's end time, a request with `max_tokens` tokens finished and its pages freed.
@@ -53,7 +54,7 @@ import numpy as np
 from mnemojax.scheduling.kv_manager import KVCacheManager
 from mnemojax.scheduling.pipeline import Pipeline
 from mnemojax.scheduling.config import POLICIES, ParallelConfig, SchedulerConfig
-from mnemojax.scheduling.predictor import HARDWARE, ChunkShape, Predictor
+from mnemojax.scheduling.predictor import HARDWARE, Predictor
 from mnemojax.scheduling.predictor import make_predictor as deployment_predictor
 from mnemojax.scheduling.request import Request
 from mnemojax.scheduling.sampling_params import SamplingParams
@@ -416,13 +417,7 @@ class Simulator:
     def stage_time(self, plan: StepPlan) -> float:
         if not plan.chunks:
             return self._empty_time
-        by_rank: dict[int, list[ChunkShape]] = {}
-        for ch in plan.chunks:
-            ranks = ch.request.kv_ranks
-            shape = ChunkShape(ch.num_tokens, ch.start + ch.num_tokens, max(1, len(ranks)))
-            for r in (range(self.kv.num_ranks) if len(ranks) > 1 else ranks[:1]):
-                by_rank.setdefault(r, []).append(shape)
-        return max(self.predictor.stage_time(shapes) for shapes in by_rank.values())
+        return max(self.predictor.stage_time(shapes) for shapes in self.scheduler.plan_shapes(plan))
 
     def run(self) -> SimResult:
         cfg, sched, executor = self.config, self.scheduler, self.executor

@@ -37,17 +37,21 @@ def _max_tokens_per_rank(kvp):
     return None if kvp == 1 else (36 if kvp >= 3 else 40)
 
 
-def run_workload(ckpt, kvp=1, spp=1, tp=1, **kw):
-    """Drives the engine step by step with the arrivals above; returns outputs by name and span facts."""
+def run_workload(ckpt, kvp=1, spp=1, tp=1, arrivals=ARRIVALS, on_engine=None, **kw):
+    """Drives the engine step by step with `arrivals` (by step; one request named "long"); returns outputs by name
+    and span facts. `on_engine(engine)` is called once the engine is built."""
+    kw.setdefault("max_tokens_per_kvp_rank", _max_tokens_per_rank(kvp))
     llm = LLM(model=ckpt, page_size=4, chunk_size=16, max_num_batched_tokens=32, max_model_len=96, kvp=kvp,
-              spp=spp, tp=tp, max_tokens_per_kvp_rank=_max_tokens_per_rank(kvp), **kw)
+              spp=spp, tp=tp, **kw)
     engine = llm.engine
+    if on_engine is not None:
+        on_engine(engine)
     rng = np.random.default_rng(0)
-    prompts = {name: rng.integers(0, 256, n).tolist() for reqs in ARRIVALS.values() for name, n, _ in reqs}
+    prompts = {name: rng.integers(0, 256, n).tolist() for reqs in arrivals.values() for name, n, _ in reqs}
     ids, onboard_at = {}, []
     step = 0
-    while step <= max(ARRIVALS) or engine.has_unfinished():
-        for name, _, new in ARRIVALS.get(step, []):
+    while step <= max(arrivals) or engine.has_unfinished():
+        for name, _, new in arrivals.get(step, []):
             ids[name] = engine.add_request(prompts[name], SamplingParams(
                 max_tokens=new, temperature=0, prompt_logprobs=0, ignore_eos=True), request_id=name)
         before = len(engine.requests["long"].kv_ranks)
@@ -167,6 +171,40 @@ def test_orbax_checkpoint_restores_under_another_mesh(ckpt, reference, tmp_path)
         outs, _ = run_workload(str(out), *shape)
         _check_same(outs, reference)
     jax.clear_caches()
+
+
+# The long request's KV spans ranks 0, 1 and 2 (16 tokens each; the third joins mid-prefill); short requests
+# arrive while it prefills and decodes, so other ranks run their own rows beside its shared ones.
+SPREAD = {0: [("long", 40, 8)], 1: [("a", 9, 6), ("b", 13, 4)], 2: [("c", 5, 7), ("d", 20, 3)],
+          4: [("e", 11, 5)], 6: [("f", 7, 6), ("g", 3, 4)]}
+
+
+def test_ranks_not_holding_a_long_request_reuse_its_rows_and_stay_exact(ckpt):
+    """kvp = 4: a rank that does not hold the long request's KV lays its own requests in the rows of the long
+    request's shared range (marked unshared there, so the KVP merge adds weight 0 from it and it keeps its own
+    result). Results equal one device's: prompt log-probs within 1e-5, greedy tokens identical."""
+    overlaps = []
+
+    def watch(engine):
+        ex = engine.executor
+        prepare = ex.prepare
+
+        def recording(plan, T):
+            starts, _ = ex._row_layout(plan)
+            spans = [(c.request.kv_ranks, s, s + c.num_tokens) for c, s in zip(plan.chunks, starts)]
+            for ranks, lo, hi in spans:
+                if len(ranks) == 1:  # a local chunk in rows of a shared chunk its rank does not hold
+                    overlaps.extend((ranks[0], lo) for r2, lo2, hi2 in spans
+                                    if len(r2) > 1 and ranks[0] not in r2 and lo < hi2 and lo2 < hi)
+            return prepare(plan, T)
+
+        ex.prepare = recording
+
+    ref, _ = run_workload(ckpt, arrivals=SPREAD)
+    outs, onboard_at = run_workload(ckpt, kvp=4, arrivals=SPREAD, max_tokens_per_kvp_rank=16, on_engine=watch)
+    _check_same(outs, ref)
+    assert len(onboard_at) == 2 and onboard_at[0] < onboard_at[1] <= 40
+    assert overlaps, "no step laid a local request in the rows of a shared one"
 
 
 def test_out_of_pages_on_a_rank_queues_or_preempts_and_stays_exact(ckpt, reference, caplog):

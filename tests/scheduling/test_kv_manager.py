@@ -2,7 +2,8 @@
 
 A pool hands out pages 1..num_pages-1 (page 0 is the reserved dummy page), keeps exact free/used counts, and
 never gives one page to two holders. The cache manager keeps one pool per KVP rank and lays a request's KV
-out as contiguous token ranges on consecutive ranks.
+out as contiguous token ranges on distinct ranks, each chosen by load (pending prefill work, free pages) when the
+request is placed or outgrows the rank before.
 """
 import random
 
@@ -10,6 +11,7 @@ import pytest
 
 from mnemojax.scheduling.kv_manager import DUMMY_PAGE, KVCacheManager, PageManager
 from mnemojax.scheduling.request import Request
+from mnemojax.scheduling.rows import StepRows
 from mnemojax.scheduling.sampling_params import SamplingParams
 
 
@@ -147,6 +149,20 @@ def _spans(req) -> list[int]:
     return [len(p) for p in req.pages]
 
 
+def _prompt(rid, n, computed=0, outputs=0) -> Request:
+    """A request with an `n`-token prompt, `outputs` tokens generated, `computed` of its tokens scheduled."""
+    req = Request(str(rid), list(range(n)), SamplingParams(), 0.0, seed=0)
+    req.output_token_ids = [7] * outputs
+    req.num_computed = computed
+    return req
+
+
+def _hold(kv, req, num_tokens):
+    kv.place(req)
+    kv.grow(req, num_tokens)
+    return req.kv_ranks
+
+
 def test_cache_manager_rejects_bad_config():
     with pytest.raises(ValueError, match="kvp"):
         KVCacheManager(0, 8, 4)
@@ -194,7 +210,7 @@ def test_place_picks_the_rank_with_most_free_pages_lowest_on_ties():
     assert [r.num_used for r in kv.ranks] == [2, 3, 1] and kv.num_used == 6
 
 
-def test_grow_onboards_the_next_rank_only_when_the_previous_is_full_and_wraps_around():
+def test_grow_onboards_the_next_rank_only_when_the_previous_is_full():
     kv = KVCacheManager(3, 9, 4, max_tokens_per_rank=8)
     filler = _req("filler")
     kv.place(filler)
@@ -205,14 +221,93 @@ def test_grow_onboards_the_next_rank_only_when_the_previous_is_full_and_wraps_ar
     assert (req.kv_ranks, _spans(req)) == ([1], [2])
     kv.grow(req, 8)
     assert (req.kv_ranks, _spans(req)) == ([1], [2])  # full, but the next rank joins only when needed
-    kv.grow(req, 9)
+    kv.grow(req, 9)  # rank 2: rank 0 holds filler's uncomputed prompt (pending prefill work)
     assert (req.kv_ranks, _spans(req)) == ([1, 2], [2, 1])
-    kv.grow(req, 17)  # wraps around to rank 0
+    kv.grow(req, 17)  # the one rank left
     assert (req.kv_ranks, _spans(req)) == ([1, 2, 0], [2, 2, 1])
     assert [r.num_used for r in kv.ranks] == [3, 2, 2]
     kv.free(req)
     assert (req.kv_ranks, req.pages) == ([], [])
     assert [r.num_used for r in kv.ranks] == [2, 0, 0]
+
+
+def test_first_rank_by_free_pages_and_pending_prefill_work():
+    """Medha's placement: among the ranks with free pages for the prompt, the one with the least pending prefill
+    work (prompt tokens still to compute of the requests it holds), then the most free pages. The old rule (most
+    free pages) would pick rank 0, which holds a long prompt still prefilling."""
+    kv = KVCacheManager(3, 9, 4)  # 8 usable pages per rank
+    long = _prompt("long", 40, computed=8)
+    assert _hold(kv, long, 8) == [0]  # 6 pages free, 32 tokens of prefill pending
+    decode = _prompt("decode", 20, computed=23, outputs=4)  # decoding: no prefill pending
+    assert _hold(kv, decode, 24) == [1]  # the least pending work (0, a tie with rank 2), lowest index
+    short = _prompt("short", 12, computed=12, outputs=1)
+    assert _hold(kv, short, 12) == [2]  # no pending work on 1 or 2; rank 2 has more free pages
+    assert [r.num_free for r in kv.ranks] == [6, 2, 5]
+    assert [kv.pending_prefill(r) for r in range(3)] == [32, 0, 0]
+
+    kv.place(x := _prompt("x", 8))
+    assert x.kv_ranks == [2]  # no pending prefill; of ranks 1 and 2, the most free pages
+    assert [kv.pending_prefill(r) for r in range(3)] == [32, 0, 8]  # x's prompt is pending on rank 2 now
+    kv.place(y := _prompt("y", 8))
+    assert y.kv_ranks == [1]  # rank 2 has x's 8 tokens pending now
+    kv.place(z := _prompt("z", 24))
+    assert z.kv_ranks == [0]  # 6 pages: only rank 0 has room for its prompt, whatever its pending work
+    for r in (x, y, z):
+        kv.free(r)
+
+    long.num_computed = 40  # the long prompt is scheduled: rank 0's pending work is gone
+    kv.place(w := _prompt("w", 8))
+    assert w.kv_ranks == [0]  # no pending work anywhere: the most free pages
+
+
+def test_first_rank_counts_the_rows_of_the_step_being_planned():
+    """Tokens a step already schedules on a rank count as pending work there, and a rank with no room left in the
+    step is passed over, so a new request can start in this step."""
+    kv = KVCacheManager(2, 9, 4)
+    rows = StepRows(2, budget=16)
+    rows.add([0], 16)  # rank 0's rows are used up
+    kv.place(a := _prompt("a", 8), rows)
+    assert a.kv_ranks == [1]  # without the step, rank 0 (a tie, the lowest index)
+    assert kv.pending_prefill(1) == 8
+    kv.place(b := _prompt("b", 4))
+    assert b.kv_ranks == [0]  # no pending work on rank 0
+    kv.free(b)
+    rows = StepRows(2, budget=16)
+    rows.add([0], 12)
+    kv.place(b, rows)
+    assert b.kv_ranks == [1]  # 12 rows scheduled on rank 0 in this step weigh more than a's 8 pending tokens
+
+
+def test_later_ranks_join_by_load_not_in_cycle_order():
+    """A request outgrowing its rank onboards the least loaded rank it is not on: rank 2 (idle), not rank 1
+    (the next in cycle order, busy prefilling); then the only rank left. A rank without free pages for the tokens
+    the request keeps there is passed over. `ranks_for` says which ranks `grow` will take, reading only."""
+    kv = KVCacheManager(3, 9, 4, max_tokens_per_rank=8)
+    long = _prompt("long", 24)
+    assert _hold(kv, long, 8) == [0]
+    busy = _prompt("busy", 8, computed=4)
+    assert _hold(kv, busy, 4) == [1]  # 4 tokens of prefill pending on rank 1
+    before = [r.num_free for r in kv.ranks]
+    assert kv.ranks_for(long, 8) == [0]
+    assert kv.ranks_for(long, 12) == [0, 2] and kv.ranks_for(long, 24) == [0, 2, 1]
+    assert [r.num_free for r in kv.ranks] == before and long.kv_ranks == [0]  # read only
+    kv.grow(long, 12)
+    assert (long.kv_ranks, _spans(long)) == ([0, 2], [2, 1])
+    kv.grow(long, 20)
+    assert (long.kv_ranks, _spans(long)) == ([0, 2, 1], [2, 2, 1])
+    kv.free(long)
+
+
+    # Memory first: rank 1 has nothing pending but 1 free page, short of the 2 the second span needs; rank 2 has
+    # them.
+    kv = KVCacheManager(3, 4, 4, max_tokens_per_rank=8)  # 3 usable pages per rank
+    long = _prompt("long", 16)
+    assert _hold(kv, long, 8) == [0]
+    assert _hold(kv, _prompt("hog", 8, computed=8), 8) == [1]  # 2 of rank 1's 3 pages, nothing pending
+    assert _hold(kv, _prompt("busy", 8, computed=4), 4) == [2]  # (its prompt needs 2 pages: rank 1 has 1)
+    assert kv.pending_prefill(1) == 0 < kv.pending_prefill(2) == 4
+    kv.grow(long, 16)
+    assert long.kv_ranks == [0, 2]
 
 
 def test_cache_grow_out_of_pages_raises_and_takes_nothing_on_any_rank():
@@ -257,7 +352,7 @@ def test_a_request_that_fits_holds_at_most_one_span_per_rank(num_ranks, limit):
 @pytest.mark.parametrize("seed", range(8))
 def test_cache_random_grow_free_keeps_ranks_disjoint(seed):
     """Random requests grow and free over several ranks: per rank, no page is held twice or is the dummy
-    page, counts add up, and each request's spans are consecutive ranks with exactly the pages they need."""
+    page, counts add up, and each request's spans are on distinct ranks with exactly the pages they need."""
     rng = random.Random(seed)
     num_ranks, page_size = rng.randint(2, 4), rng.choice([1, 2, 4])
     num_pages = rng.randint(4, 20)
@@ -291,8 +386,7 @@ def test_cache_random_grow_free_keeps_ranks_disjoint(seed):
                 continue
             counts = kv.rank_tokens(tokens[q.request_id])
             assert len(q.kv_ranks) == len(q.pages) == len(counts)
-            for a, b in zip(q.kv_ranks, q.kv_ranks[1:]):
-                assert b == (a + 1) % num_ranks
+            assert len(set(q.kv_ranks)) == len(q.kv_ranks)  # one span per rank
             for rank, pages, n in zip(q.kv_ranks, q.pages, counts):
                 assert len(pages) == kv.ranks[rank].pages_for(n)
                 on_rank[rank] += pages

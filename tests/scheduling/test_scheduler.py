@@ -14,6 +14,7 @@ import pytest
 from mnemojax.scheduling.kv_manager import DUMMY_PAGE, KVCacheManager
 from mnemojax.scheduling.pipeline import Pipeline
 from mnemojax.scheduling.request import Request, RequestStatus
+from mnemojax.scheduling.rows import layout
 from mnemojax.scheduling.sampling_params import SamplingParams
 from mnemojax.scheduling.scheduler import ChunkOutput, Scheduler, SchedulerConfig, StepPlan
 
@@ -113,8 +114,6 @@ class Sim:
             counts = kv.rank_tokens(r.num_computed)
             assert len(r.kv_ranks) == len(r.pages) == len(counts), (r.request_id, r.kv_ranks, counts)
             assert len(set(r.kv_ranks)) == len(r.kv_ranks), f"a rank holds two spans of {r.request_id}"
-            for a, b in zip(r.kv_ranks, r.kv_ranks[1:]):
-                assert b == (a + 1) % kv.num_ranks  # contiguous ranges on consecutive ranks
             for rank, pages, n in zip(r.kv_ranks, r.pages, counts):
                 assert len(pages) == kv.ranks[rank].pages_for(n)
                 on_rank[rank] += pages
@@ -142,7 +141,6 @@ class Sim:
         assert len(plan.chunks) <= cfg.max_num_seqs
 
         # Each chunk: starts where the request's cache ended, within chunk_size, samples exactly at the end.
-        used = [0] * kv.num_ranks
         rows = [0] * kv.num_ranks
         for c in plan.chunks:
             r = c.request
@@ -154,11 +152,13 @@ class Sim:
             assert 1 <= c.num_tokens <= cfg.chunk_size
             assert c.start + c.num_tokens <= r.num_tokens
             assert c.sample == (c.start + c.num_tokens == r.num_tokens)
-            for rank in (range(kv.num_ranks) if len(r.kv_ranks) > 1 else r.kv_ranks):
-                used[rank] += c.num_tokens  # a request on several ranks has its rows on every rank
+            assert r.kv_ranks == kv.ranks_for(r, c.start + c.num_tokens)  # its rows: on the ranks holding its KV
             for rank in r.kv_ranks:
                 rows[rank] += 1
-        assert max(used, default=0) <= cfg.max_num_batched_tokens, used  # the token budget of each rank
+        # The token budget of each rank, in the rows the executor lays out (a request on several ranks has its
+        # rows on each of them, and only there).
+        _, used = layout(((c.request.kv_ranks, c.num_tokens) for c in plan.chunks), kv.num_ranks)
+        assert max(used, default=0) <= cfg.max_num_batched_tokens, used
         assert plan.num_tokens <= cfg.max_num_batched_tokens * kv.num_ranks
         assert max(rows, default=0) <= cfg.max_num_seqs, rows
         scheduled = {c.request.request_id for c in plan.chunks}
@@ -538,7 +538,7 @@ def test_kvp_requests_go_to_the_least_loaded_rank_and_budget_is_per_rank():
     assert plan.num_tokens == 20  # more than one rank's budget: each rank has its own
 
 
-def test_kvp_long_request_onboards_the_next_rank_and_charges_every_rank():
+def test_kvp_long_request_onboards_the_next_rank_and_charges_both_ranks():
     sim = Sim(budget=16, chunk_size=16, num_pages=9, page_size=4, kvp=2, max_tokens_per_rank=16)
     long = make_request("long", 24, max_tokens=2)
     sim.add(long)
@@ -552,6 +552,31 @@ def test_kvp_long_request_onboards_the_next_rank_and_charges_every_rank():
     # long's decode row is on both ranks, so short (on rank 1, more free pages) gets 16 - 1 tokens, not 16.
     assert [(c.request, c.num_tokens) for c in plan.chunks] == [(long, 1), (short, 15)]
     assert short.kv_ranks == [1]
+    sim.run()
+    assert sim.kv.num_used == 0
+
+
+def test_kvp_multi_rank_request_is_charged_only_to_the_ranks_holding_its_kv():
+    """kvp = 3, a budget of 16 rows per rank. The long request's KV spans ranks 0 and 1; its 16-token chunk uses all
+    of their rows. Rank 2 does not hold it: a short request there gets its whole 16-token prompt in the same step
+    (charging the long chunk to every rank, as before, left rank 2 no room and deferred it). The predictor's
+    shapes and the executor's rows say the same: rank 2 runs the short prompt alone, 16 rows, not 32."""
+    sim = Sim(budget=16, chunk_size=16, num_pages=9, page_size=4, kvp=3, max_tokens_per_rank=16)
+    long = make_request("long", 40, max_tokens=2)
+    sim.add(long)
+    sim.step()
+    assert long.kv_ranks == [0]
+    short = make_request("short", 16, max_tokens=2)
+    sim.add(short)
+    plan = sim.schedule()
+    assert long.kv_ranks == [0, 1]  # rank 1 joined (a tie with rank 2: the lower index)
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(long, 16), (short, 16)]
+    assert short.kv_ranks == [2]
+    shapes = sim.sched.plan_shapes(plan)
+    assert sorted((s.query_tokens, s.context_len, s.num_ranks) for shapes_r in shapes for s in shapes_r) == [
+        (16, 16, 1), (16, 32, 2), (16, 32, 2)]  # the long chunk on ranks 0 and 1, the short prompt on rank 2
+    assert layout([(c.request.kv_ranks, c.num_tokens) for c in plan.chunks], 3) == ([0, 0], [16, 16, 16])
+    sim.complete(plan)
     sim.run()
     assert sim.kv.num_used == 0
 

@@ -104,6 +104,25 @@ def test_kvp_merge_matches_attention_over_the_union_of_shards(kvp):
         np.testing.assert_allclose(got[r, :4], full, rtol=1e-5, atol=1e-6)
 
 
+def test_kvp_merge_ignores_what_an_unshared_row_holds():
+    """A rank that does not hold a shared row's request may use that row for its own request: even a non-finite
+    value there (NaN, inf) leaves the merge on the ranks that share the row unchanged."""
+    mesh, merge = _merge_fn(4)
+    rng = np.random.default_rng(3)
+    T = 3
+    out = rng.standard_normal((4, T, N, H)).astype(np.float32)
+    lse = rng.standard_normal((4, T, N)).astype(np.float32)
+    shared = np.zeros((4, T), bool)
+    shared[:2] = True  # rows shared on ranks 0 and 1; ranks 2 and 3 use them for their own requests
+    clean = np.asarray(merge(*_put(mesh, P(KVP), out, lse, shared)))
+    out[2], lse[2] = np.nan, np.nan
+    out[3], lse[3] = np.inf, np.inf
+    got = np.asarray(merge(*_put(mesh, P(KVP), out, lse, shared)))
+    np.testing.assert_array_equal(got[:2], clean[:2])
+    assert np.isfinite(got[:2]).all()
+    np.testing.assert_array_equal(got[2:], out[2:])  # each keeps its own
+
+
 def test_kvp_merge_on_a_3d_mesh_merges_over_kvp_only():
     """On the (2, 2, 2) mesh each (spp, tp) position merges its own KVP pair, not its neighbours' data."""
     mesh = make_mesh(2, 2, 2)
