@@ -298,7 +298,7 @@ class Executor:
 
     def prepare(self, plan: StepPlan, T: int) -> MicroBatch:
         """The plan as numpy arrays [kvp, ...], padded to T token rows."""
-        K, S, M, B = self.kvp, self.page_size, self.max_pages_per_seq, self.max_num_seqs
+        K, S, B = self.kvp, self.page_size, self.max_num_seqs
         mt = self.max_tokens_per_rank
         tok = np.zeros((K, T), np.int32)
         src = np.full((K, T), -1, np.int32)
