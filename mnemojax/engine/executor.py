@@ -54,6 +54,9 @@ from shardings.mesh import KVP, SPP, TP
 from shardings.specs import ShardingTable
 
 
+SAMPLED_TOKENS = "sampled_tokens"  # the named scope of the step's exchange of sampled tokens over the KVP ranks
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RowSampling:
@@ -198,7 +201,8 @@ class Executor:
             logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows)
             tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps)
             lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS, jnp.any(samp.want_top))
-            sampled = lax.dynamic_update_slice(sampled, from_every_rank(tokens), (0, 0))
+            with jax.named_scope(SAMPLED_TOKENS):  # named, so a communication audit can tell it from the layers'
+                sampled = lax.dynamic_update_slice(sampled, from_every_rank(tokens), (0, 0))
             out = jax.tree.map(lambda a: a[None], (tokens, *lps))
             return k_cache, v_cache, pipeline_shift(x)[None, None], sampled, out
 

@@ -59,7 +59,14 @@ def test_kvp_bytes_follow_the_query_rows_not_the_context(steps):
         _, _, prefill = steps[(n, "prefill")]
         t_dec, t_pre = decode.T, prefill.T
         assert (t_dec, t_pre) == (16, 32)
-        decode, prefill = decode.collectives, prefill.collectives
+        # Besides the layers' merges, each step exchanges its sampled tokens over the KVP ranks once (async
+        # scheduling reads them on the device): kvp x R int32, whatever the context. (Told apart by its int32
+        # operand: op names can come from a compilation cache entry of an equal program.)
+        tokens = {s.R: f"s32[2,{s.R}]" for s in (decode, prefill)}
+        for step in (decode, prefill):
+            exchange = [c for c in step.collectives if tokens[step.R] in c.shapes]
+            assert [(c.axis, c.step_bytes, c.loop_depth) for c in exchange] == [(KVP, 2 * step.R * 4, 0)]
+        decode, prefill = ([c for c in s.collectives if tokens[s.R] not in c.shapes] for s in (decode, prefill))
         dec, pre = hlo_comm.bytes_by_axis(decode), hlo_comm.bytes_by_axis(prefill)
         assert pre[KVP] == 2 * dec[KVP] > 0
         assert pre[TP] == 2 * dec[TP] > 0
