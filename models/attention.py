@@ -6,9 +6,10 @@ last tokens of their sequence), grouped-query, accumulated in float32, log-sum-e
 query token's keys are travels as one `AttentionMetadata`, passed whole to every implementation.
 
 The work is blockwise over KV pages with an online softmax, so memory is (query tokens x block), never
-(query tokens x context); the tokens go `row_block` at a time, and each row block runs only as many blocks as its
-own tokens can see, so a short prompt's rows never pay for the longest sequence of the step. The step is ragged: every token carries its sequence id, so a decode token is one row next to a 2048-token
-prefill chunk, never padded to the chunk's length.
+(query tokens x context). The tokens go `row_block` at a time, and each row block runs only as many key blocks
+as its own tokens can see, so a short prompt's rows never pay for the step's longest sequence. The step is
+ragged: every token carries its sequence id, so a decode token is one row next to a 2048-token prefill chunk,
+never padded to the chunk's length.
 
 A token whose sequence has no visible key (an empty KVP shard, a padding row) gets out = 0 and lse = NEG_INF,
 i.e. weight 0 in a log-sum-exp merge.
