@@ -19,13 +19,12 @@ to the single-sequence step against the 2x bound, and the median step of the mul
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import sys
 import time
 
 import numpy as np
+
+from mnemojax.bench import print_header
 
 BOUND = 2.0  # issue 12's target: a warm step at most 2x a single-sequence step with the same number of tokens
 
@@ -119,9 +118,5 @@ def main(argv=None) -> None:
     p.add_argument("--num_short", type=int, default=6)
     p.add_argument("--max_tokens", type=int, default=4)
     args = p.parse_args(argv)
-    import jax
-
-    print("command: " + " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])))
-    print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; jax {jax.__version__} "
-          f"on {jax.devices()[0].platform}")
+    print_header(argv)
     print(report(measure(args.long, args.short, args.num_short, args.max_tokens)))

@@ -12,13 +12,12 @@ greedy-only, unfiltered and mixed batches, with either filter inside.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import sys
 import time
 
 import numpy as np
+
+from mnemojax.bench import print_header
 
 CASES = {  # name: (top_k, top_p) of every row
     "top-k 50": (50, 1.0),
@@ -115,9 +114,5 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args(argv)
-    import jax
-
-    print("command: " + " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])))
-    print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; jax {jax.__version__} "
-          f"on {jax.devices()[0].platform}")
+    print_header(argv)
     print(table(measure(args.rows, args.vocab, args.repeats), args.rows, args.vocab))
