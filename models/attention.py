@@ -6,9 +6,10 @@ last tokens of their sequence), grouped-query, accumulated in float32, log-sum-e
 query token's keys are travels as one `AttentionMetadata`, passed whole to every implementation.
 
 The work is blockwise over KV pages with an online softmax, so memory is (query tokens x block), never
-(query tokens x context); the loop runs only as many blocks as the longest sequence of the step needs. The
-step is ragged: every token carries its sequence id, so a decode token is one row next to a 2048-token
-prefill chunk, never padded to the chunk's length.
+(query tokens x context). The tokens go `row_block` at a time, and each row block runs only as many key blocks
+as its own tokens can see, so a short prompt's rows never pay for the step's longest sequence. The step is
+ragged: every token carries its sequence id, so a decode token is one row next to a 2048-token prefill chunk,
+never padded to the chunk's length.
 
 A token whose sequence has no visible key (an empty KVP shard, a padding row) gets out = 0 and lse = NEG_INF,
 i.e. weight 0 in a log-sum-exp merge.
@@ -91,7 +92,11 @@ def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *,
                                                    interpret=impl == PALLAS_INTERPRET, **kernel_options)
 
 
-def paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadata, *, block_pages: int, precision=None):
+ROW_BLOCK = 256  # query tokens per row block of the reference (each block loops over only the keys it can see)
+
+
+def paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadata, *, block_pages: int, precision=None,
+                    row_block: int = ROW_BLOCK):
     """Reference paged attention over one layer of the cache.
 
     Args:
@@ -102,6 +107,11 @@ def paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadata, *, bloc
       meta: where each query token's keys are (`AttentionMetadata`).
       block_pages: pages per block of the online softmax (static).
       precision: matmul precision for the two einsums.
+      row_block: query tokens per row block (static): the tokens are taken `row_block` at a time, and each row
+        block runs only as many key blocks as its own tokens can see (their sequences' lengths, causally), not
+        as many as the step's longest sequence needs. A step's tokens of one sequence are contiguous, so a short
+        prompt's rows never pay for a long one's context, and a prefill chunk's first rows skip its last keys.
+        The blocks skipped are ones every row of the row block masks entirely, which change nothing.
 
     Returns:
       out [T, N, H] float32 and lse [T, N] float32 (natural log).
@@ -112,33 +122,46 @@ def paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadata, *, bloc
     M = meta.page_table.shape[1]
     bp = min(block_pages, M)
     C = bp * S  # keys per block
+    R = min(row_block, T)
+    num_row_blocks = -(-T // R)
+    pad = num_row_blocks * R - T
 
     qg = (q.astype(jnp.float32) * (H ** -0.5)).reshape(T, K, G, H)
     tok_len = meta.kv_lens[meta.seq_ids]  # [T]
     tok_rel = meta.positions - meta.kv_start[meta.seq_ids]  # [T] a key at local index i is visible iff i <= tok_rel
-    num_blocks = (jnp.max(meta.kv_lens) + C - 1) // C  # only the blocks the longest sequence needs
+    tok_seen = jnp.clip(jnp.minimum(tok_len, tok_rel + 1), 0)  # [T] keys visible to each token: indices below
 
-    def body(j, carry):
-        m, l, acc = carry
-        cols = jnp.minimum(j * bp + jnp.arange(bp), M - 1)
-        pages = meta.page_table[meta.seq_ids[:, None], cols[None, :]]  # [T, bp]: only this block's columns
-        kb = k_cache[layer, pages].reshape(T, C, K, H).astype(jnp.float32)
-        vb = v_cache[layer, pages].reshape(T, C, K, H).astype(jnp.float32)
-        s = jnp.einsum("tkgh,tckh->tkgc", qg, kb, precision=precision)
-        idx = j * C + jnp.arange(C)
-        valid = (idx[None, :] < tok_len[:, None]) & (idx[None, :] <= tok_rel[:, None])  # [T, C]
-        valid = valid[:, None, None, :]
-        s = jnp.where(valid, s, NEG_INF)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
-        scale = jnp.exp(m - m_new)
-        l = l * scale + p.sum(-1)
-        acc = acc * scale[..., None] + jnp.einsum("tkgc,tckh->tkgh", p, vb, precision=precision)
-        return m_new, l, acc
+    def rows(a):  # [T, ...] -> [num_row_blocks, R, ...], padding rows see no key
+        return jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(num_row_blocks, R, *a.shape[1:])
 
-    # `full_like` keeps q's varying-axes type, which the loop carry must have inside shard_map.
-    init = (jnp.full_like(qg[..., 0], NEG_INF), jnp.zeros_like(qg[..., 0]), jnp.zeros_like(qg))
-    m, l, acc = lax.fori_loop(0, num_blocks, body, init)
+    def row_block_attention(xs):
+        qr, seq_ids, lens, rel, seen = xs  # [R, K, G, H], [R] x 4
+
+        def body(j, carry):
+            m, l, acc = carry
+            cols = jnp.minimum(j * bp + jnp.arange(bp), M - 1)
+            pages = meta.page_table[seq_ids[:, None], cols[None, :]]  # [R, bp]: only this block's columns
+            kb = k_cache[layer, pages].reshape(R, C, K, H).astype(jnp.float32)
+            vb = v_cache[layer, pages].reshape(R, C, K, H).astype(jnp.float32)
+            s = jnp.einsum("tkgh,tckh->tkgc", qr, kb, precision=precision)
+            idx = j * C + jnp.arange(C)
+            valid = (idx[None, :] < lens[:, None]) & (idx[None, :] <= rel[:, None])  # [R, C]
+            valid = valid[:, None, None, :]
+            s = jnp.where(valid, s, NEG_INF)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
+            scale = jnp.exp(m - m_new)
+            l = l * scale + p.sum(-1)
+            acc = acc * scale[..., None] + jnp.einsum("tkgc,tckh->tkgh", p, vb, precision=precision)
+            return m_new, l, acc
+
+        # `full_like` keeps q's varying-axes type, which the loop carry must have inside shard_map.
+        init = (jnp.full_like(qr[..., 0], NEG_INF), jnp.zeros_like(qr[..., 0]), jnp.zeros_like(qr))
+        return lax.fori_loop(0, (jnp.max(seen) + C - 1) // C, body, init)  # only the blocks these rows see
+
+    xs = (qg, meta.seq_ids, tok_len, tok_rel, tok_seen)
+    m, l, acc = (a.reshape(num_row_blocks * R, *a.shape[2:])[:T]
+                 for a in lax.map(row_block_attention, tuple(rows(a) for a in xs)))
     empty = l == 0.0
     safe_l = jnp.where(empty, 1.0, l)
     out = jnp.where(empty[..., None], 0.0, acc / safe_l[..., None])

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import platform
 import statistics
-import sys
 import time
 from collections import defaultdict
 
 import numpy as np
+
+from mnemojax.bench import print_header
 
 PARTS = ("schedule", "arrays", "put", "run", "wait", "update")
 HOST_PARTS = ("schedule", "arrays", "put", "update")  # besides dispatching the step (`run` when async)
@@ -116,11 +115,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--max_model_len", type=int, default=1 << 20)
     args = p.parse_args(argv)
-    import jax
-
-    print("command: " + " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])))
-    print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; jax {jax.__version__} "
-          f"on {jax.devices()[0].platform} ({len(jax.devices())} devices)")
+    print_header(argv)
     widths = sorted({8192, args.max_model_len})
     rows = {(w, a): measure(args.requests, args.steps, w, async_scheduling=a) for w in widths for a in (False, True)}
     print(table(rows, args.requests))

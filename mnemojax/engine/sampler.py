@@ -12,6 +12,12 @@ Semantics (vLLM's, stated exactly):
     top_p (at least one), plus any token tied with the last one kept (vLLM cuts top-p by sorted
     position, so which of several tied boundary tokens it keeps depends on sort order; keeping them
     all makes the set a function of the values alone);
+  * equivalently, by values: top-k keeps a token when fewer than k tokens are strictly above it, top-p
+    when the renormalized probability mass strictly above it is < top_p (or it is the maximum). That is
+    how they are computed: thresholds found by bisection, no sort of the vocabulary (a sort was most of
+    the sampler's time on a GPU). The mass is summed in vocabulary order, not sorted order, so a top_p
+    within float32 rounding (~1e-7) of a cumulative mass may be decided the other way than by a sorted
+    cumsum, which itself rounds differently across backends;
   * log-probs are of the raw model distribution, `log_softmax(logits)`, before temperature/top-k/top-p
     (vLLM's default `logprobs_mode`).
 All arithmetic is float32.
@@ -24,27 +30,66 @@ import jax.numpy as jnp
 from mnemojax.scheduling.sampling_params import GREEDY_TEMPERATURE
 
 
+def _order_keys(x: jax.Array) -> jax.Array:
+    """int32 keys that order like the float32 values `x`: a < b <=> key(a) < key(b), and equal values have equal
+    keys (-0.0 is read as +0.0). Not for NaN."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # a negative value's key is -1 - its magnitude bits
+
+
+def _lowest_key(keys: jax.Array, lo: jax.Array, hi: jax.Array, few_enough) -> jax.Array:
+    """Per row, the lowest key t in (lo, hi] such that `few_enough(keys > t)` holds, by bisection; `hi` when
+    none lower does.
+
+    keys i32[N, V]; lo, hi i32[N], lo < hi (a row with hi == lo + 1 is already done); few_enough maps the
+    mask bool[N, V] of the keys strictly above a candidate to bool[N] and must be monotone: if it holds for
+    a mask, it holds for every smaller one. 32 rounds (any int32 range halves to one key in 32), each one
+    masked reduction over [N, V]; no sort.
+    """
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo & hi) + ((lo ^ hi) >> 1)  # floor((lo + hi) / 2) without int32 overflow
+        ok = few_enough(keys > mid[:, None])
+        active = lo + 1 < hi
+        return jnp.where(active & ~ok, mid, lo), jnp.where(active & ok, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Set the logits of tokens outside the top-k / top-p set to -inf.
 
     logits f32[N, V] (already temperature-scaled); top_k i32[N] (<= 0 => disabled);
     top_p f32[N] (>= 1 => disabled). Returns f32[N, V].
+
+    The set is the one a descending sort defines (module docstring), found without sorting: each cut is a
+    threshold, the lowest value whose count (top-k) or probability mass (top-p) of tokens strictly above
+    it is small enough, found by bisection over the values' order keys (`_lowest_key`). Each search runs
+    only when some row has that filter on.
     """
     vocab = logits.shape[-1]
-    desc = jnp.sort(logits, axis=-1, descending=True)  # [N, V]
+    keys = _order_keys(logits)  # [N, V]
+    low, high = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)  # [N]
     k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab)).astype(jnp.int32)
-    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)  # [N, 1]
-    in_k = desc >= kth  # a prefix of the sorted row, ties with the k-th included
+    k_on, p_on = k < vocab, top_p < 1.0
 
-    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
-    before = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))  # probability mass strictly ahead of each token
-    top_p = top_p[:, None]
-    in_p = (before < top_p) | (top_p >= 1.0)  # also a prefix: `before` never decreases
+    # The k-th largest value: the lowest one with fewer than k tokens above it. Tokens tied with it are kept.
+    kth = jax.lax.cond(
+        jnp.any(k_on),
+        lambda: _lowest_key(keys, low - 1, jnp.where(k_on, high, low), lambda above: jnp.sum(above, axis=-1) < k),
+        lambda: low,
+    )
 
-    n_keep = jnp.maximum(jnp.sum(in_k & in_p, axis=-1), 1)  # [N]
-    threshold = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)  # [N, 1]
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    def nucleus():
+        # The lowest value whose renormalized top-k mass strictly above it is < top_p: the sorted cut's last
+        # token (the cumulative mass ahead of it is < top_p), its ties with it; the maximum at least.
+        probs = jax.nn.softmax(jnp.where(keys >= kth[:, None], logits, -jnp.inf), axis=-1)
+        mass_below_p = lambda above: jnp.sum(jnp.where(above, probs, 0.0), axis=-1) < top_p
+        return _lowest_key(keys, kth - 1, jnp.where(p_on, high, kth), mass_below_p)
+
+    threshold = jax.lax.cond(jnp.any(p_on), nucleus, lambda: kth)  # [N]
+    return jnp.where(keys >= threshold[:, None], logits, -jnp.inf)
 
 
 def _draw(filtered: jax.Array, seeds: jax.Array, steps: jax.Array) -> jax.Array:
@@ -83,15 +128,17 @@ def sample(
     def sampled():
         scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
         scaled = jnp.minimum(scaled, jnp.finfo(jnp.float32).max)  # a tiny temperature must not make +inf
-        needs_filter = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0)))
+        # Greedy rows' filters are off, so they never make a threshold search run.
+        row_k = jnp.where(greedy, -1, top_k)
+        row_p = jnp.where(greedy, 1.0, top_p.astype(jnp.float32))
         filtered = jax.lax.cond(
-            needs_filter,
-            lambda: apply_top_k_top_p(scaled, top_k, top_p.astype(jnp.float32)),
+            jnp.any((row_k > 0) | (row_p < 1.0)),
+            lambda: apply_top_k_top_p(scaled, row_k, row_p),
             lambda: scaled,
         )
         return jnp.where(greedy, argmax, _draw(filtered, seeds, steps))
 
-    # An all-greedy batch skips the sort and the random draws.
+    # An all-greedy batch skips the filter and the random draws.
     return jax.lax.cond(jnp.all(greedy), lambda: argmax, sampled)
 
 

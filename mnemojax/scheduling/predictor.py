@@ -143,9 +143,11 @@ class Profile:
     attention: str = PALLAS
     """The engine's attention kernels, by their names (`models.kernels`): "pallas" is costed as an ideal ragged
     paged kernel (each request's own causal work); "reference" as the plain-jnp blockwise kernel (every padded row
-    runs the longest sequence's blocks); "auto" as what it runs on the predicted hardware (pallas on an NVIDIA GPU,
-    the reference elsewhere); "mosaic" like "pallas" (its efficiencies unmeasured). "pallas_interpret" and
-    "mosaic_interpret" (interpreters, for tests) have no cost model."""
+    runs the longest sequence's blocks: the kernel as it was fitted; it now runs each 256-row block over only its
+    own rows' keys, so this overestimates steps that mix lengths until the model and profiles/cpu.json are redone);
+    "auto" as what it runs on the predicted hardware (pallas on an NVIDIA GPU, the reference elsewhere); "mosaic"
+    like "pallas" (its efficiencies unmeasured). "pallas_interpret" and "mosaic_interpret" (interpreters, for
+    tests) have no cost model."""
     block_tokens: int = 128
     """Keys per block of the reference kernel: `block_pages x page_size` (8 x 16 by default)."""
     pad_tokens_min: int = 16

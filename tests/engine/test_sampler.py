@@ -226,6 +226,88 @@ def test_top_p_applies_to_the_renormalized_top_k_distribution():
     assert not kept(out[:, 4:]).any()
 
 
+def random_batch(rng, n, vocab):
+    """`n` rows of random logits, some with ties forced, and per-row filters covering the edge cases: top_k 1,
+    vocab - 1, vocab, beyond vocab, off; top_p tiny, 0, 1, near 1, random; both filters on in some rows."""
+    logits = (rng.normal(size=(n, vocab)) * rng.uniform(0.3, 4, size=(n, 1))).astype(np.float32)
+    logits[::3] = np.round(logits[::3] * 2) / 2  # many ties, at every boundary
+    logits[1, : vocab // 2] = -np.inf
+    logits[2] = 0.0  # all tied
+    top_k = rng.choice([-1, 0, 1, 2, 3, vocab - 1, vocab, vocab + 7], size=n).astype(np.int32)
+    top_k[::4] = rng.integers(1, vocab + 1, size=len(top_k[::4]))
+    top_p = rng.choice([1.0, 1e-9, 0.0, 0.999, 0.5], size=n).astype(np.float32)
+    top_p[::2] = rng.uniform(0, 1, size=len(top_p[::2]))
+    return logits, top_k, top_p
+
+
+def reference_keep(logits, top_k, top_p):
+    """`np_filtered`'s keep masks row by row, None for a row whose nucleus is within 1e-6 of its top_p (float32
+    rounding may decide it either way, in the sampler and in the sort it replaced alike)."""
+    out = []
+    for row, k, p in zip(logits, top_k, top_p):
+        try:
+            out.append(np_filtered(row, 1.0, k, p, min_margin=1e-6)[0])
+        except AssertionError:
+            out.append(None)
+    return out
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 5000])
+def test_filter_matches_the_sorted_definition_on_random_rows(vocab):
+    """The bisection thresholds keep exactly the set a descending sort defines (numpy, float64), ties at
+    every boundary included, with greedy-like, top-k, top-p and both in one batch."""
+    rng = np.random.default_rng(20 + vocab)
+    checked = 0
+    for _ in range(4):
+        logits, top_k, top_p = random_batch(rng, 32, vocab)
+        out = np.asarray(_filter(logits, top_k, top_p))
+        for row, keep in enumerate(reference_keep(logits, top_k, top_p)):
+            if keep is None:
+                continue
+            checked += 1
+            expected = np.where(keep, logits[row], -np.inf)  # kept logits untouched, the others -inf
+            np.testing.assert_array_equal(out[row], expected, err_msg=f"row {row}: k={top_k[row]} p={top_p[row]}")
+    assert checked >= 120  # ambiguous nuclei are rare
+
+
+def test_sample_draws_from_the_sorted_definition_set_with_its_seed():
+    """Mixed greedy / top-k / top-p / both rows in one batch: each sampled row's token is the documented draw,
+    `categorical(fold_in(key(seed), step), where(keep, logits / t, -inf), mode="high")` with numpy's keep set."""
+    rng = np.random.default_rng(30)
+    n, vocab = 32, 400
+    logits, top_k, top_p = random_batch(rng, n, vocab)
+    temperature = rng.choice([0.0, 0.5, 1.0, 1.7], size=n).astype(np.float32)
+    seeds, steps = rng.integers(0, 2**32, size=n).astype(np.uint32), rng.integers(0, 1000, size=n).astype(np.int32)
+    tokens = run_sample(logits, temperature, top_k, top_p, seeds, steps)
+    drawn = 0
+    for i in range(n):
+        if temperature[i] == 0:
+            assert tokens[i] == np.argmax(logits[i]), i
+            continue
+        scaled = logits[i] / temperature[i]
+        (keep,) = reference_keep(scaled[None], top_k[i : i + 1], top_p[i : i + 1])
+        if keep is None:
+            continue
+        key = jax.random.fold_in(jax.random.key(int(seeds[i])), int(steps[i]))
+        expected = jax.random.categorical(key, jnp.where(jnp.asarray(keep), scaled, -jnp.inf), mode="high")
+        assert tokens[i] == int(expected), i
+        drawn += 1
+    assert drawn >= 16
+
+
+def test_compiled_sampler_never_sorts_the_vocabulary():
+    """One compiled `sample` serves every mix of rows (greedy only, top-k only, top-p, both), so no sort (and no
+    TopK) anywhere in its optimized HLO means none for any batch. The check finds the sort it replaced."""
+    from mnemojax.bench.sampler import sorted_filter
+
+    n, vocab = 4, 1000
+    f32, i32 = np.zeros((n,), np.float32), np.zeros((n,), np.int32)
+    logits = np.zeros((n, vocab), np.float32)
+    hlo = jax.jit(sampler.sample).lower(logits, f32, i32, f32, i32.astype(np.uint32), i32).compile().as_text()
+    assert " sort(" not in hlo and "TopK" not in hlo
+    assert " sort(" in jax.jit(sorted_filter).lower(logits, i32, f32).compile().as_text()
+
+
 # ----------------------------------------------------------------------------------------------------
 # sampling: support and frequencies over many seeds (one batch, one compile)
 

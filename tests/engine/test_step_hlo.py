@@ -45,3 +45,6 @@ def test_engine_step_reads_layer_weights_in_place(spp):
     engine.add_request(list(range(1, 20)), SamplingParams(max_tokens=2, temperature=0))
     hlo = engine.executor.lower(engine.scheduler.schedule()).compile().as_text()
     assert len(shapes) >= 5 and weight_copies(hlo, shapes) == []
+    # Nor does the step sort anything: the sampler finds top-k / top-p by bisection (greedy rows skip even that),
+    # and the log-probs' top-k is a TopK (on a CPU a partial sort of its own), run only when a row asked for it.
+    assert " sort(" not in hlo

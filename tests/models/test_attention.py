@@ -25,7 +25,8 @@ def _layout(rng, lens, num_pages, max_pages):
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("block_pages", [1, 3])
-def test_paged_matches_dense(num_heads, num_kv_heads, block_pages):
+@pytest.mark.parametrize("row_block", [256, 5])  # one row block; row blocks across sequences, the last padded
+def test_paged_matches_dense(num_heads, num_kv_heads, block_pages, row_block):
     rng = np.random.default_rng(num_heads * 10 + num_kv_heads + block_pages)
     H, L, P, M = 8, 2, 40, 12
     # (context length after this step, query tokens this step): a prefill chunk mid-prompt, a decode, a
@@ -48,7 +49,7 @@ def test_paged_matches_dense(num_heads, num_kv_heads, block_pages):
                              page_table=jnp.asarray(table), kv_lens=jnp.asarray(lens, jnp.int32),
                              kv_start=jnp.asarray(kv_start))
     out, lse = paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), layer, meta,
-                               block_pages=block_pages, precision=jax.lax.Precision.HIGHEST)
+                               block_pages=block_pages, precision=jax.lax.Precision.HIGHEST, row_block=row_block)
     t = 0
     for b, (n, nq) in enumerate(seqs):
         pages = table[b, :-(-n // PAGE)]
