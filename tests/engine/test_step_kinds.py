@@ -23,3 +23,19 @@ def test_engine_runs_each_kind_and_matches_the_reference():
     ref = LLM(attention="reference", **kw)
     assert got == [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
     assert {k for _, _, k in ref.engine.executor.shape_buckets()} == {MIXED}
+
+
+def test_tile_metadata_is_computed_once_per_step_not_per_layer():
+    """The prefill tiles' metadata (an argsort of the rows by sequence) depends only on the step's metadata, so
+    the compiled step computes it once for all layers (XLA shares the layers' identical computations): one sort
+    in a 4-layer prefill step."""
+    import re
+
+    llm = LLM(model="tiny", attention="pallas_interpret", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=64, chunk_size=32)
+    e = llm.engine
+    assert e.model_config.num_layers == 4
+    e.add_request(list(range(5, 45)), SamplingParams(max_tokens=3, temperature=0))
+    e.add_request(list(range(100, 103)), SamplingParams(max_tokens=3, temperature=0))
+    hlo = e.executor.lower(e.scheduler.schedule()).compile().as_text()
+    assert len(re.findall(r"= \S+ sort\(", hlo)) == 1
