@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from models import mosaic_attention, pallas_attention
-from models.kernels import MOSAIC, MOSAIC_INTERPRET, NEG_INF, PALLAS, PALLAS_INTERPRET, REFERENCE, resolve_attention_impl
+from models.kernels import (MIXED, MOSAIC, MOSAIC_INTERPRET, NEG_INF, PALLAS, PALLAS_INTERPRET, REFERENCE, STEP_KINDS,
+                            resolve_attention_impl)
 
 
 @jax.tree_util.register_dataclass
@@ -66,12 +67,16 @@ def resolve_attention(impl: str) -> str:
 
 
 def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *, block_pages: int,
-              precision=None, **kernel_options):
+              precision=None, kind: str = MIXED, **kernel_options):
     """Paged attention by the implementation `impl` (see `models.kernels.ATTENTION_IMPLS`); arguments and results
     as `paged_attention`. `impl="pallas"` without an NVIDIA GPU, `impl="mosaic"` without a Hopper GPU, raise
     instead of running something else. `kernel_options` (tile and block sizes, for tuning) go to
     `models.pallas_attention.paged_attention_pallas` or `models.mosaic_attention.paged_attention_mosaic`
-    (whose kernels take bf16/f16 only and ignore `precision`: wgmma, float32 accumulation)."""
+    (whose kernels take bf16/f16 only and ignore `precision`: wgmma, float32 accumulation). `kind` (static, one of
+    `models.kernels.STEP_KINDS`) says which rows the step holds, so the kernels launch only the tiles it needs;
+    a sequence of the other kind then gets no attention (out 0), so it must be right."""
+    if kind not in STEP_KINDS:
+        raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
     impl = resolve_attention(impl)
     if impl == REFERENCE:
         if kernel_options:
@@ -86,9 +91,9 @@ def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *,
             raise RuntimeError("attention='mosaic' needs an NVIDIA Hopper GPU (compute capability 9.x: wgmma, TMA); "
                                "use 'pallas', 'reference' or 'mosaic_interpret' (the default device is "
                                f"{getattr(device, 'device_kind', device.platform)!r})")
-        return mosaic_attention.paged_attention_mosaic(q, k_cache, v_cache, layer, meta,
+        return mosaic_attention.paged_attention_mosaic(q, k_cache, v_cache, layer, meta, kind=kind,
                                                        interpret=impl == MOSAIC_INTERPRET, **kernel_options)
-    return pallas_attention.paged_attention_pallas(q, k_cache, v_cache, layer, meta, precision=precision,
+    return pallas_attention.paged_attention_pallas(q, k_cache, v_cache, layer, meta, precision=precision, kind=kind,
                                                    interpret=impl == PALLAS_INTERPRET, **kernel_options)
 
 

@@ -22,6 +22,23 @@ kernels of `models.mosaic_attention` (wgmma, TMA, warp specialisation), compiled
 caches); mosaic_interpret: the same kernels in jax's Mosaic GPU interpreter (any backend: very slow, for tests).
 `auto` does not pick mosaic: it has not been measured on a GPU (issue 15)."""
 
+MIXED, DECODE, PREFILL = "mixed", "decode", "prefill"
+STEP_KINDS = (MIXED, DECODE, PREFILL)
+"""What a step's attention holds, so that the kernels launch only what it needs: `decode` only sequences of one
+query token (decode tiles), `prefill` only sequences of two or more (prefill tiles), `mixed` either (both
+kernels). Static for a compiled step; the reference attention runs one path for all."""
+
+
+def step_kind(query_tokens) -> str:
+    """The `STEP_KINDS` entry for a step whose sequences have these numbers of query tokens (none: `mixed`)."""
+    sizes = list(query_tokens)
+    if not sizes:
+        return MIXED
+    if all(n == 1 for n in sizes):
+        return DECODE
+    return PREFILL if all(n > 1 for n in sizes) else MIXED
+
+
 INTERPRETED = (PALLAS_INTERPRET, MOSAIC_INTERPRET)
 """The implementations that interpret GPU kernels on any backend: for tests, with no cost model."""
 

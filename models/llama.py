@@ -18,7 +18,7 @@ from jax import lax
 from models import rope
 from models.attention import AttentionMetadata, attention
 from models.config import LlamaConfig
-from models.kernels import AUTO, check_attention_impl
+from models.kernels import AUTO, MIXED, check_attention_impl
 from shardings.collectives import from_last_stage, kvp_merge
 from shardings.mesh import SPP, TP
 from shardings.specs import ShardingTable
@@ -78,7 +78,7 @@ def rms_norm(x, weight, eps):
     return weight * xf.astype(x.dtype)
 
 
-def _layer(spec: ModelSpec, batch: StepBatch, carry, layer):
+def _layer(spec: ModelSpec, batch: StepBatch, carry, layer, kind: str = MIXED):
     x, k_cache, v_cache = carry
     p, idx = layer
     dt, prec, eps = jnp.dtype(spec.dtype), spec.precision, spec.config.rms_norm_eps
@@ -93,7 +93,7 @@ def _layer(spec: ModelSpec, batch: StepBatch, carry, layer):
     k_cache = k_cache.at[idx, batch.write_pages, batch.write_slots].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[idx, batch.write_pages, batch.write_slots].set(v.astype(v_cache.dtype))
     o, lse = attention(spec.attention, q, k_cache, v_cache, idx, batch.attn, block_pages=spec.block_pages,
-                       precision=prec)
+                       precision=prec, kind=kind)
     o = kvp_merge(o, lse, batch.shared)
     attn = jnp.einsum("tnh,nhd->td", o.astype(dt), p["wo"], precision=prec)
     x = x + lax.psum(attn, TP)
@@ -106,12 +106,14 @@ def _layer(spec: ModelSpec, batch: StepBatch, carry, layer):
     return (x, k_cache, v_cache), None
 
 
-def forward(spec: ModelSpec, params: dict, k_cache, v_cache, register, batch: StepBatch, logits_rows):
+def forward(spec: ModelSpec, params: dict, k_cache, v_cache, register, batch: StepBatch, logits_rows,
+            kind: str = MIXED):
     """Runs this stage's layers on its micro-batch.
 
     Stage 0 embeds the micro-batch's tokens; a later stage takes the activations the previous stage handed on
     (`register` [T, D]). `logits_rows` i32[R] are the rows whose next-token logits are wanted, read from the
-    last stage (whose micro-batch is the one leaving the pipeline).
+    last stage (whose micro-batch is the one leaving the pipeline). `kind` (static, `models.kernels.STEP_KINDS`):
+    the rows every stage's micro-batch holds, so the attention kernels launch only what they need.
 
     Returns (logits f32[R, V], k_cache, v_cache, x [T, D] to hand to the next stage).
     """
@@ -121,7 +123,7 @@ def forward(spec: ModelSpec, params: dict, k_cache, v_cache, register, batch: St
     # One layer after another, each reading its own weight buffers ([1, ...] here: this stage's share of
     # `models.params.split_layers`' [spp, ...]); a scan over stacked weights would copy every layer's slice.
     for i, layer in enumerate(params["layers"]):
-        carry, _ = _layer(spec, batch, carry, (jax.tree.map(lambda a: a[0], layer), i))
+        carry, _ = _layer(spec, batch, carry, (jax.tree.map(lambda a: a[0], layer), i), kind)
     x, k_cache, v_cache = carry
     h = from_last_stage(rms_norm(x[logits_rows], params["final_norm"], spec.config.rms_norm_eps))
     if "lm_head" in params:

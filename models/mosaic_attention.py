@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from models import pallas_attention as pa
-from models.kernels import NEG_INF
+from models.kernels import DECODE, MIXED, NEG_INF, PREFILL
 
 try:  # Mosaic GPU Pallas (jax >= 0.5); the interpreter from jax 0.10
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -424,9 +424,11 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fals
 
 @pa._jit
 def paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
-                           num_partitions: int | None = None, decode_partitions: int | None = None):
+                           num_partitions: int | None = None, decode_partitions: int | None = None,
+                           kind: str = MIXED):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
-    the others through prefill tiles, two kernel launches with grids fixed by (T, B)."""
+    the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
+    (static: the step holds only those) launches only that kernel."""
     _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
     B = meta.page_table.shape[0]
@@ -434,10 +436,12 @@ def paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool 
     counts = jnp.zeros(B, jnp.int32).at[meta.seq_ids].add(1)
     is_decode = counts[meta.seq_ids] == 1
     args = (q, k_cache, v_cache, layer, meta)
-    dec = pa._token_tiles(is_decode, min(T, B))
-    parts = [(dec, *_attend_tiles(*args, dec, num_partitions=decode_partitions, interpret=interpret))]
+    parts = []
+    if kind != PREFILL:
+        dec = pa._token_tiles(is_decode, min(T, B))
+        parts.append((dec, *_attend_tiles(*args, dec, num_partitions=decode_partitions, interpret=interpret)))
     num_prefill_tiles = T // bq + min(B, T // 2)
-    if num_prefill_tiles:
+    if num_prefill_tiles and kind != DECODE:
         pre = pa._sequence_tiles(meta.seq_ids, ~is_decode, B, bq, num_prefill_tiles)
         parts.append((pre, *_attend_tiles(*args, pre, num_partitions=num_partitions, interpret=interpret)))
     return pa._scatter(T, N, H, parts)

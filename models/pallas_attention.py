@@ -50,7 +50,7 @@ from jax import lax
 from jax._src import config as jax_config  # `_check_vma`, see _interpret_call
 from jax.experimental import pallas as pl
 
-from models.kernels import NEG_INF
+from models.kernels import DECODE, MIXED, NEG_INF, PREFILL
 
 try:  # jax >= 0.4.31 names the Triton flavour `triton`; older ones `gpu`.
     from jax.experimental.pallas import triton as _pltriton
@@ -390,10 +390,11 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, precision=None, interp
 def paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None, interpret: bool = False,
                            block_q: int | None = None, block_k: int = BLOCK_K,
                            decode_block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None,
-                           decode_partitions: int | None = None):
+                           decode_partitions: int | None = None, kind: str = MIXED):
     """A mixed step: tokens of one-token sequences (decodes) through decode tiles, the others through prefill
-    tiles, both kernels launched with grids fixed by (T, B, M). Arguments and results as
-    `models.attention.paged_attention` (but `block_pages`)."""
+    tiles, both kernels launched with grids fixed by (T, B, M); `kind` DECODE or PREFILL (static: the step holds
+    only those) launches only that kernel. Arguments and results as `models.attention.paged_attention` (but
+    `block_pages`)."""
     _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
     B = meta.page_table.shape[0]
@@ -403,12 +404,12 @@ def paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None, 
     counts = jnp.zeros(B, jnp.int32).at[seq_ids].add(1)
     is_decode = counts[seq_ids] == 1
     parts = []
-    num_decode_tiles = min(T, B)
-    dec = _token_tiles(is_decode, num_decode_tiles)
-    parts.append((dec, *_attend_tiles(*args, dec, block_k=decode_block_k, num_partitions=decode_partitions,
-                                      precision=precision, interpret=interpret)))
+    if kind != PREFILL:
+        dec = _token_tiles(is_decode, min(T, B))
+        parts.append((dec, *_attend_tiles(*args, dec, block_k=decode_block_k, num_partitions=decode_partitions,
+                                          precision=precision, interpret=interpret)))
     num_prefill_tiles = T // bq + min(B, T // 2)  # a prefill sequence has >= 2 tokens
-    if num_prefill_tiles:
+    if num_prefill_tiles and kind != DECODE:
         pre = _sequence_tiles(seq_ids, ~is_decode, B, bq, num_prefill_tiles)
         parts.append((pre, *_attend_tiles(*args, pre, block_k=block_k, num_partitions=num_partitions,
                                           precision=precision, interpret=interpret)))

@@ -47,7 +47,8 @@ from mnemojax.scheduling.request import RequestStatus
 from mnemojax.scheduling.rows import layout
 from mnemojax.scheduling.sampling_params import MAX_LOGPROBS
 from mnemojax.scheduling.scheduler import ChunkOutput, StepPlan
-from models.attention import AttentionMetadata
+from models.attention import AttentionMetadata, resolve_attention
+from models.kernels import DECODE, MIXED, PREFILL, REFERENCE, step_kind
 from models.llama import ModelSpec, StepBatch, forward
 from shardings.collectives import from_every_rank, pipeline_shift
 from shardings.mesh import KVP, SPP, TP
@@ -165,25 +166,41 @@ class Executor:
                         out_shardings=NamedSharding(mesh, table.kv_lpskh))
         self.k_cache, self.v_cache = alloc(), alloc()
         self.register = None
-        self._shapes_run: set[tuple[int, int]] = set()  # (T, R) of every step launched
+        self._shapes_run: set[tuple[int, int, str]] = set()  # (T, R, kind) of every step launched
         self.last_step_first_of_shape = self.last_step_fetched = False
         self.channel = channel  # multi-host: process 0's `mnemojax.engine.multihost.Leader`, which broadcasts each step
         self.in_flight: Pipeline[MicroBatch] = Pipeline(self.spp)
-        self._step = self._build_step()
-        self.page_table = jax.jit(lambda: jnp.zeros((self.kvp, max_num_seqs, max_pages_per_seq), jnp.int32),
+        # Attention kernels launch only the tiles a step's kind needs (models.kernels.STEP_KINDS): one compiled
+        # step per kind. The reference attention has one path for every kind: one compiled step.
+        self.kinds = resolve_attention(spec.attention) != REFERENCE
+        self._steps = {}
+        self._step(MIXED)  # sets the shardings the rest reads
+        # Rows 0..max_num_seqs-1 are the requests' slots; the last row is the padding rows' sequence, never
+        # written: every padding row attends to nothing.
+        self.page_table = jax.jit(lambda: jnp.zeros((self.kvp, max_num_seqs + 1, max_pages_per_seq), jnp.int32),
                                   out_shardings=NamedSharding(mesh, table.table_kbm))()
         self._slots = [_Slots(max_num_seqs) for _ in range(self.kvp)]
         self._updates: list[list[np.ndarray]] = [[] for _ in range(self.kvp)]  # per rank: [2, n] (index, page)
         self._update_table = self._build_table_update()
         # The previous step's sampled tokens [kvp, R_max] (R_max: the most logits rows of any step shape), and
         # where each request's token sampled in it is (flat index), for the rows of the next step that read one.
-        self.max_rows = max(R for _, R in self.shape_buckets())
+        self.max_rows = max(R for _, R, _ in self.shape_buckets())
         self.sampled = jax.jit(lambda: jnp.zeros((self.kvp, self.max_rows), jnp.int32),
                                out_shardings=self._sampled_sharding)()
         self._sampled_at: dict[int, int] = {}  # id(request) -> rank * max_rows + row
 
     # ---------------------------------------------------------------- device side
-    def _build_step(self):
+    def _step(self, kind: str):
+        """The jitted step for steps of `kind` (built when first asked for)."""
+        if kind not in self._steps:
+            self._steps[kind] = self._build_step(kind)
+        return self._steps[kind]
+
+    def step_kind(self, plans) -> str:
+        """The kind of a step running `plans` (every micro-batch in the pipeline): what its attention holds."""
+        return step_kind(c.num_tokens for p in plans for c in p.chunks) if self.kinds else MIXED
+
+    def _build_step(self, kind: str):
         t, spec = self.table, self.spec
         stage = StepBatch.partition_specs(t)
         samp = RowSampling(*([t.rows_kr] * len(dataclasses.fields(RowSampling))))
@@ -198,7 +215,7 @@ class Executor:
             # describes its micro-batch, and later stages ignore their token ids).
             given = jnp.where(src >= 0, sampled.reshape(-1)[jnp.maximum(src, 0)], batch.token_ids)
             batch = dataclasses.replace(batch, token_ids=given)
-            logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows)
+            logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows, kind)
             tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps)
             lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS, jnp.any(samp.want_top))
             with jax.named_scope(SAMPLED_TOKENS):  # named, so a communication audit can tell it from the layers'
@@ -307,13 +324,13 @@ class Executor:
         tok = np.zeros((K, T), np.int32)
         src = np.full((K, T), -1, np.int32)
         pos = np.zeros((K, T), np.int32)
-        seq = np.full((K, T), B - 1, np.int32)  # padding rows belong to the last row, never read
+        seq = np.full((K, T), B, np.int32)  # padding rows: the reserved last row, no keys
         wpage = np.full((K, T), DUMMY_PAGE, np.int32)
         wslot = np.zeros((K, T), np.int32)
         shared = np.zeros((K, T), bool)
         table = np.zeros((K, 1, 1), np.int32)  # a stand-in: the step reads the device's `page_table`
-        kv_lens = np.zeros((K, B), np.int32)
-        kv_start = np.zeros((K, B), np.int32)
+        kv_lens = np.zeros((K, B + 1), np.int32)
+        kv_start = np.zeros((K, B + 1), np.int32)
         rows: list[list[int]] = [[] for _ in range(K)]
         samp: list[list[tuple]] = [[] for _ in range(K)]
         refs: list[RowRef] = []
@@ -388,15 +405,21 @@ class Executor:
         cap = min(T, bucket(self.max_num_seqs, 8))
         return bucket(n, 8) if n <= cap else T
 
-    def shape_buckets(self) -> list[tuple[int, int]]:
-        """Every (T, R) a step of this executor can have, smallest first: T a power of two from 16 up to the token
-        budget's bucket (only that bucket with spp > 1), R as `logits_rows` gives."""
+    def shape_buckets(self) -> list[tuple[int, int, str]]:
+        """Every (T, R, kind) a step of this executor can have, smallest first: T a power of two from 16 up to the
+        token budget's bucket (only that bucket with spp > 1), R as `logits_rows` gives, and with attention
+        kernels each kind (`decode` only where decodes alone can fill T: up to one row per sequence, and R up to
+        one per sequence); with the reference attention, `mixed` only."""
         Ts = [self.pipeline_tokens] if self.pipeline_tokens else \
             [16 << i for i in range(bucket(self.max_num_batched_tokens, 16).bit_length() - 4)]
         shapes = []
         for T in Ts:
             cap = min(T, bucket(self.max_num_seqs, 8))
-            shapes += [(T, 8 << i) for i in range(cap.bit_length() - 3)] + ([(T, T)] if T > cap else [])
+            Rs = [8 << i for i in range(cap.bit_length() - 3)]
+            kinds = [MIXED] + ([PREFILL] if self.kinds else [])
+            shapes += [(T, R, k) for R in Rs + ([T] if T > cap else []) for k in kinds]
+            if self.kinds and (self.pipeline_tokens or T <= bucket(self.max_num_seqs, 16)):
+                shapes += [(T, R, DECODE) for R in Rs]
         return shapes
 
     def warm_up(self, progress: Callable[[], None] | None = None) -> int:
@@ -404,8 +427,8 @@ class Executor:
         writes the reserved page 0 and reads nothing), so that serving never compiles; `progress` is called after
         each. Runs on the followers too (multi-host). Returns the number of shapes."""
         shapes = self.shape_buckets()
-        for T, R in shapes:
-            self._launch(T, self.host_template(T, R), fetch=True)
+        for T, R, kind in shapes:
+            self._launch(T, self.host_template(T, R), fetch=True, kind=kind)
             if progress is not None:
                 progress()
         B, M = self.page_table.shape[1:]
@@ -419,7 +442,8 @@ class Executor:
         return any(mb.plan.chunks for mb in self.in_flight)
 
     def _host_args(self, plan: StepPlan):
-        """Pushes `plan` into the pipeline; returns (T, the step's host arrays, the micro-batch leaving)."""
+        """Pushes `plan` into the pipeline; returns (T, the step's host arrays, the micro-batch leaving); the
+        step's kind is `step_kind` of the micro-batches then in the pipeline."""
         T = self.pipeline_tokens or bucket(self._rows_needed(plan), 16)
         entering = self.prepare(plan, T)
         leaving = self.in_flight.push(entering, lambda: self.prepare(StepPlan([], []), T))
@@ -450,23 +474,23 @@ class Executor:
         return (self.params, self.k_cache, self.v_cache, self.register, self.sampled, self.page_table, stages, rows,
                 samp, src)
 
-    def _launch(self, T: int, host, fetch: bool):
+    def _launch(self, T: int, host, fetch: bool, kind: str):
         """Runs the step on `host` arrays (on every process: multi-host followers get them first)."""
         if self.channel is not None:
-            self.channel.step(T, host[1].shape[1], host, fetch)
-        key = (T, host[1].shape[1])
+            self.channel.step(T, host[1].shape[1], host, fetch, kind)
+        key = (T, host[1].shape[1], kind)
         # What the engine's online calibration needs to trust a step's wall time: whether it ran a shape for the
         # first time (it compiled, or loaded from the compilation cache) and whether it waited for the results.
         self.last_step_first_of_shape = key not in self._shapes_run
         self.last_step_fetched = fetch
         self._shapes_run.add(key)
         self._flush_table_updates()
-        return self.run(self.put(T, host), fetch)
+        return self.run(self.put(T, host), fetch, kind)
 
-    def run(self, args, fetch: bool):
-        """Runs the step; returns its sampled tokens and log-probs as numpy when `fetch`, else their device
-        arrays (dispatched, not waited for)."""
-        self.k_cache, self.v_cache, self.register, self.sampled, out = self._step(*args)
+    def run(self, args, fetch: bool, kind: str = MIXED):
+        """Runs the step of `kind`; returns its sampled tokens and log-probs as numpy when `fetch`, else their
+        device arrays (dispatched, not waited for)."""
+        self.k_cache, self.v_cache, self.register, self.sampled, out = self._step(kind)(*args)
         return self.fetch(out) if fetch else out
 
     @staticmethod
@@ -489,7 +513,7 @@ class Executor:
         saved = self.in_flight.copy(), ([s.copy() for s in self._slots], [list(u) for u in self._updates])
         try:
             T, host, _ = self._host_args(plan)
-            return self._step.lower(*self.put(T, host))
+            return self._step(self.step_kind(m.plan for m in self.in_flight)).lower(*self.put(T, host))
         finally:
             self.in_flight, (self._slots, self._updates) = saved
 
@@ -508,7 +532,7 @@ class Executor:
         (multi-host followers fetch in every step, so the leader does too)."""
         T, host, leaving = self._host_args(plan)
         has_rows = bool(leaving.refs)
-        out = self._launch(T, host, fetch and has_rows)
+        out = self._launch(T, host, fetch and has_rows, self.step_kind(m.plan for m in self.in_flight))
         self.in_flight.pop()
         self._sampled_at = {id(leaving.plan.chunks[r.chunk].request): r.rank * self.max_rows + r.row
                             for r in leaving.refs if r.is_sample}

@@ -185,7 +185,7 @@ class LLMEngine:
             self.executor.warm_up(progress=bar.update)
         took = time.perf_counter() - start
         logger.info("compiled %d step shapes in %.1f s (token rows %s)", len(shapes), took,
-                    sorted({T for T, _ in shapes}))
+                    sorted({T for T, *_ in shapes}))
         return took
 
     @staticmethod

@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from models.kernels import MIXED, STEP_KINDS
+
 logger = logging.getLogger(__name__)
 
 STEP, NOOP, STOP, TABLE = 1, 2, 3, 4
@@ -33,8 +35,9 @@ def _broadcast(tree):
 class Leader:
     """Process 0's side: sends each step's arrays (plugged into `Executor.channel`)."""
 
-    def step(self, T: int, R: int, host, fetch: bool) -> None:
-        _broadcast(np.array([STEP, T, R, int(fetch)], np.int32))
+    def step(self, T: int, R: int, host, fetch: bool, kind: str = MIXED) -> None:
+        # the fetch flag and the step's kind share the header's last field: fetch + 2 x kind index
+        _broadcast(np.array([STEP, T, R, int(fetch) + 2 * STEP_KINDS.index(kind)], np.int32))
         _broadcast(host)
 
     def table(self, index: np.ndarray, pages: np.ndarray) -> None:
@@ -68,5 +71,5 @@ def follow(executor) -> int:
         if cmd != STEP:
             raise RuntimeError(f"unknown multi-host command {cmd}")
         host = _broadcast(executor.host_template(T, R))
-        executor.run(executor.put(T, host), fetch=bool(fetch))
+        executor.run(executor.put(T, host), fetch=bool(fetch & 1), kind=STEP_KINDS[fetch >> 1])
         steps += 1

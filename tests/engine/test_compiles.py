@@ -47,9 +47,11 @@ def engine_and_warm_up_events():
 
 def test_shape_buckets_cover_token_and_logits_rows(engine_and_warm_up_events):
     engine, _ = engine_and_warm_up_events
-    # T: powers of two from 16 to the budget's bucket; R: 8 (one row per sequence, max_num_seqs 8) and T.
-    assert engine.executor.shape_buckets() == [(16, 8), (16, 16), (32, 8), (32, 32), (64, 8), (64, 64),
-                                               (128, 8), (128, 128)]
+    # T: powers of two from 16 to the budget's bucket; R: 8 (one row per sequence, max_num_seqs 8) and T; the
+    # reference attention has one kind of step.
+    assert engine.executor.shape_buckets() == [(16, 8, "mixed"), (16, 16, "mixed"), (32, 8, "mixed"),
+                                               (32, 32, "mixed"), (64, 8, "mixed"), (64, 64, "mixed"),
+                                               (128, 8, "mixed"), (128, 128, "mixed")]
 
 
 def test_precompile_lowers_every_shape(engine_and_warm_up_events):

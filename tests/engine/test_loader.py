@@ -43,7 +43,7 @@ def test_multi_host_channel_is_a_constructor_argument():
         def __init__(self):
             self.steps, self.tables = [], []
 
-        def step(self, T, R, host, fetch):
+        def step(self, T, R, host, fetch, kind):
             self.steps.append((T, R, fetch))
 
         def table(self, index, pages):

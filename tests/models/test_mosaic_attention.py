@@ -148,3 +148,17 @@ def test_compiled_kernels_on_hopper_match_float32_reference():
         step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=8, head_dim=128, page=16,
                          dtype=jnp.bfloat16, pad_rows=3)
         check_compiled(step, (ma.paged_attention_mosaic, ma.prefill_attention, ma.decode_attention))
+
+
+@pytest.mark.parametrize("kind,want", [("mixed", 2), ("decode", 1), ("prefill", 1)])
+def test_step_kind_launches_only_the_kernels_it_needs(kind, want):
+    """As for the Triton kernels: a decode-only or prefill-only step traces one kernel launch, a mixed step two
+    (traced only: the interpreter is slow; in it each Mosaic GPU kernel is an `mpmd_map` of its warpgroups)."""
+    from tests.models.test_pallas_attention import _primitives
+
+    rng = np.random.default_rng(5)
+    step = make_step(rng, [(40, 1, 0), (23, 7, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16,
+                     dtype=jnp.bfloat16)
+    fn = functools.partial(attention, "mosaic_interpret", block_pages=4, kind=kind)
+    names = _primitives(jax.make_jaxpr(lambda s: run(fn, s))(step).jaxpr)
+    assert names.count("mpmd_map") == want, sorted(set(names))

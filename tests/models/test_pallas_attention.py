@@ -338,3 +338,43 @@ def test_engine_meshes_with_interpreted_kernels_match_one_device(parallel_refere
     ckpt, reference = parallel_reference
     outs, _ = run_workload(ckpt, *shape, attention="pallas_interpret")
     _check_same(outs, reference)
+
+
+def _primitives(jaxpr) -> list[str]:
+    """The primitives of `jaxpr` and of the jaxprs nested in its equations (jit, shard_map, ...), not inside
+    a pallas_call (its kernel)."""
+    names = []
+    for e in jaxpr.eqns:
+        names.append(str(e.primitive))
+        if str(e.primitive) == "pallas_call":
+            continue
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names += _primitives(inner)
+    return names
+
+
+@pytest.mark.parametrize("kind,want", [("mixed", 2), ("decode", 1), ("prefill", 1)])
+def test_step_kind_launches_only_the_kernels_it_needs(kind, want):
+    """A decode-only step launches the decode kernel alone, a prefill-only step the prefill kernel alone (issue
+    12, item 2): counted as pallas_call equations of the traced attention; the results on a step that holds only
+    that kind are the mixed path's, bit for bit."""
+    rng = np.random.default_rng(11)
+    seqs = {"decode": [(9, 1, 0), (30, 1, 0), (4, 1, 0)], "prefill": [(23, 7, 0), (12, 12, 0)],
+            "mixed": MIXED}[kind]
+    step = make_step(rng, seqs, num_heads=4, num_kv_heads=2, pad_rows=3, **SMALL)
+    fn = functools.partial(attention, "pallas_interpret", block_pages=2, precision=HIGHEST, kind=kind)
+    names = _primitives(jax.make_jaxpr(lambda s: run(fn, s))(step).jaxpr)
+    assert names.count("pallas_call") == want, names
+    got, ref = run(fn, step), run(functools.partial(attention, "pallas_interpret", block_pages=2,
+                                                    precision=HIGHEST), step)
+    real = np.asarray(step["seq_ids"]) < len(seqs)  # the padding rows' sequence gets attention only when mixed
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(np.asarray(g)[real], np.asarray(r)[real])
+    with pytest.raises(ValueError, match="kind"):
+        attention("pallas_interpret", *[step[k] for k in ("q", "k_cache", "v_cache", "layer")],
+                  AttentionMetadata(**{k: v for k, v in step.items() if k not in ("q", "k_cache", "v_cache",
+                                                                                   "layer")}),
+                  block_pages=2, kind="both")
