@@ -127,25 +127,26 @@ def quiet_run(fn, max_wait_s: float):
 
 # ------------------------------------------------------------------------------------------------ the engine
 class StepTimer:
-    """Wraps an executor's `execute`, `prepare` and jitted `_step` to time the parts of every step, and keeps
-    the arguments of the jitted step of the last prefill and the last all-decode step, to time it alone.
+    """Wraps an executor's `launch`, `prepare` and jitted step (`_step(kind)`) to time the parts of every step,
+    and keeps the jitted step and its arguments of the last prefill and the last all-decode step, to time it
+    alone.
 
-    Only the executor's method names are assumed, not their signatures. The executor blocks on each step's
-    tokens right after launching it (`jax.device_get`), so blocking inside the wrapped step moves no work out
-    of overlap.
+    Only the executor's method names are assumed, not their signatures. The wrapped step blocks until its results
+    are ready, so with async scheduling the host no longer overlaps the next step: the parts are timed one after
+    another ("execute" is the whole `launch`).
     """
 
     def __init__(self, executor):
         self.ex = executor
-        self.step_fn = executor._step
-        self.steps: list[dict] = []  # per execute: kind ("prefill" or "decode") and seconds of each part
+        self.step_fns = {}  # kind -> the jitted step it ran
+        self.steps: list[dict] = []  # per launch: kind ("prefill" or "decode") and seconds of each part
         self.args = {}  # kind -> (args of the jitted step, positions of its donated arguments)
-        self._orig = executor.prepare, executor._step, executor.execute
+        self._orig = executor.prepare, executor._step, executor.launch
 
         def timed(name, fn):
-            def wrapper(*args):
+            def wrapper(*args, **kwargs):
                 t0 = time.perf_counter()
-                out = fn(*args)
+                out = fn(*args, **kwargs)
                 if name == "step":
                     jax.block_until_ready(out)
                     donated = [i for i, a in enumerate(args) if isinstance(a, jax.Array) and a.is_deleted()]
@@ -154,22 +155,31 @@ class StepTimer:
                 return out
             return wrapper
 
-        def execute(plan):
+        def launch(plan, *args, **kwargs):
             self.steps.append({"kind": "decode" if all(ch.num_tokens == 1 for ch in plan.chunks) else "prefill"})
-            return timed("execute", self._orig[2])(plan)
+            return timed("execute", self._orig[2])(plan, *args, **kwargs)
 
-        executor.prepare, executor._step = timed("prepare", self._orig[0]), timed("step", self._orig[1])
-        executor.execute = execute
+        def step_for(kind):
+            fn = self._orig[1](kind)
+            self.step_fns[self.steps[-1]["kind"]] = fn
+            return timed("step", fn)
+
+        executor.prepare, executor._step = timed("prepare", self._orig[0]), step_for
+        executor.launch = launch
 
     def restore(self):
-        self.ex.prepare, self.ex._step, self.ex.execute = self._orig
+        self.ex.prepare, self.ex._step, self.ex.launch = self._orig
 
 
 def time_jitted_step(step_fn, args, donated, repeats: int, n: int = 20) -> float:
     """Best-of-`repeats` mean seconds of the jitted step alone on fixed arguments. The donated ones (KV cache,
     pipeline register) are zeros of the same shapes, threaded from call to call: the engine's state is not
-    touched, and the work per call is the same."""
+    touched, and the work per call is the same. Arguments deleted since by other calls (the page table, which the
+    engine's later updates donated) are zeros of the same shape too: every row then reads the reserved page 0,
+    the same amount of work."""
     state = [jnp.zeros(args[i].shape, args[i].dtype, device=args[i].sharding) for i in donated]
+    args = [jnp.zeros(a.shape, a.dtype, device=a.sharding) if isinstance(a, jax.Array) and a.is_deleted() else a
+            for a in args]
 
     def loop():
         nonlocal state
@@ -214,8 +224,8 @@ def engine_profile(llm, prompts, n, repeats) -> dict:
         no_attn = list(args)
         no_attn[b] = dataclasses.replace(batch, attn=dataclasses.replace(batch.attn,
                                                                           kv_lens=jnp.zeros_like(batch.attn.kv_lens)))
-        prof[kind] = dict(alone=time_jitted_step(timer.step_fn, args, donated, repeats, calls),
-                          no_attn=time_jitted_step(timer.step_fn, no_attn, donated, repeats, calls),
+        prof[kind] = dict(alone=time_jitted_step(timer.step_fns[kind], args, donated, repeats, calls),
+                          no_attn=time_jitted_step(timer.step_fns[kind], no_attn, donated, repeats, calls),
                           kv_blocks=-(-int(np.max(np.asarray(batch.attn.kv_lens))) // keys_per_block),
                           token_rows=int(batch.token_ids.shape[-1]))
     return prof
