@@ -38,4 +38,4 @@ def test_tile_metadata_is_computed_once_per_step_not_per_layer():
     e.add_request(list(range(5, 45)), SamplingParams(max_tokens=3, temperature=0))
     e.add_request(list(range(100, 103)), SamplingParams(max_tokens=3, temperature=0))
     hlo = e.executor.lower(e.scheduler.schedule()).compile().as_text()
-    assert len(re.findall(r"= \S+ sort\(", hlo)) == 1
+    assert len(re.findall(r" sort\(", hlo)) == 1  # the tiles argsort; the sampler sorts nothing
