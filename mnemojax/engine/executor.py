@@ -476,6 +476,7 @@ class Executor:
 
     def _launch(self, T: int, host, fetch: bool, kind: str):
         """Runs the step on `host` arrays (on every process: multi-host followers get them first)."""
+        self._flush_table_updates()  # before the step, on every process (followers get them first too)
         if self.channel is not None:
             self.channel.step(T, host[1].shape[1], host, fetch, kind)
         key = (T, host[1].shape[1], kind)
@@ -484,7 +485,6 @@ class Executor:
         self.last_step_first_of_shape = key not in self._shapes_run
         self.last_step_fetched = fetch
         self._shapes_run.add(key)
-        self._flush_table_updates()
         return self.run(self.put(T, host), fetch, kind)
 
     def run(self, args, fetch: bool, kind: str = MIXED):

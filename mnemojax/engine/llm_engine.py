@@ -323,7 +323,10 @@ class LLMEngine:
             start = launch.start if previous is not None else None
         if not waited or start is None or launch.first_of_shape or not launch.shapes:
             return
-        shapes, seconds = launch.shapes, now - start
+        self._observe(launch.shapes, now - start)
+
+    def _observe(self, shapes, seconds: float) -> None:
+        """One measured step for the calibrator (and the profile saved, at most every 10 s, when asked)."""
         if self.calibrator.observe(shapes, seconds) and self.config.save_predictor_profile:
             if time.monotonic() - self._profile_saved_at >= 10.0:
                 self.save_predictor_profile()

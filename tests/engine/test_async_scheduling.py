@@ -43,8 +43,10 @@ def _generate(ckpt, async_scheduling, prompts, params, **kw):
     return _results(outs), llm
 
 
-@pytest.mark.parametrize("layout", [{}, {"spp": 2}, {"kvp": 2, "max_tokens_per_kvp_rank": 40},
-                                    {"kvp": 2, "tp": 2, "max_tokens_per_kvp_rank": 40}], ids=str)
+@pytest.mark.parametrize("layout", [{}, pytest.param({"spp": 2}, marks=pytest.mark.slow),
+                                    {"kvp": 2, "max_tokens_per_kvp_rank": 40},
+                                    pytest.param({"kvp": 2, "tp": 2, "max_tokens_per_kvp_rank": 40},
+                                                 marks=pytest.mark.slow)], ids=str)
 def test_async_equals_sync(ckpt, layout):
     """Greedy and seeded sampling, top-k / top-p, log-probs, prompt log-probs, max_tokens=1, EOS allowed; with
     kvp=2 the 70-token prompt's KV spans both ranks (its decodes read the token on both)."""

@@ -49,7 +49,9 @@ PREFILL = {
 }
 
 
-@pytest.mark.parametrize("case", list(PREFILL), ids=str)
+# The interpreter takes seconds per grid program: one case in the default suite, the others with the slow tests.
+@pytest.mark.parametrize("case", [c if i == 0 else pytest.param(c, marks=pytest.mark.slow)
+                                  for i, c in enumerate(PREFILL)], ids=str)
 def test_prefill_kernel_matches_reference(case):
     num_heads, num_kv_heads, page, parts, seqs = PREFILL[case]
     rng = np.random.default_rng(len(case))
