@@ -167,7 +167,7 @@ class Executor:
         self.k_cache, self.v_cache = alloc(), alloc()
         self.register = None
         self._shapes_run: set[tuple[int, int, str]] = set()  # (T, R, kind) of every step launched
-        self.last_step_first_of_shape = self.last_step_fetched = False
+        self.last_step_first_of_shape = False
         self.channel = channel  # multi-host: process 0's `mnemojax.engine.multihost.Leader`, which broadcasts each step
         self.in_flight: Pipeline[MicroBatch] = Pipeline(self.spp)
         # Attention kernels launch only the tiles a step's kind needs (models.kernels.STEP_KINDS): one compiled
@@ -350,7 +350,6 @@ class Executor:
             b = self._slot(rank, req, span_i)
             idx = np.arange(s, s + n)
             lo = span_i * mt if mt is not None else 0
-            pages = np.asarray(req.pages[span_i], np.int32)
             kv_start[rank, b] = lo
             kv_lens[rank, b] = max(0, min(s + n - lo, mt if mt is not None else s + n))
             rows_ = slice(t0, t0 + n)
@@ -366,7 +365,10 @@ class Executor:
             shared[rank, rows_] = is_shared
             mine = (idx >= lo) & ((idx < lo + mt) if mt is not None else True)
             local = idx[mine] - lo
-            wpage[rank, t0 + np.flatnonzero(mine)] = pages[local // S]
+            if local.size:  # only the pages this chunk writes (the table itself is on the device)
+                first = local[0] // S
+                pages = np.asarray(req.pages[span_i][first:local[-1] // S + 1], np.int32)
+                wpage[rank, t0 + np.flatnonzero(mine)] = pages[local // S - first]
             wslot[rank, t0 + np.flatnonzero(mine)] = local % S
             if not logits:
                 return
@@ -480,10 +482,9 @@ class Executor:
         if self.channel is not None:
             self.channel.step(T, host[1].shape[1], host, fetch, kind)
         key = (T, host[1].shape[1], kind)
-        # What the engine's online calibration needs to trust a step's wall time: whether it ran a shape for the
-        # first time (it compiled, or loaded from the compilation cache) and whether it waited for the results.
+        # What the engine's online calibration needs to trust a step's time: whether it ran a shape for the first
+        # time (it compiled, or loaded from the compilation cache).
         self.last_step_first_of_shape = key not in self._shapes_run
-        self.last_step_fetched = fetch
         self._shapes_run.add(key)
         return self.run(self.put(T, host), fetch, kind)
 

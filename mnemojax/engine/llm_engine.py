@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from mnemojax.engine.detokenizer import Detokenizer
-from mnemojax.engine.executor import Executor
+from mnemojax.engine.executor import Executor, Launched
 from mnemojax.scheduling.kv_manager import KVCacheManager
 from mnemojax.engine.loader import LoadedModel, load
 from mnemojax.scheduling.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -109,7 +109,7 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
 class _Launch:
     """A step the engine launched: the executor's handle, and what calibration needs to time it."""
 
-    launched: object  # mnemojax.engine.executor.Launched
+    launched: Launched
     shapes: list | None  # the chunk shapes the predictor costs the step by (None without calibration)
     start: float  # perf_counter when the launch began
     first_of_shape: bool  # it ran a step shape for the first time (compiled or loaded it)
