@@ -8,7 +8,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +111,7 @@ class _Launch:
 
     launched: Launched
     shapes: list | None  # the chunk shapes the predictor costs the step by (None without calibration)
-    start: float  # perf_counter when the launch began
+    start: float  # the engine's clock when the launch began
     first_of_shape: bool  # it ran a step shape for the first time (compiled or loaded it)
     queued_behind: bool  # async: launched while the previous launch was not collected (the device had work)
 
@@ -132,11 +132,15 @@ class LLMEngine:
 
     `loaded` is what `mnemojax.engine.loader.load(config)` resolved (model, mesh, weights, tokenizer, KV sizing); given,
     nothing is loaded again. `channel` (multi-host serving: process 0's `mnemojax.engine.multihost.Leader`) receives every
-    step's arrays so the other processes run the same step.
+    step's arrays so the other processes run the same step. `clock` (seconds, default `time.perf_counter`) times
+    requests (their metrics, ILRS deadlines) and the steps calibration measures; a test or simulation may pass a
+    virtual one.
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, channel=None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, channel=None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.config = config
+        self.clock = clock
         loaded = loaded if loaded is not None else load(config)
         self.model_config: LlamaConfig = loaded.model_config
         self.max_model_len = loaded.max_model_len
@@ -162,7 +166,7 @@ class LLMEngine:
             self.precompile()
         self.predictor = self._make_predictor(config, self.model_config) \
             if config.target_batch_time_ms is not None else None
-        self.scheduler = Scheduler(config, self.kv, self.predictor, clock=time.perf_counter,
+        self.scheduler = Scheduler(config, self.kv, self.predictor, clock=clock,
                                    eos_token_ids=self.model_config.eos_token_ids, spp=config.spp,
                                    max_model_len=self.max_model_len)
         self.calibrator = Calibrator(self.predictor) if self.predictor is not None and config.calibrate else None
@@ -235,7 +239,7 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
-        req = Request(rid, prompt_ids, params, time.perf_counter(), seed,
+        req = Request(rid, prompt_ids, params, self.clock(), seed,
                       prompt=prompt if isinstance(prompt, str) else None)
         self.requests[rid] = req
         if self.tokenizer is not None:
@@ -267,7 +271,7 @@ class LLMEngine:
         launch = None
         if not plan.is_empty or self.executor.has_in_flight():
             shapes = self._step_shapes(plan) if self.calibrator is not None else None
-            start = time.perf_counter()
+            start = self.clock()
             launched = self.executor.launch(plan, fetch=not self.async_scheduling)
             launch = _Launch(launched, shapes, start, self.executor.last_step_first_of_shape,
                              queued_behind=self._launched is not None)
@@ -315,7 +319,7 @@ class LLMEngine:
         it started when the previous step ended) or, when the host is slower, the time the host made it take.
         Left out: a step that ran a shape for the first time (a compile) and one whose start is not measured
         (no waiting collect right before it, or, synchronous, a step after one that did not wait)."""
-        now, previous = time.perf_counter(), self._last_wait_end
+        now, previous = self.clock(), self._last_wait_end
         self._last_wait_end = now if waited else None
         if self.async_scheduling:  # launched while the step before it ran, whose collect waited
             start = previous if launch.queued_behind else None

@@ -1,56 +1,103 @@
-"""Online calibration on the real executor: an engine on this CPU told it runs on an H100 (the h100 preset's
-predictor is thousands of times too fast here) learns the machine while serving, and then keeps the steps that
-mix a long prompt's chunks with short requests' decodes within 15% of `target_batch_time_ms`.
+"""Online calibration in the real engine loop, on a virtual clock: an engine told it runs on an H100 (the h100
+preset's predictor is thousands of times too fast for the machine here) learns the machine while serving, and then
+keeps the steps that mix a long prompt's chunks with short requests' decodes within 15% of
+`target_batch_time_ms` (issue 14, item 3).
 
-Timing on a shared 2-core machine: the bounds are the issue's (P99 within 15% of the target, measured on the
-steps after the first 8 mixed ones, which calibrate), and the other processes' share of the CPUs is measured
-during each run. A timing bound that fails while other processes used more than `QUIET` of the CPUs skips the
-test with the numbers instead of failing it (their bursts are not this engine's to predict); a failure on a quiet
-machine fails. Runtime: about 40 s (two engines, compiled shapes loaded from JAX's persistent cache when warm;
-about 70 s cold).
+The engine runs the tiny model for real (its tokens, pages and plans are the engine's), but its clock is
+`VirtualMachine.clock`: a step takes the device time that a second predictor, the shipped CPU profile (another
+roofline shape than the h100 preset's, so the fit cannot express it exactly), gives its shapes, with 3% noise and
+two 4x hiccups, plus a fixed host time per step; async scheduling overlaps the host with the device step before.
+So every number asserted is deterministic and none is computed by the calibrator under test. Wall-clock timing
+of the same workload on this machine is a benchmark, not a test: `scripts/bench_calibration.py`.
 """
+import dataclasses
 import logging
+import math
 import random
 
 import pytest
 
-from mnemojax.bench.profile_predictor import QUIET, OtherLoad
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 from mnemojax.scheduling.predictor import ChunkShape, Predictor
 from mnemojax.scheduling.sampling_params import SamplingParams
 
 TARGET_MS = 50.0
-LONG, SHORT, NUM_SHORT = 3000, 64, 8
+LONG, SHORT, NUM_SHORT = 5000, 64, 8
 CALIBRATING = 8  # mixed steps left out at the start
+HOST_S = 0.003  # the host's work per step (scheduling, arrays, results)
+HICCUPS = {40: 4.0, 250: 4.0}  # step index: factor (a GC pause, another process)
+PROBE = [ChunkShape(1, 64)] * NUM_SHORT + [ChunkShape(56, 2000)]
+BIG_CHUNK = [ChunkShape(1, 64)] * NUM_SHORT + [ChunkShape(256, 3000)]
 
 
-def serve(policy: str, **config):
-    """One 3000-token prompt submitted with eight 64-token prompts that decode through its prefill. Returns the
-    engine, [(execute seconds, decodes, prefill tokens)] per step, the long prompt's TTFT, other processes' load."""
-    engine = LLMEngine(EngineConfig(model="tiny", hardware="h100", target_batch_time_ms=TARGET_MS,
-                                    scheduler_policy=policy, min_chunk_size=16, precompile=True, **config))
+class VirtualMachine:
+    """The engine's clock and device, virtual. A step launched at `now` starts when the device is free, runs for
+    `machine(shapes)` seconds, and a collect that waits for its results moves `now` to its end; every launch
+    first spends `HOST_S` of host time. Records every step's (device seconds, decodes, prefill tokens)."""
+
+    def __init__(self, machine: Predictor, seed: int = 0):
+        self.machine, self.rng = machine, random.Random(seed)
+        self.now = self.free_at = 0.0
+        self.steps: list[tuple[float, int, int]] = []
+        self._ends: dict[int, float] = {}
+
+    def clock(self) -> float:
+        return self.now
+
+    def attach(self, engine: LLMEngine) -> None:
+        executor = engine.executor
+        launch, collect = executor.launch, executor.collect
+
+        def timed_launch(plan, fetch=False):
+            per_rank = engine.scheduler.plan_shapes(plan)  # before the plan's requests move on
+            seconds = max((self.machine.step_time(shapes) for shapes in per_rank), default=0.0)
+            seconds *= math.exp(self.rng.gauss(0.0, 0.03)) * HICCUPS.get(len(self.steps), 1.0)
+            self.steps.append((seconds, sum(ch.num_tokens == 1 for ch in plan.chunks),
+                               sum(ch.num_tokens for ch in plan.chunks if ch.num_tokens > 1)))
+            self.now += HOST_S
+            launched = launch(plan, fetch)
+            self.free_at = max(self.now, self.free_at) + seconds
+            self._ends[id(launched)] = self.free_at
+            if fetch and launched.out is not None:  # synchronous: the launch waited for the results
+                self.now = self.free_at
+            return launched
+
+        def timed_collect(launched):
+            if launched.out is not None:  # it waits for the step's results
+                self.now = max(self.now, self._ends[id(launched)])
+            self._ends.pop(id(launched), None)
+            return collect(launched)
+
+        executor.launch, executor.collect = timed_launch, timed_collect
+
+
+def machine_for(config: EngineConfig, engine: LLMEngine) -> Predictor:
+    """The virtual machine: the shipped CPU profile, for the kernels and layout this engine runs."""
+    return LLMEngine._make_predictor(dataclasses.replace(config, hardware="cpu"), engine.model_config)
+
+
+def serve(policy: str, async_scheduling: bool, **config):
+    """One 5000-token prompt submitted with eight 64-token prompts that decode through its prefill. Returns the
+    engine, its virtual machine and the long prompt's TTFT (virtual seconds)."""
+    config = EngineConfig(model="tiny", hardware="h100", target_batch_time_ms=TARGET_MS, scheduler_policy=policy,
+                          min_chunk_size=16, async_scheduling=async_scheduling, **config)
+    vm = VirtualMachine(machine=None)
+    engine = LLMEngine(config, clock=vm.clock)
+    vm.machine = machine_for(config, engine)
+    vm.attach(engine)
     rng = random.Random(0)
     engine.add_request([rng.randrange(1, 200) for _ in range(LONG)], SamplingParams(max_tokens=4, ignore_eos=True),
                        "long")
     for i in range(NUM_SHORT):
         engine.add_request([rng.randrange(1, 200) for _ in range(SHORT)],
-                           SamplingParams(max_tokens=400, ignore_eos=True), f"short{i}")
-    steps = []
-    observe = engine._observe
-
-    def recording(shapes, seconds):  # every step the engine measures (async: between consecutive collects)
-        steps.append((seconds, sum(c.query_tokens == 1 for c in shapes), sum(c.query_tokens for c in shapes
-                                                                             if c.query_tokens > 1)))
-        observe(shapes, seconds)
-
-    engine._observe = recording
+                           SamplingParams(max_tokens=300, ignore_eos=True), f"short{i}")
     done = {}
-    with OtherLoad() as load:
-        while engine.has_unfinished():
-            for out in engine.step():
-                done[out.request_id] = out
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert sorted(done) == sorted(["long"] + [f"short{i}" for i in range(NUM_SHORT)])
     m = done["long"].metrics
-    return engine, steps, m.first_token_time - m.arrival_time, load.fraction
+    return engine, vm, m.first_token_time - m.arrival_time
 
 
 def nearest_rank(xs, q):
@@ -58,25 +105,19 @@ def nearest_rank(xs, q):
     return xs[max(0, -(-int(q * 100) * len(xs) // 100) - 1)]
 
 
-PROBE = [ChunkShape(1, 64)] * NUM_SHORT + [ChunkShape(56, 2000)]
-
-
-def _measure_runs(tmp_path, caplog):
-    """Serves the workload under FCFS and ILRS; returns the runs and the timing bounds they miss."""
-    caplog.clear()
-    # Synchronous: a step's time is its own. With async scheduling on this 2-core CPU the host's work for the next
-    # step shares the cores with the step, and ILRS's mixed steps ran over the target (median 52 ms against 50):
-    # not yet met there (see the README's calibration section).
-    runs = {policy: serve(policy, save_predictor_profile=str(tmp_path / f"{policy}.json"), async_scheduling=False)
-            for policy in ("fcfs", "ilrs")}
-    problems = []  # timing bounds: on a busy machine they skip with these numbers instead of failing
-    for policy, (engine, steps, ttft, load) in runs.items():
-        # It started wrong by a large factor: the h100 preset predicts the steps it ran >10x too fast.
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_calibrated_engine_keeps_mixed_steps_within_target(tmp_path, caplog, async_scheduling):
+    caplog.set_level(logging.WARNING, logger="mnemojax.scheduling.scheduler")
+    runs = {policy: serve(policy, async_scheduling) for policy in ("fcfs", "ilrs")}
+    for policy, (engine, vm, ttft) in runs.items():
+        # It started wrong by a large factor: the h100 preset predicts this machine's prefill steps >20x too fast.
         h100 = LLMEngine._make_predictor(engine.config, engine.model_config)
-        assert engine.predictor.step_time(PROBE) > 10 * h100.step_time(PROBE)
+        assert vm.machine.step_time(BIG_CHUNK) > 20 * h100.step_time(BIG_CHUNK)
         assert engine.calibrator.num_refits > 10
+        assert engine.prediction_error() < 0.15, policy
 
-        with_decodes = [(s, d, p) for s, d, p in steps if d]
+        with_decodes = [(s, d, p) for s, d, p in vm.steps if d]
         mixed = [i for i, (_, d, p) in enumerate(with_decodes) if p]
         assert len(mixed) > CALIBRATING + 15, (policy, len(mixed))
         after = with_decodes[mixed[CALIBRATING]:]
@@ -84,36 +125,11 @@ def _measure_runs(tmp_path, caplog):
         mixed_after = sorted(s for s, _, p in after if p)
         median_mixed = mixed_after[len(mixed_after) // 2]
         # Adaptive chunks use the target (not timid chunks that trivially stay under it) and keep under it.
-        if median_mixed < 0.4 * TARGET_MS / 1e3:
-            problems.append(f"{policy}: median mixed step {median_mixed * 1e3:.1f} ms < 0.4 x {TARGET_MS} ms")
-        if p99 > 1.15 * TARGET_MS / 1e3:
-            problems.append(f"{policy}: P99 of {len(after)} steps with decodes {p99 * 1e3:.1f} ms > 1.15 x "
-                            f"{TARGET_MS} ms (median mixed {median_mixed * 1e3:.1f} ms)")
-        if not engine.prediction_error() < 0.15:
-            problems.append(f"{policy}: median prediction error {engine.prediction_error():.1%} of the last 64 steps")
+        assert median_mixed > 0.5 * TARGET_MS / 1e3, (policy, median_mixed)
+        assert p99 < 1.15 * TARGET_MS / 1e3, (policy, p99, len(after))
     fcfs_ttft, ilrs_ttft = runs["fcfs"][2], runs["ilrs"][2]
-    if ilrs_ttft > 1.25 * fcfs_ttft:
-        problems.append(f"long prompt TTFT ilrs {ilrs_ttft:.2f} s > 1.25 x fcfs {fcfs_ttft:.2f} s")
-    unmet = [r.getMessage() for r in caplog.records if "cannot be met" in r.getMessage()]
-    if unmet:  # reachable on this workload: 8 decodes and 16 tokens at 3000 keys measured ~20-30 ms on this CPU
-        problems.append(unmet[0])
-    return runs, problems
-
-
-@pytest.mark.slow
-def test_calibrated_engine_keeps_mixed_steps_within_target(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="mnemojax.scheduling.scheduler")
-    # The bounds are on a P99 of ~400 steps (the 4th slowest): a hiccup of this 2-core VM reaches it now and then
-    # (the code before this session's changes missed it in 1 of 2 runs too). A miss is measured once more,
-    # afresh; the test fails when both measurements miss.
-    for _ in range(2):
-        runs, problems = _measure_runs(tmp_path, caplog)
-        if not problems:
-            break
-    loads = ", ".join(f"{policy} {load:.0%}" for policy, (*_, load) in runs.items())
-    if problems and max(load for *_, load in runs.values()) > QUIET:
-        pytest.skip(f"machine busy (other processes' share of the CPUs: {loads}): " + "; ".join(problems))
-    assert not problems
+    assert ilrs_ttft < 1.25 * fcfs_ttft, (ilrs_ttft, fcfs_ttft)
+    assert not [r.getMessage() for r in caplog.records if "cannot be met" in r.getMessage()]
 
     # The calibrated profile saves and loads: a new predictor from the file predicts what the engine's does.
     engine = runs["ilrs"][0]
@@ -122,3 +138,31 @@ def test_calibrated_engine_keeps_mixed_steps_within_target(tmp_path, caplog):
     assert info["calibration"]["steps"] == engine.calibrator.num_observed
     again = Predictor(engine.model_config, "h100", profile=str(path))
     assert again.step_time(PROBE) == pytest.approx(engine.predictor.step_time(PROBE), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_a_target_below_the_least_work_of_a_step_is_said_once(caplog):
+    """A target the machine cannot meet even with the smallest chunk: the engine logs it once, with the numbers,
+    after calibration (not while the predictor is still learning), and serves everyone anyway."""
+    caplog.set_level(logging.WARNING, logger="mnemojax.scheduling.scheduler")
+    config = EngineConfig(model="tiny", hardware="h100", target_batch_time_ms=2.0, scheduler_policy="ilrs",
+                          min_chunk_size=16, async_scheduling=False)
+    vm = VirtualMachine(machine=None)
+    engine = LLMEngine(config, clock=vm.clock)
+    vm.machine = machine_for(config, engine)
+    vm.attach(engine)
+    least = vm.machine.step_time([ChunkShape(1, 64)] * 4 + [ChunkShape(16, 1000)])
+    assert least > 2e-3  # the premise: the least work of a mixed step is over the target on this machine
+    ids = [engine.add_request(list(range(1, 65)), SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(4)]
+    long_id = None
+    for i in range(600):
+        if i == 30:  # the decodes are running and the predictor has calibrated
+            long_id = engine.add_request([1 + i % 199 for i in range(1200)], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.step()
+        if not engine.has_unfinished():
+            break
+    assert long_id is not None and not engine.has_unfinished()
+    assert all(engine.requests[r].is_finished for r in ids + [long_id])
+    said = [r.getMessage() for r in caplog.records if "cannot be met" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "target_batch_time_ms=2 cannot be met" in said[0] and "decodes" in said[0] and "min_chunk_size 16" in said[0]
