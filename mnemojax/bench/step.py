@@ -1,7 +1,7 @@
 """Whole-model step efficiency on one GPU: prefill MFU and decode MBU against measured ceilings, and an exact
 1M-token prefill + decode (TTFT, TBT).
 
-    python scripts/bench_step.py [--model llama3-8b] [--attention pallas] [--prefill_context 32768]
+    python scripts/bench_step.py [--model llama3-8b] [--attention pallas,mosaic] [--prefill_context 32768]
         [--chunk 2048] [--decode_contexts 32768,131072,524288] [--repeats 5]
     python scripts/bench_step.py --long [--long_model llama3.2-1b] [--long_tokens 1048576] [--long_chunk 8192]
         [--long_decode 128]
@@ -22,6 +22,8 @@ longest context (timing does not depend on the values), one sequence.
   `--long_chunk`, then `--long_decode` greedy tokens: TTFT = the whole prefill (first chunk to the first
   token's logits), TBT = median decode step. One warm-up chunk and decode step compile first.
 
+Each implementation of `--attention` (e.g. `pallas,mosaic`: the Triton kernels beside the Mosaic GPU ones) gets
+its own model and rows in the same run, with its time relative to the first implementation's on the same row.
 Median of `--repeats` after a warm-up, `block_until_ready` on every timed call. Prints the command, the
 hardware, and the table last.
 """
@@ -63,7 +65,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--attention", default="pallas", choices=ATTENTION_IMPLS)
+    p.add_argument("--attention", default="pallas", help="comma-separated attention implementations, each timed "
+                                                          f"in the same run ({', '.join(ATTENTION_IMPLS)})")
     p.add_argument("--page_size", type=int, default=16)
     p.add_argument("--block_pages", type=int, default=8, help="pages per block of the reference attention")
     p.add_argument("--prefill_context", type=int, default=32768, help="context after the timed prefill chunk")
@@ -80,6 +83,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="tiny model and shapes, interpreted kernels (a CPU)")
     args = parse_with_small(p, argv, SMALL)
+    args.impls = [a for a in args.attention.split(",") if a]
+    for a in args.impls:
+        if a not in ATTENTION_IMPLS:
+            p.error(f"--attention: {a!r} is not one of {', '.join(ATTENTION_IMPLS)}")
     if args.small:
         args.long = True
     return args
@@ -112,12 +119,12 @@ class Model:
     """A model on the 1x1x1 mesh with a paged KV cache for one sequence of up to `max_tokens` tokens, and the
     jitted forward step (KV cache donated)."""
 
-    def __init__(self, name: str, args, max_tokens: int):
+    def __init__(self, name: str, args, max_tokens: int, attention: str):
         self.config = c = preset(name)
         self.mesh = make_mesh(1, 1, 1)
         self.page_size = args.page_size
         self.max_pages = -(-max_tokens // args.page_size)
-        self.spec = ModelSpec(c, args.dtype, args.block_pages, args.attention)
+        self.spec = ModelSpec(c, args.dtype, args.block_pages, attention)
         table = ShardingTable()
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)  # noqa: E731
         self.params = split_layers(init_params(c, dtype=jnp.dtype(args.dtype), seed=args.seed,
@@ -220,27 +227,34 @@ def main(argv=None) -> dict:
     print(f"measured ceilings: {ceiling / 1e12:.4g} TFLOP/s ({args.dtype} matmul), "
           f"{bandwidth / 1e9:.4g} GB/s (device copy, read + write)", flush=True)
     decode_contexts = [int(x) for x in args.decode_contexts.split(",") if x]
-    model = Model(args.model, args, max(args.prefill_context, *decode_contexts))
-    rows = [prefill_mfu(model, args.prefill_context, args.chunk, args.repeats, ceiling)]
-    print(f"  prefill: {rows[-1]['ms']:.3f} ms", flush=True)
-    for ctx in decode_contexts:
-        rows.append(decode_mbu(model, ctx, args.repeats, bandwidth, dtype.itemsize))
-        print(f"  decode at {ctx}: {rows[-1]['ms']:.3f} ms", flush=True)
-    long = None
-    if args.long:
-        if args.long_model != args.model or args.long_tokens + args.long_decode > model.max_pages * args.page_size:
-            del model
-            model = Model(args.long_model, args, args.long_tokens + args.long_decode)
-        long = long_run(model, args.long_tokens, args.long_chunk, args.long_decode)
+    rows, longs = [], {}
+    for impl in args.impls:  # one model at a time: a GPU holds one 8B model and its cache, not two
+        model = Model(args.model, args, max(args.prefill_context, *decode_contexts), impl)
+        rows.append(dict(prefill_mfu(model, args.prefill_context, args.chunk, args.repeats, ceiling), impl=impl))
+        print(f"  {impl} prefill: {rows[-1]['ms']:.3f} ms", flush=True)
+        for ctx in decode_contexts:
+            rows.append(dict(decode_mbu(model, ctx, args.repeats, bandwidth, dtype.itemsize), impl=impl))
+            print(f"  {impl} decode at {ctx}: {rows[-1]['ms']:.3f} ms", flush=True)
+        if args.long:
+            if args.long_model != args.model or args.long_tokens + args.long_decode > model.max_pages * args.page_size:
+                del model
+                model = Model(args.long_model, args, args.long_tokens + args.long_decode, impl)
+            longs[impl] = long_run(model, args.long_tokens, args.long_chunk, args.long_decode)
+        del model
 
-    print(f"\n{args.model}, {args.dtype}, attention={args.attention}, page {args.page_size}, one sequence; "
+    print(f"\n{args.model}, {args.dtype}, page {args.page_size}, one sequence; "
           f"median of {args.repeats}; ceilings {ceiling / 1e12:.4g} TFLOP/s, {bandwidth / 1e9:.4g} GB/s")
-    print(f"{'step':<8} {'context':>8} {'tokens':>7} {'ms':>10} {'TFLOP/s':>9} {'GB/s':>8} {'MFU/MBU':>8}")
+    first = {}  # the first implementation's time of each row: the others' ratio to it
+    print(f"{'attention':<18} {'step':<8} {'context':>8} {'tokens':>7} {'ms':>10} {'TFLOP/s':>9} {'GB/s':>8} "
+          f"{'MFU/MBU':>8} {'vs ' + args.impls[0]:>12}")
     for r in rows:
-        print(f"{r['kind']:<8} {r['context']:>8} {r['tokens']:>7} {r['ms']:>10.3f} "
+        ref = first.setdefault((r["kind"], r["context"]), r["ms"])
+        print(f"{r['impl']:<18} {r['kind']:<8} {r['context']:>8} {r['tokens']:>7} {r['ms']:>10.3f} "
               f"{r['tflops'] if 'tflops' in r else float('nan'):>9.4g} {r.get('gbps', float('nan')):>8.4g} "
-              f"{r['util']:>8.1%}")
-    if long is not None:
-        print(f"{args.long_model}: exact prefill of {long['tokens']} tokens in chunks of {long['chunk']}: "
-              f"TTFT {long['ttft_s']:.3f} s; {long['decoded']} greedy tokens: TBT {long['tbt_ms']:.3f} ms (median)")
-    return dict(ceiling=ceiling, bandwidth=bandwidth, rows=rows, long=long)
+              f"{r['util']:>8.1%} {r['ms'] / ref:>11.2f}x")
+    for impl, long in longs.items():
+        print(f"{args.long_model}, attention={impl}: exact prefill of {long['tokens']} tokens in chunks of "
+              f"{long['chunk']}: TTFT {long['ttft_s']:.3f} s; {long['decoded']} greedy tokens: TBT "
+              f"{long['tbt_ms']:.3f} ms (median)")
+    long = longs.get(args.impls[0])
+    return dict(ceiling=ceiling, bandwidth=bandwidth, rows=rows, long=long, longs=longs)

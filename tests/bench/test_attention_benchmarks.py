@@ -34,18 +34,26 @@ def test_bench_attention_small(capsys):
 
 
 def test_bench_step_small(capsys):
-    res = _script("bench_step").main(["--small"])
+    """Two attention implementations in one run: rows of each, in the order given, then the exact long runs."""
+    res = _script("bench_step").main(["--small", "--attention", "pallas_interpret,reference"])
     out = capsys.readouterr().out
     lines = out.rstrip().splitlines()
-    assert lines[0] == "command: bench_step.py --small" and lines[1].startswith("device: cpu")
+    assert lines[0] == "command: bench_step.py --small --attention pallas_interpret,reference"
+    assert lines[1].startswith("device: cpu")
     assert res["ceiling"] > 0 and res["bandwidth"] > 0
-    assert [(r["kind"], r["context"], r["tokens"]) for r in res["rows"]] == [
-        ("prefill", 192, 64), ("decode", 64, 1), ("decode", 320, 1)]
+    assert [(r["impl"], r["kind"], r["context"], r["tokens"]) for r in res["rows"]] == [
+        (impl, kind, ctx, tokens) for impl in ("pallas_interpret", "reference")
+        for kind, ctx, tokens in (("prefill", 192, 64), ("decode", 64, 1), ("decode", 320, 1))]
     assert all(r["ms"] > 0 and math.isfinite(r["util"]) and r["util"] > 0 for r in res["rows"])
-    long = res["long"]
-    assert (long["tokens"], long["chunk"], long["decoded"]) == (256, 64, 4)
-    assert long["ttft_s"] > 0 and long["tbt_ms"] > 0
-    assert lines[-1].startswith("tiny: exact prefill of 256 tokens")
+    assert sorted(res["longs"]) == ["pallas_interpret", "reference"] and res["long"] is res["longs"]["pallas_interpret"]
+    for long in res["longs"].values():
+        assert (long["tokens"], long["chunk"], long["decoded"]) == (256, 64, 4)
+        assert long["ttft_s"] > 0 and long["tbt_ms"] > 0
+    table = [line.split() for line in lines if line.startswith(("pallas_interpret ", "reference "))]
+    assert [row[:3] for row in table] == [[impl, kind, ctx] for impl in ("pallas_interpret", "reference")
+                                          for kind, ctx in (("prefill", "192"), ("decode", "64"), ("decode", "320"))]
+    assert all(row[-1] == "1.00x" for row in table[:3])  # the first implementation is the ratios' reference
+    assert lines[-1].startswith("tiny, attention=reference: exact prefill of 256 tokens")
 
 
 def test_baseline_split_is_bottom_right_causal():
