@@ -21,7 +21,8 @@ back), applied by a small jitted scatter before the step. A slot is given to ano
 holder has finished (or left the rank) and no micro-batch in the pipeline still reads it.
 
 Async scheduling: `launch` runs a step without waiting for it and `collect` fetches its results later, so the
-host schedules and prepares step N+1 while step N runs. A token step N samples stays on the device: every step
+host schedules and prepares step N+1 while step N runs. `collect` waits for its step to end even when it has no
+token to fetch, so the host is never more than one step ahead of the device. A token step N samples stays on the device: every step
 writes its sampled tokens into `sampled` (every rank's rows, on every device), and a row of step N+1 whose
 input is such a token (a decode scheduled before its token reached the host) reads it from there.
 """
@@ -32,6 +33,7 @@ import dataclasses
 import functools
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +103,7 @@ class Launched:
 
     leaving: MicroBatch
     out: tuple | None  # device arrays (tokens, log-probs), None when the micro-batch has no logits row to fetch
+    done: Any = None  # without a row to fetch: a device array of the step, which `collect` waits for
 
 
 
@@ -537,13 +540,17 @@ class Executor:
         self.in_flight.pop()
         self._sampled_at = {id(leaving.plan.chunks[r.chunk].request): r.rank * self.max_rows + r.row
                             for r in leaving.refs if r.is_sample}
-        return Launched(leaving, out if has_rows else None)
+        # Without rows there is nothing to fetch, but `collect` still waits for the step: a host that never waited
+        # for steps of prefill chunks would queue a long prompt's every chunk on the device at once, and a short
+        # request arriving then would run behind all of them, whatever the scheduler decided.
+        return Launched(leaving, out, None) if has_rows else Launched(leaving, None, out[0])
 
     def collect(self, launched: Launched) -> tuple[StepPlan, list[ChunkOutput]]:
         """The plan whose micro-batch left the pipeline in `launched`'s step and its `ChunkOutput`s (waits for
-        the step's results when they are still on the device)."""
+        the step to end, and fetches its results when it has any)."""
         mb, out = launched.leaving, launched.out
         if out is None:
+            jax.block_until_ready(launched.done)
             return mb.plan, [ChunkOutput()] * len(mb.plan.chunks)
         if not isinstance(out[0], np.ndarray):
             out = self.fetch(out)

@@ -161,7 +161,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling is not False and channel is None \
             and jax.process_count() == 1
         self._launched: _Launch | None = None  # async scheduling: the step launched and not yet collected
-        self._last_wait_end: float | None = 0.0  # when the last collect's wait ended (None: it did not wait)
+        self._last_wait_end = 0.0  # when the last collect's wait ended
         if config.precompile:
             self.precompile()
         self.predictor = self._make_predictor(config, self.model_config) \
@@ -230,8 +230,11 @@ class LLMEngine:
             raise ParamError("prompt", f"prompt + max_tokens: {why}")
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, *, prompt_token_ids: list[int] | None = None) -> str:
-        """Queues a request; `prompt_token_ids`, when given, are `prompt` already tokenized."""
+                    request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queues a request; `prompt_token_ids`, when given, are `prompt` already tokenized. `arrival_time` (on the
+        engine's clock, at most now; default now), as vLLM's: when the request arrived, which its TTFT and its ILRS
+        deadline count from (a server or a trace replay that hands requests over late)."""
         params = params or SamplingParams()
         prompt_ids = self.tokenize(prompt) if prompt_token_ids is None else prompt_token_ids
         self.validate(prompt_ids, params)
@@ -239,7 +242,10 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
-        req = Request(rid, prompt_ids, params, self.clock(), seed,
+        now = self.clock()
+        if arrival_time is not None and not arrival_time <= now:
+            raise ParamError("arrival_time", f"arrival_time {arrival_time} is later than the engine's clock ({now})")
+        req = Request(rid, prompt_ids, params, now if arrival_time is None else arrival_time, seed,
                       prompt=prompt if isinstance(prompt, str) else None)
         self.requests[rid] = req
         if self.tokenizer is not None:
@@ -293,7 +299,7 @@ class LLMEngine:
         """Waits for a launched step's results and applies them: the update half of a step."""
         done, outputs = self.executor.collect(launch.launched)
         if self.calibrator is not None:
-            self._calibrate(launch, waited=launch.launched.out is not None)
+            self._calibrate(launch)
         if self.async_scheduling:
             for ch in done.chunks:
                 ch.request.num_unfetched -= ch.sample
@@ -311,21 +317,17 @@ class LLMEngine:
         self._in_flight_shapes.append(entering)
         return max(self._in_flight_shapes, key=lambda s: step_time(s) if s else 0.0)
 
-    def _calibrate(self, launch: _Launch, waited: bool) -> None:
-        """Feeds one step's time to the calibrator, when it measures the step (`waited`: its collect waited for
-        the device, which it does whenever a row samples or scores a token). Synchronous: the wall time from
-        launch to results, the host preparing the arrays included. Async: the time between the ends of two
-        consecutive waiting collects, that is the device time of the step (launched before the previous collect,
-        it started when the previous step ended) or, when the host is slower, the time the host made it take.
-        Left out: a step that ran a shape for the first time (a compile) and one whose start is not measured
-        (no waiting collect right before it, or, synchronous, a step after one that did not wait)."""
+    def _calibrate(self, launch: _Launch) -> None:
+        """Feeds one step's time to the calibrator (every collect waits for its step to end). Synchronous: the
+        wall time from launch to results, the host preparing the arrays included. Async: the time between the
+        ends of two consecutive collects, that is the device time of the step (launched before the previous
+        collect, it started when the previous step ended) or, when the host is slower, the time the host made it
+        take. Left out: a step that ran a shape for the first time (a compile) and, async, one launched when
+        nothing ran before it (its start is not measured)."""
         now, previous = self.clock(), self._last_wait_end
-        self._last_wait_end = now if waited else None
-        if self.async_scheduling:  # launched while the step before it ran, whose collect waited
-            start = previous if launch.queued_behind else None
-        else:  # the step before it did not leave device work for it to wait for
-            start = launch.start if previous is not None else None
-        if not waited or start is None or launch.first_of_shape or not launch.shapes:
+        self._last_wait_end = now
+        start = (previous if launch.queued_behind else None) if self.async_scheduling else launch.start
+        if start is None or launch.first_of_shape or not launch.shapes:
             return
         self._observe(launch.shapes, now - start)
 

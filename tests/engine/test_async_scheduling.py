@@ -126,3 +126,28 @@ def test_calibration_measures_steps(ckpt, async_scheduling):
     llm.generate([list(range(12))] * 3, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     llm.generate([list(range(12))] * 3, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert llm.engine.calibrator.num_observed >= 8
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_every_collect_waits_for_its_step(ckpt, monkeypatch, async_scheduling):
+    """A step of prefill chunks samples nothing, so there is nothing to fetch; collecting it still waits for the
+    step, or the host would queue a long prompt's every chunk on the device at once (and a short request
+    arriving then would run behind them all, whatever the scheduler decided)."""
+    import jax
+
+    from mnemojax.engine import executor as executor_module
+
+    engine = LLMEngine(EngineConfig(model=ckpt, page_size=4, chunk_size=16, max_model_len=128,
+                                    max_num_batched_tokens=16, async_scheduling=async_scheduling))
+    waited, block = [], jax.block_until_ready
+    monkeypatch.setattr(executor_module.jax, "block_until_ready", lambda x: waited.append(x) or block(x))
+    collected = []
+    collect = engine.executor.collect
+    engine.executor.collect = lambda launched: collected.append(launched) or collect(launched)
+    engine.add_request(list(range(1, 65)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    no_rows = [launched for launched in collected if launched.out is None]
+    assert len(no_rows) == 3  # the 64-token prompt's first three 16-token chunks
+    assert [id(x) for x in waited] == [id(launched.done) for launched in no_rows]
+    assert all(isinstance(launched.done, jax.Array) for launched in no_rows)

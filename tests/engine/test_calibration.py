@@ -3,16 +3,15 @@ preset's predictor is thousands of times too fast for the machine here) learns t
 keeps the steps that mix a long prompt's chunks with short requests' decodes within 15% of
 `target_batch_time_ms` (issue 14, item 3).
 
-The engine runs the tiny model for real (its tokens, pages and plans are the engine's), but its clock is
-`VirtualMachine.clock`: a step takes the device time that a second predictor, the shipped CPU profile (another
-roofline shape than the h100 preset's, so the fit cannot express it exactly), gives its shapes, with 3% noise and
-two 4x hiccups, plus a fixed host time per step; async scheduling overlaps the host with the device step before.
-So every number asserted is deterministic and none is computed by the calibrator under test. Wall-clock timing
+The engine runs the tiny model for real (its tokens, pages and plans are the engine's), but its clock is virtual
+(`tests.virtual_clock.VirtualMachine`): a step takes the device time that a second predictor, the shipped CPU
+profile (another roofline shape than the h100 preset's, so the fit cannot express it exactly), gives its shapes,
+with 3% noise and two 4x hiccups, plus a fixed host time per step (async scheduling overlaps it with the step
+before). So every number asserted is deterministic and none is computed by the calibrator under test. Wall-clock timing
 of the same workload on this machine is a benchmark, not a test: `scripts/bench_calibration.py`.
 """
 import dataclasses
 import logging
-import math
 import random
 
 import pytest
@@ -20,6 +19,7 @@ import pytest
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 from mnemojax.scheduling.predictor import ChunkShape, Predictor
 from mnemojax.scheduling.sampling_params import SamplingParams
+from tests.virtual_clock import VirtualMachine, lognormal_noise
 
 TARGET_MS = 50.0
 LONG, SHORT, NUM_SHORT = 5000, 64, 8
@@ -28,47 +28,6 @@ HOST_S = 0.003  # the host's work per step (scheduling, arrays, results)
 HICCUPS = {40: 4.0, 250: 4.0}  # step index: factor (a GC pause, another process)
 PROBE = [ChunkShape(1, 64)] * NUM_SHORT + [ChunkShape(56, 2000)]
 BIG_CHUNK = [ChunkShape(1, 64)] * NUM_SHORT + [ChunkShape(256, 3000)]
-
-
-class VirtualMachine:
-    """The engine's clock and device, virtual. A step launched at `now` starts when the device is free, runs for
-    `machine(shapes)` seconds, and a collect that waits for its results moves `now` to its end; every launch
-    first spends `HOST_S` of host time. Records every step's (device seconds, decodes, prefill tokens)."""
-
-    def __init__(self, machine: Predictor, seed: int = 0):
-        self.machine, self.rng = machine, random.Random(seed)
-        self.now = self.free_at = 0.0
-        self.steps: list[tuple[float, int, int]] = []
-        self._ends: dict[int, float] = {}
-
-    def clock(self) -> float:
-        return self.now
-
-    def attach(self, engine: LLMEngine) -> None:
-        executor = engine.executor
-        launch, collect = executor.launch, executor.collect
-
-        def timed_launch(plan, fetch=False):
-            per_rank = engine.scheduler.plan_shapes(plan)  # before the plan's requests move on
-            seconds = max((self.machine.step_time(shapes) for shapes in per_rank), default=0.0)
-            seconds *= math.exp(self.rng.gauss(0.0, 0.03)) * HICCUPS.get(len(self.steps), 1.0)
-            self.steps.append((seconds, sum(ch.num_tokens == 1 for ch in plan.chunks),
-                               sum(ch.num_tokens for ch in plan.chunks if ch.num_tokens > 1)))
-            self.now += HOST_S
-            launched = launch(plan, fetch)
-            self.free_at = max(self.now, self.free_at) + seconds
-            self._ends[id(launched)] = self.free_at
-            if fetch and launched.out is not None:  # synchronous: the launch waited for the results
-                self.now = self.free_at
-            return launched
-
-        def timed_collect(launched):
-            if launched.out is not None:  # it waits for the step's results
-                self.now = max(self.now, self._ends[id(launched)])
-            self._ends.pop(id(launched), None)
-            return collect(launched)
-
-        executor.launch, executor.collect = timed_launch, timed_collect
 
 
 def machine_for(config: EngineConfig, engine: LLMEngine) -> Predictor:
@@ -81,7 +40,7 @@ def serve(policy: str, async_scheduling: bool, **config):
     engine, its virtual machine and the long prompt's TTFT (virtual seconds)."""
     config = EngineConfig(model="tiny", hardware="h100", target_batch_time_ms=TARGET_MS, scheduler_policy=policy,
                           min_chunk_size=16, async_scheduling=async_scheduling, **config)
-    vm = VirtualMachine(machine=None)
+    vm = VirtualMachine(host_s=HOST_S, noise=lognormal_noise(0.03, seed=0, hiccups=HICCUPS))
     engine = LLMEngine(config, clock=vm.clock)
     vm.machine = machine_for(config, engine)
     vm.attach(engine)
@@ -147,7 +106,7 @@ def test_a_target_below_the_least_work_of_a_step_is_said_once(caplog):
     caplog.set_level(logging.WARNING, logger="mnemojax.scheduling.scheduler")
     config = EngineConfig(model="tiny", hardware="h100", target_batch_time_ms=2.0, scheduler_policy="ilrs",
                           min_chunk_size=16, async_scheduling=False)
-    vm = VirtualMachine(machine=None)
+    vm = VirtualMachine(host_s=HOST_S)
     engine = LLMEngine(config, clock=vm.clock)
     vm.machine = machine_for(config, engine)
     vm.attach(engine)
