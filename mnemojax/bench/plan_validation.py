@@ -1,7 +1,7 @@
 """The planner's prediction against the real engine, on fake CPU devices (`scripts/validate_plan.py`).
 
     python scripts/validate_plan.py [--layouts 1,1,1:2,1,1:1,1,2:1,2,1] [--num_requests 60] [--rate 3]
-        [--wait_quiet 600] [--output_json out.json]
+        [--wait_quiet 600] [--predictor_profile P] [--save_predictor_profile PATH] [--output_json out.json]
 
 For each layout `tp,spp,kvp` the planner plans the tiny model (float32) on the `cpu` hardware preset with the
 shipped CPU profile, over one trace, with that layout alone in its search space; its candidate's serve command
@@ -104,7 +104,7 @@ def replay(engine, trace: Sequence[TraceRequest], long_threshold: int, seed: int
             r = pending.popleft()
             prompt = rng.integers(0, 256, r.prompt_tokens).tolist()
             rid = engine.add_request(prompt, SamplingParams(max_tokens=r.output_tokens, ignore_eos=True,
-                                                            temperature=0.0))
+                                                            temperature=0.0), arrival_time=t0 + r.arrival_time)
             sent.append((rid, r))
         if engine.has_unfinished():
             engine.step()
@@ -118,9 +118,11 @@ def replay(engine, trace: Sequence[TraceRequest], long_threshold: int, seed: int
     return out
 
 
-def measure(argv: Sequence[str], trace: Sequence[TraceRequest], long_threshold: int, wait_quiet_s: float) -> dict:
-    """Builds the engine of a serve command line, compiles every shape bucket, then replays the trace, measured.
-    Runs in a child process with the layout's fake devices."""
+def measure(argv: Sequence[str], trace: Sequence[TraceRequest], long_threshold: int, wait_quiet_s: float,
+            save_profile: str | None = None) -> dict:
+    """Builds the engine of a serve command line, compiles every shape bucket, then replays the trace, measured;
+    with `save_profile`, writes the predictor profile the engine calibrated online while serving it. Runs in a
+    child process with the layout's fake devices."""
     import jax
 
     from mnemojax.engine.llm_engine import LLMEngine
@@ -135,13 +137,15 @@ def measure(argv: Sequence[str], trace: Sequence[TraceRequest], long_threshold: 
     t = time.perf_counter()
     with OtherLoad() as load:
         served = replay(engine, trace, long_threshold, seed=2)
+    if save_profile:
+        engine.save_predictor_profile(save_profile)
     return {"served": [(s.long, s.ttft, s.gaps.tolist()) for s in served], "other_cpu": load.fraction,
             "devices": len(jax.devices()), "build_s": built, "warm_up_s": warm,
             "measured_pass_s": time.perf_counter() - t}
 
 
 def _measure_in_child(argv: Sequence[str], trace: Sequence[TraceRequest], devices: int, long_threshold: int,
-                      wait_quiet_s: float) -> dict:
+                      wait_quiet_s: float, save_profile: str | None = None) -> dict:
     """`measure` in a spawned process that sees exactly `devices` CPU devices."""
     saved = dict(os.environ)
     os.environ["JAX_NUM_CPU_DEVICES"] = str(devices)
@@ -151,7 +155,7 @@ def _measure_in_child(argv: Sequence[str], trace: Sequence[TraceRequest], device
     os.environ["XLA_FLAGS"] = flags
     try:
         with multiprocessing.get_context("spawn").Pool(1) as pool:
-            return pool.apply(measure, (list(argv), list(trace), long_threshold, wait_quiet_s))
+            return pool.apply(measure, (list(argv), list(trace), long_threshold, wait_quiet_s, save_profile))
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -168,14 +172,14 @@ def compare(predicted: dict, measured: dict) -> list[tuple[str, float | None, fl
 
 
 def validate_layout(tp: int, spp: int, kvp: int, trace: Sequence[TraceRequest], wait_quiet_s: float = 0.0,
-                    **plan_kw) -> dict:
+                    save_profile: str | None = None, **plan_kw) -> dict:
     """Plans, measures and compares one layout; returns a JSON-ready record."""
     result = plan_layout(tp, spp, kvp, trace, **plan_kw)
     best = result.best
     cmd = result.serve_command(best)
     predicted_served, _ = planner.served_requests(best.candidate, result.setup)
     predicted = planner.latency_percentiles(predicted_served)
-    m = _measure_in_child(cmd.argv, trace, tp * spp * kvp, LONG_THRESHOLD, wait_quiet_s)
+    m = _measure_in_child(cmd.argv, trace, tp * spp * kvp, LONG_THRESHOLD, wait_quiet_s, save_profile)
     measured_served = [planner.Served(long, ttft, True, np.asarray(gaps)) for long, ttft, gaps in m.pop("served")]
     measured = planner.latency_percentiles(measured_served)
     return {"layout": {"tp": tp, "spp": spp, "kvp": kvp}, "candidate": best.candidate.label,
@@ -212,6 +216,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                     help="before each measured pass, wait up to this long for other processes to go quiet")
     ap.add_argument("--predictor_profile", default=None,
                     help="profile pricing the plan and the engine's scheduler (default: the shipped cpu profile)")
+    ap.add_argument("--save_predictor_profile", default=None, metavar="PATH",
+                    help="write the profile each layout's engine calibrated online while serving the trace (PATH, "
+                         "with the layout before its extension when there are several), to give back as "
+                         "--predictor_profile")
     ap.add_argument("--output_json", default=None)
     args = ap.parse_args(argv)
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
@@ -227,7 +235,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     for spec in args.layouts.split(":"):
         tp, spp, kvp = (int(x) for x in spec.split(","))
         t = time.perf_counter()
-        rec = validate_layout(tp, spp, kvp, trace, args.wait_quiet, predictor_profile=args.predictor_profile)
+        save = args.save_predictor_profile
+        if save and ":" in args.layouts:
+            root, ext = os.path.splitext(save)
+            save = f"{root}-{tp}-{spp}-{kvp}{ext}"
+        rec = validate_layout(tp, spp, kvp, trace, args.wait_quiet, save_profile=save,
+                              predictor_profile=args.predictor_profile)
         rec["wall_s"] = time.perf_counter() - t
         records.append(rec)
         print(format_layout(rec), flush=True)

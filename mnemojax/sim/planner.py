@@ -486,7 +486,9 @@ def sim_config(c: Candidate, setup: Setup) -> SimConfig:
         max_tokens_per_kvp_rank=c.max_tokens_per_kvp_rank, dtype_bytes=setup.dtype_bytes,
         predictor_profile=setup.profile,
         pipeline_padding=sp.pipeline_padding, long_threshold_tokens=cfg.workload.long_threshold_tokens,
-        max_simulated_s=setup.horizon_s)
+        max_simulated_s=setup.horizon_s,
+        # the engine schedules asynchronously on one host; a replica over several hosts runs synchronously
+        async_scheduling=c.gpus_per_replica <= cfg.cluster.gpus_per_host)
 
 
 def predictor(c: Candidate, setup: Setup, sim: SimConfig) -> Predictor:

@@ -21,6 +21,9 @@ the executor, an executor whose clock is the predictor. One simulated step:
 4. The micro-batch leaving the last stage (the one that entered `spp - 1` steps earlier) comes back with token
    0 for each sampling chunk, and `scheduler.update_from_output` does what it does in the engine: tokens
    appended at the step's end time, a request with `max_tokens` tokens finished and its pages freed.
+   The step starts when the device is free and the clock moves to its end when it is collected. With
+   `async_scheduling` (the engine's default) the step launched in one iteration is collected in the next,
+   after the next one is planned and launched, as `LLMEngine.step` does.
 5. With nothing planned and nothing in flight the clock jumps to the next arrival (a plan that only preempted
    is planned again; with no arrival left and requests still waiting for KV pages, the run ends: "deadlock").
 
@@ -282,6 +285,12 @@ class SimConfig(SchedulerConfig, ParallelConfig):
     max_simulated_s: float | None = None
     """Stop the simulation at this simulated time (requests left unfinished are reported); None: run until
     every request is done or a KV deadlock."""
+    async_scheduling: bool = True
+    """Model the engine's async scheduling (its default on one host; multi-host serving runs synchronously): step
+    N+1 is scheduled and launched before step N's results are known, so the device is never idle between steps
+    while there is work, and a request that arrives during step N is first scheduled in step N + 2. False: the
+    synchronous loop (schedule, run, results, repeat). Either way a step takes the predictor's time: a profile
+    calibrated online by an async engine measures steps as the interval between results, host work overlapped."""
 
     def __post_init__(self):
         SchedulerConfig.__post_init__(self)
@@ -334,17 +343,26 @@ class _MicroBatch:
     stage_time: float  # seconds one stage takes on it
 
 
+@dataclasses.dataclass(frozen=True)
+class _Launched:
+    plan: StepPlan  # the micro-batch leaving the last stage in the step
+    outputs: list[ChunkOutput]
+    end: float  # when the step's results are ready
+
+
 class PredictedExecutor:
     """The executor's interface with the predictor as its clock; nothing runs.
 
-    `execute(plan)` feeds the plan's micro-batch into stage 0, advances `now` by the clocked step's predicted time
-    (its slowest micro-batch's `stage_time`) and returns the micro-batch leaving the last stage, with token 0 for
-    each of its sampling chunks, as the executor returns it.
+    `launch(plan)` feeds the plan's micro-batch into stage 0; the step starts when the device is free (or now) and
+    takes the clocked step's predicted time (its slowest micro-batch's `stage_time`). It returns the micro-batch
+    leaving the last stage, with token 0 for each of its sampling chunks, as the executor returns it, and when
+    those results are ready; `collect` waits for them (`now` moves to the step's end), `execute(plan)` does both.
     """
 
     def __init__(self, stage_time: Callable[[StepPlan], float], num_stages: int, now: float = 0.0):
         self.stage_time = stage_time
         self.now = now
+        self.free_at = now  # when the device finishes the steps launched
         self.pipeline: Pipeline[_MicroBatch] = Pipeline(num_stages)
         empty = StepPlan([], [])
         self._padding = _MicroBatch(empty, stage_time(empty))
@@ -352,11 +370,18 @@ class PredictedExecutor:
     def has_in_flight(self) -> bool:
         return any(mb.plan.chunks for mb in self.pipeline)
 
-    def execute(self, plan: StepPlan) -> tuple[StepPlan, list[ChunkOutput]]:
+    def launch(self, plan: StepPlan) -> _Launched:
         self.pipeline.push(_MicroBatch(plan, self.stage_time(plan)), lambda: self._padding)
-        self.now += max(mb.stage_time for mb in self.pipeline)
+        self.free_at = max(self.now, self.free_at) + max(mb.stage_time for mb in self.pipeline)
         done = self.pipeline.pop().plan
-        return done, [ChunkOutput(0 if ch.sample else None) for ch in done.chunks]
+        return _Launched(done, [ChunkOutput(0 if ch.sample else None) for ch in done.chunks], self.free_at)
+
+    def collect(self, launched: _Launched) -> tuple[StepPlan, list[ChunkOutput]]:
+        self.now = max(self.now, launched.end)
+        return launched.plan, launched.outputs
+
+    def execute(self, plan: StepPlan) -> tuple[StepPlan, list[ChunkOutput]]:
+        return self.collect(self.launch(plan))
 
 
 @dataclasses.dataclass
@@ -429,6 +454,8 @@ class Simulator:
         first_token_step: dict[int, int] = {}
         timeline: list[tuple[float, int, int]] = []
         active = 0
+        in_flight = None  # async scheduling: the step launched and not yet collected
+        collected = 1  # the number of the step collected next (steps are collected in launch order)
         horizon = cfg.max_simulated_s if cfg.max_simulated_s is not None else math.inf
         stop_reason = "done"
         self.now = self.trace[0].arrival_time if self.trace else 0.0
@@ -457,7 +484,7 @@ class Simulator:
                 stop_reason = "horizon"
                 break
             plan = sched.schedule(self.now)
-            if plan.is_empty and not executor.has_in_flight():
+            if plan.is_empty and not executor.has_in_flight() and in_flight is None:
                 if plan.preempted:
                     continue  # pages were freed while planning: plan again (as the engine's next step would)
                 if not pending:
@@ -466,16 +493,28 @@ class Simulator:
                     break
                 self.now = max(self.now, min(pending[0].arrival_time, horizon))
                 continue
-            done, outputs = executor.execute(plan)
-            self.steps += 1
+            launched = None
+            if not plan.is_empty or executor.has_in_flight():  # as `LLMEngine.step`
+                launched = executor.launch(plan)
+                self.steps += 1
+                for ch in launched.plan.chunks:
+                    ch.request.num_unfetched += ch.sample
+            if cfg.async_scheduling:  # collect the step launched before this one (it ran while this was planned)
+                launched, in_flight = in_flight, launched
+            if launched is None:
+                continue
+            done, outputs = executor.collect(launched)
+            for ch in done.chunks:
+                ch.request.num_unfetched -= ch.sample
             running = len(sched.running)
             for req in sched.update_from_output(done, outputs):
                 if len(req.output_token_ids) == 1:
-                    first_token_step[id(req)] = self.steps
+                    first_token_step[id(req)] = collected
                 if req.is_finished:
                     active -= 1
                     running -= 1  # (the timeline counts the finished requests out one by one)
                     timeline.append((self.now, active, running))
+            collected += 1
         end = self.now
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         records = [self._record(r, k, first_token_step.get(id(r))) for r, k in zip(reqs, kinds)]
