@@ -26,7 +26,7 @@ from mnemojax.scheduling.predictor import HARDWARE, default_profile, make_predic
 from mnemojax.scheduling.scheduler import Scheduler
 from models.config import LlamaConfig
 from models.attention import resolve_attention
-from models.kernels import ATTENTION_IMPLS, AUTO, PALLAS, REFERENCE, check_attention_impl
+from models.kernels import ATTENTION_IMPLS, AUTO, MOSAIC, PALLAS, REFERENCE, check_attention_impl
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class LLMEngine:
                               profile=config.predictor_profile or default_profile(hardware),
                               pipeline_padding=config.spp > 1,
                               block_tokens=min(config.block_pages, pages_per_seq) * config.page_size,
-                              attention=runs if runs in (PALLAS, REFERENCE) else None)
+                              attention=runs if runs in (PALLAS, MOSAIC, REFERENCE) else None)
 
     # ---------------------------------------------------------------- requests in
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:

@@ -125,3 +125,14 @@ def test_a_target_below_the_least_work_of_a_step_is_said_once(caplog):
     said = [r.getMessage() for r in caplog.records if "cannot be met" in r.getMessage()]
     assert len(said) == 1, said
     assert "target_batch_time_ms=2 cannot be met" in said[0] and "decodes" in said[0] and "min_chunk_size 16" in said[0]
+
+
+@pytest.mark.parametrize("attention, costed", [("mosaic", "mosaic"), ("pallas", "pallas"),
+                                               ("reference", "reference"), ("pallas_interpret", "pallas")])
+def test_the_predictor_costs_the_kernels_the_engine_runs(attention, costed):
+    """The engine's predictor prices the attention it was given (mosaic too); the interpreters, which have no
+    cost model, leave the preset's (on an H100: the Pallas kernels)."""
+    from models.config import preset
+
+    config = EngineConfig(model="tiny", hardware="h100", target_batch_time_ms=TARGET_MS, attention=attention)
+    assert LLMEngine._make_predictor(config, preset("tiny")).attention == costed
