@@ -12,9 +12,13 @@ The work is cut into *tiles*: a tile is up to `block_q` query tokens of one sequ
 head ride in the same tile, so one program's rows are (token, head of the group) pairs, R = block_q x G of
 them (padded to a power of two >= 16, Triton's smallest matmul): the group shares every K/V load, and a
 32-token chunk of a G=4 model fills a 128-row tile. The grid is (tiles, kv heads, KV partitions): each
-program runs an online softmax (base 2) over its partition's share of the tile's key blocks and writes a
-partial (acc, m, l); `_merge` combines the partitions exactly (log-sum-exp). Splitting the keys (split-K,
-FlashDecoding) keeps the GPU busy when there are few tiles, e.g. one 32-token chunk at 1M context.
+program runs an online softmax (base 2) over its partition's share of the tile's key blocks. With several
+partitions it writes a partial (acc, m, l), and `_merge` combines the partitions exactly (log-sum-exp) before
+the results are scattered into token order; splitting the keys (split-K, FlashDecoding) keeps the GPU busy when
+there are few tiles, e.g. one 32-token chunk at 1M context. With one partition the program normalises and
+writes its rows straight into the token-order outputs (a row of token t and query head h to out[t, h]; padding
+rows to a sink row T, sliced off), and a mixed step's second kernel writes into the first's buffers (aliased),
+so no merge, transpose or scatter follows the kernels.
 
 Two tilings, one kernel:
   - prefill tiles (`prefill_attention`): the tokens of each sequence cut into tiles of `block_q` tokens;
@@ -135,14 +139,19 @@ def _compiler_params(rows: int):
 
 # ---------------------------------------------------------------------------------------------- the kernel
 def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, q_ref, table_ref, k_ref, v_ref,  # inputs
-            acc_ref, m_ref, l_ref,  # outputs: this (tile, kv head, partition)'s partial softmax
-            *, block_k: int, num_parts: int, scale: float, precision):
+            *rest, block_k: int, num_parts: int, scale: float, precision, group: int | None):
     """One (tile, kv head, partition) program.
 
     layer_ref i32[1]; seq_ref / full_ref / hi_ref i32[nt]: the tile's sequence, the keys every row of it sees,
     the keys its furthest row sees; lim_ref i32[R]: keys each row sees (local index < lim); q_ref [R, H];
-    table_ref i32[B, M]; k_ref / v_ref the whole cache [L, P, S, K, H]. Writes acc [R, H] (unnormalised),
-    m [R] (running max of base-2 scores) and l [R] (sum of weights).
+    table_ref i32[B, M]; k_ref / v_ref the whole cache [L, P, S, K, H].
+
+    With several partitions (`group` None), `rest` is this (tile, kv head, partition)'s outputs: acc [R, H]
+    (unnormalised), m [R] (running max of base-2 scores) and l [R] (sum of weights). With one (`group` = G, the
+    query heads per kv head), `rest` is (row_tok_ref i32[R], the token of each row: T for padding and empty
+    slots; the input buffers out [T + 1, N, H] and lse [T + 1, N], aliased to the outputs; the outputs): the
+    program normalises and writes its rows straight into token order, row r to (row_tok[r], kv head x G + r % G),
+    so no merge, transpose or scatter follows the kernel (row T is a sink for padding rows, sliced off).
     """
     t, kvh, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, b = layer_ref[0], seq_ref[t]
@@ -190,15 +199,27 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, q_ref, table_ref, k_r
              jnp.zeros((rows, head_dim), jnp.float32))
     carry = lax.fori_loop(lo, split, functools.partial(block, masked=False), carry)
     m, l, acc = lax.fori_loop(split, hi, functools.partial(block, masked=True), carry)
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    if group is None:
+        acc_ref, m_ref, l_ref = rest
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+        return
+    row_tok_ref, _, _, out_ref, lse_ref = rest  # (the two inputs are the outputs' buffers: aliased)
+    tok = row_tok_ref[...]
+    head = kvh * group + lax.rem(lax.broadcasted_iota(jnp.int32, (rows,), 0), group)
+    empty = l == 0.0
+    safe = jnp.where(empty, 1.0, l)
+    out_ref[tok, head, :] = jnp.where(empty[:, None], 0.0, acc / safe[:, None])
+    lse_ref[tok, head] = jnp.where(empty, NEG_INF, (m + jnp.log2(safe)) * LN2)
 
 
 def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, num_partitions: int | None,
-                  precision, interpret: bool):
+                  precision, interpret: bool, into: tuple | None = None):
     """Attention of the tokens laid out in tiles; tile_tok i32[nt, BQ] holds token indices (T = empty slot),
-    all of one sequence per tile. Returns out f32[nt, BQ, N, H] and lse f32[nt, BQ, N]."""
+    all of one sequence per tile. Returns out f32[nt, BQ, N, H] and lse f32[nt, BQ, N] in tile order; with
+    `into`, token-order buffers (out f32[T + 1, N, H], lse f32[T + 1, N], row T a sink), returns them with these
+    tiles' tokens written: by the kernel itself with one KV partition, else merged and scattered after it."""
     T, N, H = q.shape
     L, P, S, K, _ = k_cache.shape
     B, M = meta.page_table.shape
@@ -218,41 +239,70 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, n
         num_partitions = max(1, min(max_blocks, _cdiv(TARGET_PROGRAMS, nt * K),
                                     MAX_PARTIAL_BYTES // (nt * K * R * (H + 2) * 4)))
     NP = num_partitions
+    direct = into is not None and NP == 1
 
     kernel = functools.partial(_kernel, block_k=block_k, num_parts=NP, scale=H ** -0.5 * LOG2E,
-                               precision=precision)
+                               precision=precision, group=G if direct else None)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, k, p: (0,) * len(shape))  # noqa: E731
+    in_specs = [
+        whole((1,)),  # layer
+        whole((nt,)), whole((nt,)), whole((nt,)),  # tile sequence, keys all rows see, keys any row sees
+        pl.BlockSpec((_SQ, R), lambda t, k, p: (t, 0)),  # keys each row sees
+        pl.BlockSpec((_SQ, _SQ, R, H), lambda t, k, p: (t, k, 0, 0)),  # q rows of (tile, kv head)
+        whole((B, M)),  # page table
+        whole(k_cache.shape), whole(v_cache.shape),
+    ]
+    operands = [jnp.reshape(layer, (1,)).astype(jnp.int32), tile_seq, kv_full, kv_hi,
+                lim_rows, qt, meta.page_table.astype(jnp.int32), k_cache, v_cache]
+    if direct:
+        row_tok = jnp.pad(jnp.repeat(tile_tok, G, axis=1), ((0, 0), (0, R - bq * G)), constant_values=T)
+        axes = frozenset().union(*map(_varying_axes, operands))
+        in_specs += [pl.BlockSpec((_SQ, R), lambda t, k, p: (t, 0)), whole((T + 1, N, H)), whole((T + 1, N))]
+        operands += [row_tok, *(_varying(x, axes) for x in into)]
+        out_specs = [whole((T + 1, N, H)), whole((T + 1, N))]
+        shapes = [((T + 1, N, H), jnp.float32), ((T + 1, N), jnp.float32)]
+        aliases = {len(operands) - 2: 0, len(operands) - 1: 1}
+    else:
+        out_specs = [pl.BlockSpec((_SQ, _SQ, _SQ, R, H), lambda t, k, p: (t, k, p, 0, 0)),
+                     pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0)),
+                     pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0))]
+        shapes = [((nt, K, NP, R, H), jnp.float32), ((nt, K, NP, R), jnp.float32), ((nt, K, NP, R), jnp.float32)]
+        aliases = {}
     call = lambda like: pl.pallas_call(  # noqa: E731  (out_shape varies over the mesh axes `like` varies over)
         kernel,
         grid=(nt, K, NP),
-        in_specs=[
-            whole((1,)),  # layer
-            whole((nt,)), whole((nt,)), whole((nt,)),  # tile sequence, keys all rows see, keys any row sees
-            pl.BlockSpec((_SQ, R), lambda t, k, p: (t, 0)),  # keys each row sees
-            pl.BlockSpec((_SQ, _SQ, R, H), lambda t, k, p: (t, k, 0, 0)),  # q rows of (tile, kv head)
-            whole((B, M)),  # page table
-            whole(k_cache.shape), whole(v_cache.shape),
-        ],
-        out_specs=[
-            pl.BlockSpec((_SQ, _SQ, _SQ, R, H), lambda t, k, p: (t, k, p, 0, 0)),
-            pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0)),
-            pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0)),
-        ],
-        out_shape=[_out_struct((nt, K, NP, R, H), jnp.float32, like),
-                   _out_struct((nt, K, NP, R), jnp.float32, like),
-                   _out_struct((nt, K, NP, R), jnp.float32, like)],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=[_out_struct(shape, dtype, like) for shape, dtype in shapes],
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=_compiler_params(R),
-        name=f"paged_attention_r{R}_k{block_k}",
+        name=f"paged_attention_r{R}_k{block_k}" + ("_tokens" if direct else ""),
     )
-    operands = (jnp.reshape(layer, (1,)).astype(jnp.int32), tile_seq, kv_full, kv_hi,
-                lim_rows, qt, meta.page_table.astype(jnp.int32), k_cache, v_cache)
-    acc, m, l = _interpret_call(call, operands) if interpret else call(_typed_like(operands))(*operands)
+    outs = _interpret_call(call, operands) if interpret else call(_typed_like(operands))(*operands)
+    if direct:
+        return tuple(outs)
 
+    acc, m, l = outs
     out, lse = _merge(acc[..., :bq * G, :], m[..., :bq * G], l[..., :bq * G])  # [nt, K, BQ*G, (H)]
     out = out.reshape(nt, K, bq, G, H).transpose(0, 2, 1, 3, 4).reshape(nt, bq, N, H)
     lse = lse.reshape(nt, K, bq, G).transpose(0, 2, 1, 3).reshape(nt, bq, N)
-    return out, lse
+    if into is None:
+        return out, lse
+    idx = tile_tok.reshape(-1)  # empty slots (T) land in the sink row
+    return into[0].at[idx].set(out.reshape(-1, N, H)), into[1].at[idx].set(lse.reshape(-1, N))
+
+
+def _token_order_buffers(T: int, N: int, H: int):
+    """Token-order outputs before any tile writes them: out 0 and lse NEG_INF (a token no tile holds, e.g. a
+    padding row of a one-kind step, has no visible key), and a sink row T for padding rows and empty slots."""
+    return jnp.zeros((T + 1, N, H), jnp.float32), jnp.full((T + 1, N), NEG_INF, jnp.float32)
+
+
+def _varying(x, axes: frozenset):
+    """`x` typed as varying over the mesh axes `axes` (inside shard_map), as a kernel output aliased to it is."""
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _tile_metadata(q, meta, tile_tok, num_kv_heads: int, rows: int):
@@ -366,8 +416,9 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, precision=None, inter
     bq = block_q or _default_block_q(N, k_cache.shape[3])
     tiles = _sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
     out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, tiles, block_k=block_k,
-                             num_partitions=num_partitions, precision=precision, interpret=interpret)
-    return _scatter(T, N, H, [(tiles, out, lse)])
+                             into=_token_order_buffers(T, N, H), num_partitions=num_partitions,
+                             precision=precision, interpret=interpret)
+    return out[:T], lse[:T]
 
 
 @_jit
@@ -382,8 +433,9 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, precision=None, interp
     T, N, H = q.shape
     tiles = _token_tiles(jnp.ones(T, bool), T)
     out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, tiles, block_k=block_k,
-                             num_partitions=num_partitions, precision=precision, interpret=interpret)
-    return _scatter(T, N, H, [(tiles, out, lse)])
+                             into=_token_order_buffers(T, N, H), num_partitions=num_partitions,
+                             precision=precision, interpret=interpret)
+    return out[:T], lse[:T]
 
 
 @_jit
@@ -403,14 +455,14 @@ def paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None, 
     seq_ids = meta.seq_ids
     counts = jnp.zeros(B, jnp.int32).at[seq_ids].add(1)
     is_decode = counts[seq_ids] == 1
-    parts = []
+    out = _token_order_buffers(T, N, H)  # each kernel writes its tokens into these, in place
     if kind != PREFILL:
         dec = _token_tiles(is_decode, min(T, B))
-        parts.append((dec, *_attend_tiles(*args, dec, block_k=decode_block_k, num_partitions=decode_partitions,
-                                          precision=precision, interpret=interpret)))
+        out = _attend_tiles(*args, dec, block_k=decode_block_k, num_partitions=decode_partitions, into=out,
+                            precision=precision, interpret=interpret)
     num_prefill_tiles = T // bq + min(B, T // 2)  # a prefill sequence has >= 2 tokens
     if num_prefill_tiles and kind != DECODE:
         pre = _sequence_tiles(seq_ids, ~is_decode, B, bq, num_prefill_tiles)
-        parts.append((pre, *_attend_tiles(*args, pre, block_k=block_k, num_partitions=num_partitions,
-                                          precision=precision, interpret=interpret)))
-    return _scatter(T, N, H, parts)
+        out = _attend_tiles(*args, pre, block_k=block_k, num_partitions=num_partitions, into=out,
+                            precision=precision, interpret=interpret)
+    return out[0][:T], out[1][:T]

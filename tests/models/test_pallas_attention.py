@@ -378,3 +378,18 @@ def test_step_kind_launches_only_the_kernels_it_needs(kind, want):
                   AttentionMetadata(**{k: v for k, v in step.items() if k not in ("q", "k_cache", "v_cache",
                                                                                    "layer")}),
                   block_pages=2, kind="both")
+
+
+@pytest.mark.parametrize("partitions", [(1, 1), (1, 3), (3, 1)], ids=["direct", "prefill-direct", "decode-direct"])
+def test_one_partition_writes_token_order_directly(partitions):
+    """With one KV partition a kernel normalises and writes its rows straight into the token-order outputs
+    (no merge or scatter after it); a mixed step's second kernel writes into the first's buffers. Shuffled rows
+    (tokens of a sequence not adjacent), padding rows, two kv heads of G = 4, NaN in unwritten cache slots,
+    either part direct and the other merged: every token's rows in their place, as the reference has them."""
+    rng = np.random.default_rng(23)
+    step = make_step(rng, MIXED, num_heads=8, num_kv_heads=2, pad_rows=3, shuffle=True, **SMALL)
+    prefill, decode = partitions
+    got = run(pa.paged_attention_pallas, poison_unwritten(step), interpret=True, block_q=2, block_k=8,
+              decode_block_k=16, num_partitions=prefill, decode_partitions=decode)
+    assert got[0].dtype == jnp.float32 and got[0].shape == step["q"].shape
+    assert_close(got, run(paged_attention, step, block_pages=3, precision=HIGHEST))
