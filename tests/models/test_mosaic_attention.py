@@ -98,8 +98,12 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
     """The non-interpreted kernels at Llama-3-8B / -70B attention shapes lower through Pallas' Mosaic GPU lowering
     (layouts, swizzled SMEM, TMA copies of pages, transposed wgmma, warpgroups) to the Mosaic GPU custom call for
     CUDA, alone and inside the step's shard_map (on the CPU; compiling to PTX and running need a Hopper GPU)."""
-    assert_lowers_for_cuda(jnp.bfloat16, ((ma.paged_attention_mosaic, 2), (ma.decode_attention, 1)),
-                           "@mosaic_gpu_v2", num_heads=num_heads, page=page)
+    one = functools.partial(ma.paged_attention_mosaic, num_partitions=1, decode_partitions=1)
+    cases = ((ma.paged_attention_mosaic, 2), (ma.decode_attention, 1),
+             (one, 2),  # token-order writes, the second launch into the first's buffers
+             (functools.partial(one, kind="decode"), 1),  # into (0, NEG_INF) buffers
+             (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2))  # token order + a scatter
+    assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
 
 
 def test_what_the_kernels_refuse():
