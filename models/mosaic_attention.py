@@ -4,7 +4,8 @@ Same arguments and results as the reference `models.attention.paged_attention` a
 `models.pallas_attention` (whose tilings, per-tile metadata, partition merge and scatter this module reuses):
 every query token attends to the keys of its own sequence held in the paged cache [L, P, S, K, H] at local
 index i < kv_lens[seq] and i <= positions[t] - kv_start[seq] (bottom-right causal, KVP shards included);
-out f32[T, N, H], lse f32[T, N] in natural log; a token with no visible key gets out = 0 and lse = NEG_INF.
+out [T, N, H] in q's dtype (bf16 or f16: the model's dtype; the reference and the Triton kernels give float32),
+lse f32[T, N] in natural log; a token with no visible key gets out = 0 and lse = NEG_INF.
 
 One kernel, two tilings (as in `models.pallas_attention`):
   - prefill tiles: the tokens of each sequence cut into tiles of 64 // G tokens, the G query heads of a kv head
@@ -19,8 +20,16 @@ The grid is (tiles, kv heads, partitions). Each program (a CUDA block) holds two
   - a consumer warpgroup runs the online softmax: S = Q K^T by wgmma (K transposed by the wgmma descriptor),
     masking only in the key blocks at the causal edge and the sequence end, P rounded to the input dtype and
     stored to SMEM, P V by wgmma, then releases the slot.
-With one partition the consumer normalises and writes (out, lse) itself; with several it writes the partial
-(acc, m, l) and `models.pallas_attention._merge` combines them exactly right after the kernel.
+With one partition the consumer normalises and writes (out, lse) itself, in token order: the tile's token i
+(index `tile_tok[t, i]`, read from GMEM) owns rows i*G .. i*G+G-1, a [G, H] box that one TMA copy takes from the
+SMEM staging (in q's dtype) to out[tok, kvh*G : kvh*G+G, :], and its G lse floats go by scalar stores (a TMA row
+must be a multiple of 16 bytes: G float32 would need G % 4 == 0); an empty slot (tok == T) writes nothing. A step's
+two launches (decode tiles, prefill tiles) then write into the same buffers: the second takes the first's outputs
+as mutable refs (`jax.new_ref`, aliased in and out of the kernel), every token written by exactly one tile; a
+one-kind step (`kind` decode or prefill) starts them at (0, NEG_INF), what a token of the other kind gets. So no
+slice, transpose, merge or scatter follows the kernel. With several partitions the kernel writes the float32 partial
+(acc, m, l) per tile and `models.pallas_attention._merge` combines them exactly right after it, then `_scatter`
+puts the tiles' rows in token order (or into the token-order buffers of a one-partition launch of the same step).
 
 Supported (anything else raises, no fallback): bfloat16 or float16 q and cache (wgmma's 16-bit inputs; float32
 accumulation, float32 softmax); head dim 64, 128 or 256 (a multiple of the 128-byte swizzle, at most wgmma's
@@ -38,7 +47,12 @@ which simulates SMEM, barriers, TMA copies and wgmma on the CPU. What it lacks, 
     the interpreter they are the plain jnp operations (layouts are a register-allocation hint, no value change);
   - `pl.run_state` / accumulating into a register-initialised ACC, and wgmma with its A operand in registers, do
     not run: so every wgmma here starts from a fresh zero ACC (the running output is rescaled and added in
-    registers) and P goes through SMEM (FlashAttention-3 keeps P in registers: a cost measured on no GPU).
+    registers) and P goes through SMEM (FlashAttention-3 keeps P in registers: a cost measured on no GPU);
+  - `copy_smem_to_gmem(..., predicate=...)` raises "predicate not supported": the token-order copies of an empty
+    slot are skipped by `pl.when` instead;
+  - `plgpu.kernel` wraps the kernel in a custom_vmap that rejects mutable-ref operands ("JaxprInputEffect ... does
+    not have a corresponding jaxpr input"): the launches go through `pl.kernel` on a `plgpu.Mesh` (what it wraps),
+    the refs in GMEM (`memory_space=plgpu.GMEM`; the interpreter cannot place a ref of no memory space).
 Nothing here has run on a GPU: the compiled path is only known to lower to the Mosaic GPU custom call for CUDA
 (exported on the CPU, tests/models/test_mosaic_attention.py); its compilation to PTX, correctness and timings on a
 Hopper GPU are unmeasured (issue 15).
