@@ -69,7 +69,8 @@ def resolve_attention(impl: str) -> str:
 def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *, block_pages: int,
               precision=None, kind: str = MIXED, **kernel_options):
     """Paged attention by the implementation `impl` (see `models.kernels.ATTENTION_IMPLS`); arguments and results
-    as `paged_attention`. `impl="pallas"` without an NVIDIA GPU, `impl="mosaic"` without a Hopper GPU, raise
+    as `paged_attention`, but that the Mosaic kernels (`mosaic`, `mosaic_interpret`) give out in q's dtype
+    (bf16/f16, what their kernel writes straight in token order), the others float32; lse is always float32. `impl="pallas"` without an NVIDIA GPU, `impl="mosaic"` without a Hopper GPU, raise
     instead of running something else. `kernel_options` (tile and block sizes, for tuning) go to
     `models.pallas_attention.paged_attention_pallas` or `models.mosaic_attention.paged_attention_mosaic`
     (whose kernels take bf16/f16 only and ignore `precision`: wgmma, float32 accumulation). `kind` (static, one of
@@ -119,7 +120,8 @@ def paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadata, *, bloc
         The blocks skipped are ones every row of the row block masks entirely, which change nothing.
 
     Returns:
-      out [T, N, H] float32 and lse [T, N] float32 (natural log).
+      out [T, N, H] float32 and lse [T, N] float32 (natural log). (The Mosaic kernels give out in q's dtype, see
+      `attention`; callers take either.)
     """
     T, N, H = q.shape
     _, _, S, K, _ = k_cache.shape

@@ -4,7 +4,8 @@ Same arguments and results as the reference `models.attention.paged_attention` a
 `models.pallas_attention` (whose tilings, per-tile metadata, partition merge and scatter this module reuses):
 every query token attends to the keys of its own sequence held in the paged cache [L, P, S, K, H] at local
 index i < kv_lens[seq] and i <= positions[t] - kv_start[seq] (bottom-right causal, KVP shards included);
-out f32[T, N, H], lse f32[T, N] in natural log; a token with no visible key gets out = 0 and lse = NEG_INF.
+out [T, N, H] in q's dtype (bf16 or f16: the model's dtype; the reference and the Triton kernels give float32),
+lse f32[T, N] in natural log; a token with no visible key gets out = 0 and lse = NEG_INF.
 
 One kernel, two tilings (as in `models.pallas_attention`):
   - prefill tiles: the tokens of each sequence cut into tiles of 64 // G tokens, the G query heads of a kv head
@@ -19,8 +20,16 @@ The grid is (tiles, kv heads, partitions). Each program (a CUDA block) holds two
   - a consumer warpgroup runs the online softmax: S = Q K^T by wgmma (K transposed by the wgmma descriptor),
     masking only in the key blocks at the causal edge and the sequence end, P rounded to the input dtype and
     stored to SMEM, P V by wgmma, then releases the slot.
-With one partition the consumer normalises and writes (out, lse) itself; with several it writes the partial
-(acc, m, l) and `models.pallas_attention._merge` combines them exactly right after the kernel.
+With one partition the consumer normalises and writes (out, lse) itself, in token order: the tile's token i
+(index `tile_tok[t, i]`, read from GMEM) owns rows i*G .. i*G+G-1, a [G, H] box that one TMA copy takes from the
+SMEM staging (in q's dtype) to out[tok, kvh*G : kvh*G+G, :], and its G lse floats go by scalar stores (a TMA row
+must be a multiple of 16 bytes: G float32 would need G % 4 == 0); an empty slot (tok == T) writes nothing. A step's
+two launches (decode tiles, prefill tiles) then write into the same buffers: the second takes the first's outputs
+as mutable refs (`jax.new_ref`, aliased in and out of the kernel), every token written by exactly one tile; a
+one-kind step (`kind` decode or prefill) starts them at (0, NEG_INF), what a token of the other kind gets. So no
+slice, transpose, merge or scatter follows the kernel. With several partitions the kernel writes the float32 partial
+(acc, m, l) per tile and `models.pallas_attention._merge` combines them exactly right after it, then `_scatter`
+puts the tiles' rows in token order (or into the token-order buffers of a one-partition launch of the same step).
 
 Supported (anything else raises, no fallback): bfloat16 or float16 q and cache (wgmma's 16-bit inputs; float32
 accumulation, float32 softmax); head dim 64, 128 or 256 (a multiple of the 128-byte swizzle, at most wgmma's
@@ -38,7 +47,12 @@ which simulates SMEM, barriers, TMA copies and wgmma on the CPU. What it lacks, 
     the interpreter they are the plain jnp operations (layouts are a register-allocation hint, no value change);
   - `pl.run_state` / accumulating into a register-initialised ACC, and wgmma with its A operand in registers, do
     not run: so every wgmma here starts from a fresh zero ACC (the running output is rescaled and added in
-    registers) and P goes through SMEM (FlashAttention-3 keeps P in registers: a cost measured on no GPU).
+    registers) and P goes through SMEM (FlashAttention-3 keeps P in registers: a cost measured on no GPU);
+  - `copy_smem_to_gmem(..., predicate=...)` raises "predicate not supported": the token-order copies of an empty
+    slot are skipped by `pl.when` instead;
+  - `plgpu.kernel` wraps the kernel in a custom_vmap that rejects mutable-ref operands ("JaxprInputEffect ... does
+    not have a corresponding jaxpr input"): the launches go through `pl.kernel` on a `plgpu.Mesh` (what it wraps),
+    the refs in GMEM (`memory_space=plgpu.GMEM`; the interpreter cannot place a ref of no memory space).
 Nothing here has run on a GPU: the compiled path is only known to lower to the Mosaic GPU custom call for CUDA
 (exported on the CPU, tests/models/test_mosaic_attention.py); its compilation to PTX, correctness and timings on a
 Hopper GPU are unmeasured (issue 15).
@@ -51,6 +65,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import config as jax_config  # `_check_vma`, as `plgpu.kernel` uses it
 from jax.experimental import pallas as pl
 
 from models import pallas_attention as pa
@@ -187,14 +202,16 @@ class _Ops:
 
 
 # ------------------------------------------------------------------------------------------ the kernel
-def _kernel(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, num_parts: int, scale: float,
+def _kernel(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_parts: int, group: int, scale: float,
             ops: _Ops):
     """One (tile, kv head, partition) program: warpgroup 0 consumes, warpgroup 1 produces (TMA).
 
     info_ref i32[nt, 4] (layer, sequence, keys all rows see, keys the furthest row sees); lim_ref i32[nt, 64]
     keys each row sees; table_ref i32[B, M]; q_ref [nt, K, 64, H]; k_ref / v_ref the cache [L, P, S, K, H].
-    Outputs: (out [nt, K, 64, H], lse [nt, K, 64]) normalised when num_parts == 1, else the partial
-    (acc [nt, K, NP, 64, H], m [nt, K, NP, 64] base-2, l [nt, K, NP, 64]).
+    When num_parts == 1, io_refs = (tok_ref i32[nt, BQ]: the tile's tokens, T = empty slot; out [T, N, H] in q's
+    dtype; lse f32[T, N]): the program writes its rows normalised, in token order, each token's G heads
+    straight to their place (token i of the tile is rows i*G .. i*G+G-1); empty slots write nothing. Otherwise
+    io_refs are the partial (acc [nt, K, NP, 64, H], m [nt, K, NP, 64] base-2, l [nt, K, NP, 64]), float32.
     """
     _, _, S, _, H = k_ref.shape
     max_pages = table_ref.shape[1]
@@ -206,7 +223,8 @@ def _kernel(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, num_pa
         plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # v slots
         plgpu.SMEM((ROWS, BLOCK_K), cdt, transforms=tr),  # p
         plgpu.SMEM((ROWS,), jnp.int32),  # keys each row sees
-        plgpu.SMEM((ROWS, H), jnp.float32),  # output staging
+        # output staging: rows of G heads copied out per token (q's dtype), or the float32 partial
+        plgpu.SMEM((ROWS, H), cdt if num_parts == 1 else jnp.float32),
         plgpu.SMEM((ROWS,), jnp.float32),  # lse / m staging
         plgpu.SMEM((ROWS,), jnp.float32),  # l staging
     ]
@@ -217,13 +235,14 @@ def _kernel(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, num_pa
         plgpu.Barrier(num_arrivals=copies, num_barriers=STAGES),  # v slot full
         plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # slot consumed
     ]
-    pl.run_scoped(functools.partial(_program, info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, out_refs,
-                                    num_parts=num_parts, scale=scale, ops=ops, page_size=S, max_pages=max_pages),
+    pl.run_scoped(functools.partial(_program, info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
+                                    num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
+                                    max_pages=max_pages),
                   *scratch, *barriers, collective_axes="wg")
 
 
-def _program(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, out_refs, q_smem, k_smem, v_smem, p_smem, lim_smem,
-             o_smem, m_smem, l_smem, q_bar, k_bar, v_bar, consumed, *, num_parts, scale, ops, page_size,
+def _program(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem, k_smem, v_smem, p_smem, lim_smem,
+             o_smem, m_smem, l_smem, q_bar, k_bar, v_bar, consumed, *, num_parts, group, scale, ops, page_size,
              max_pages):
     t, kvh, part = lax.axis_index("tile"), lax.axis_index("kvh"), lax.axis_index("part")
     wg = lax.axis_index("wg")
@@ -315,18 +334,37 @@ def _program(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, out_refs, q_smem
         carry = lax.fori_loop(lo, split, functools.partial(block, masked=False), carry)
         m, l, acc = lax.fori_loop(split, hi, functools.partial(block, masked=True), carry)
 
-        if num_parts == 1:  # the merge is the normalisation: (out, lse) straight from the kernel
-            out_ref, lse_ref = out_refs
+        if num_parts == 1:  # the merge is the normalisation: (out, lse) straight from the kernel, in token order
+            tok_ref, out_ref, lse_ref = io_refs
+            num_tokens, G = out_ref.shape[0], group
             empty = l == 0.0
             safe = jnp.where(empty, 1.0, l)
             o_smem[...] = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0,
-                                    acc / lax.broadcast_in_dim(safe, acc.shape, [0]))
+                                    acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(cdt)
             m_smem[...] = jnp.where(empty, NEG_INF, (m + jnp.log2(safe)) * (1.0 / LOG2E))
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[t, kvh])
-            plgpu.copy_smem_to_gmem(m_smem, lse_ref.at[t, kvh])
+
+            def write_token(i, _):  # token i of the tile: rows i*G .. i*G+G-1 -> out[tok, kvh*G : kvh*G+G, :]
+                tok = tok_ref[t, i]
+
+                @pl.when(tok < num_tokens)  # an empty slot (tok == T) writes nothing
+                def _():
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(i * G, G)], out_ref.at[tok, pl.ds(kvh * G, G)])
+                return ()
+
+            def write_lse(r, _):  # one float per row: too narrow for a TMA copy (16-byte rows), a scalar store
+                tok = tok_ref[t, lax.div(r, G)]
+
+                @pl.when(tok < num_tokens)
+                def _():
+                    lse_ref[tok, kvh * G + lax.rem(r, G)] = m_smem[r]
+                return ()
+
+            bq = tok_ref.shape[1]
+            lax.fori_loop(0, bq, write_token, ())
+            lax.fori_loop(0, bq * G, write_lse, ())
         else:
-            acc_ref, m_ref, l_ref = out_refs
+            acc_ref, m_ref, l_ref = io_refs
             o_smem[...] = acc
             m_smem[...] = m
             l_smem[...] = l
@@ -338,12 +376,27 @@ def _program(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, out_refs, q_smem
 
 
 # ------------------------------------------------------------------------------------------ the wrappers
-def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_partitions: int | None, interpret: bool):
-    """Attention of the tokens laid out in tiles (tile_tok i32[nt, BQ], T = empty slot, one sequence per tile):
-    out f32[nt, BQ, N, H], lse f32[nt, BQ, N]."""
+def _partitions(tile_tok, k_cache, meta, num_partitions: int | None) -> int:
+    """KV partitions of a launch over `tile_tok` (static): `num_partitions`, or enough programs to fill the GPU."""
+    if num_partitions is not None:
+        return num_partitions
+    nt, K, S, M = tile_tok.shape[0], k_cache.shape[3], k_cache.shape[2], meta.page_table.shape[1]
+    return max(1, min(_cdiv(M * S, BLOCK_K), _cdiv(TARGET_PROGRAMS, nt * K)))
+
+
+def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_parts: int, interpret: bool, into=None):
+    """One kernel launch over the tiles `tile_tok` (i32[nt, BQ], T = empty slot, one sequence per tile).
+
+    num_parts == 1: the kernel normalises and writes each token's rows in token order: returns out [T, N, H] in
+    q's dtype and lse f32[T, N]. Only the rows of the tiles' tokens are written: into `into` = (out, lse) when
+    given (passed to the kernel as mutable refs, i.e. aliased in and out: the other rows keep their values),
+    else into fresh buffers whose other rows are undefined (uninitialised memory on a GPU, NaN in the
+    interpreter), so the caller must cover every token.
+    num_parts > 1: the partials merged by log-sum-exp after the kernel, per tile slot: out f32[nt, BQ, N, H],
+    lse f32[nt, BQ, N] (for `pa._scatter`).
+    """
     T, N, H = q.shape
-    _, _, S, K, _ = k_cache.shape
-    B, M = meta.page_table.shape
+    K = k_cache.shape[3]
     nt, bq = tile_tok.shape
     G = N // K
     if bq * G > ROWS:
@@ -351,32 +404,73 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_partitions:
 
     tile_seq, kv_full, kv_hi, lim_rows, qt = pa._tile_metadata(q, meta, tile_tok, K, ROWS)  # the Triton kernels'
     info = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (nt,)), tile_seq, kv_full, kv_hi], axis=1)
-
-    if num_partitions is None:
-        num_partitions = max(1, min(_cdiv(M * S, BLOCK_K), _cdiv(TARGET_PROGRAMS, nt * K)))
-    NP = num_partitions
+    NP = num_parts
     f32 = jnp.float32
+    operands = [info, lim_rows, meta.page_table.astype(jnp.int32), qt, k_cache, v_cache]
     if NP == 1:
-        out_shape = [jax.ShapeDtypeStruct((nt, K, ROWS, H), f32), jax.ShapeDtypeStruct((nt, K, ROWS), f32)]
+        operands.append(tile_tok.astype(jnp.int32))
+        if into is None:
+            out_shape = [jax.ShapeDtypeStruct((T, N, H), q.dtype), jax.ShapeDtypeStruct((T, N), f32)]
+        else:
+            out, lse = into
+            if out.shape != (T, N, H) or out.dtype != q.dtype or lse.shape != (T, N) or lse.dtype != f32:
+                raise ValueError(f"into must be (out {q.dtype}[{T}, {N}, {H}], lse float32[{T}, {N}]), got "
+                                 f"{out.dtype}{list(out.shape)}, {lse.dtype}{list(lse.shape)}")
+            refs = [jax.new_ref(out, memory_space=plgpu.GMEM), jax.new_ref(lse, memory_space=plgpu.GMEM)]
+            operands += refs
+            out_shape = []
     else:
+        if into is not None:
+            raise ValueError("only a one-partition launch writes in token order (into)")
         out_shape = [jax.ShapeDtypeStruct((nt, K, NP, ROWS, H), f32),
                      jax.ShapeDtypeStruct((nt, K, NP, ROWS), f32), jax.ShapeDtypeStruct((nt, K, NP, ROWS), f32)]
-    ops = _Ops(interpret)
-    kernel = plgpu.kernel(
-        functools.partial(_kernel, num_parts=NP, scale=H ** -0.5 * LOG2E, ops=ops),
-        out_type=out_shape,
-        grid=(nt, K, NP), grid_names=("tile", "kvh", "part"),
-        num_threads=2, thread_name="wg",
-        **({"interpret": _interpret_params()} if interpret else {}),
-    )
-    outs = kernel(info, lim_rows, meta.page_table.astype(jnp.int32), qt, k_cache, v_cache)
+    # `pl.kernel` on a Mosaic GPU mesh is what `plgpu.kernel` wraps (in a custom_vmap, which rejects the mutable
+    # refs of `into`: "JaxprInputEffect ... does not have a corresponding jaxpr input", jax 0.10.2); the varying
+    # axes check is off as there (its outputs are typed varying over no mesh axis inside shard_map).
+    with jax_config._check_vma(False):
+        outs = pl.kernel(
+            functools.partial(_kernel, num_parts=NP, group=G, scale=H ** -0.5 * LOG2E, ops=_Ops(interpret)),
+            out_type=out_shape,
+            mesh=plgpu.Mesh(grid=(nt, K, NP), grid_names=("tile", "kvh", "part"), num_threads=2, thread_name="wg"),
+            interpret=_interpret_params() if interpret else False,
+            name="paged_attention_mosaic",
+        )(*operands)
     if NP == 1:
-        out, lse = outs[0][:, :, :bq * G], outs[1][:, :, :bq * G]
-    else:
-        acc, m, l = (x[..., :bq * G, :] if x.ndim == 5 else x[..., :bq * G] for x in outs)
-        out, lse = pa._merge(acc, m, l)
+        return tuple(outs) if into is None else (jax.freeze(refs[0]), jax.freeze(refs[1]))
+    acc, m, l = (x[..., :bq * G, :] if x.ndim == 5 else x[..., :bq * G] for x in outs)
+    out, lse = pa._merge(acc, m, l)
     out = out.reshape(nt, K, bq, G, H).transpose(0, 2, 1, 3, 4).reshape(nt, bq, N, H)
     lse = lse.reshape(nt, K, bq, G).transpose(0, 2, 1, 3).reshape(nt, bq, N)
+    return out, lse
+
+
+def _combine(q, k_cache, v_cache, layer, meta, parts, *, interpret: bool, covers_all: bool):
+    """(out [T, N, H] in q's dtype, lse f32[T, N]) of a step whose tokens are laid out in `parts`, a list of
+    (tile_tok, num_partitions), one launch each, no token in two parts.
+
+    The one-partition launches write their tokens' rows in place, one after the other into the same buffers (the
+    second takes the first's output as an aliased input), so no scatter: the first allocates them, uninitialised,
+    when `covers_all` (every token of the step is in some part), else they start as (0, NEG_INF), what a token in
+    no part gets. The launches with several partitions are merged after their kernel and scattered
+    (`pa._scatter`, float32) into those buffers, or make them when no launch has one partition."""
+    T, N, H = q.shape
+    args = (q, k_cache, v_cache, layer, meta)
+    into = None if covers_all else (jnp.zeros((T, N, H), q.dtype), jnp.full((T, N), NEG_INF, jnp.float32))
+    merged = []
+    for tile_tok, num_parts in parts:
+        if num_parts == 1:
+            into = _attend_tiles(*args, tile_tok, num_parts=1, interpret=interpret, into=into)
+        else:
+            merged.append((tile_tok, *_attend_tiles(*args, tile_tok, num_parts=num_parts, interpret=interpret)))
+    if not merged:
+        return into
+    if into is None:
+        out, lse = pa._scatter(T, N, H, merged)
+        return out.astype(q.dtype), lse
+    idx = jnp.concatenate([tt.reshape(-1) for tt, _, _ in merged])
+    out = into[0].at[idx].set(jnp.concatenate([o.reshape(-1, N, H) for _, o, _ in merged]).astype(q.dtype),
+                              mode="drop")
+    lse = into[1].at[idx].set(jnp.concatenate([s.reshape(-1, N) for _, _, s in merged]), mode="drop")
     return out, lse
 
 
@@ -397,29 +491,28 @@ def block_q_for(num_heads: int, num_kv_heads: int) -> int:
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                       num_partitions: int | None = None):
     """Chunked-prefill attention: every sequence's tokens in tiles of 64 // G tokens, split-K over
-    `num_partitions` (default: enough programs to fill the GPU). Arguments and results as
-    `models.attention.paged_attention` (but `block_pages`)."""
+    `num_partitions` (default: enough programs to fill the GPU). Arguments as `models.attention.paged_attention`
+    (but `block_pages`); results out [T, N, H] in q's dtype, lse f32[T, N]."""
     _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
     B = meta.page_table.shape[0]
     bq = block_q_for(N, k_cache.shape[3])
     tiles = pa._sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
-    out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, tiles, num_partitions=num_partitions,
-                             interpret=interpret)
-    return pa._scatter(T, N, H, [(tiles, out, lse)])
+    parts = [(tiles, _partitions(tiles, k_cache, meta, num_partitions))]
+    return _combine(q, k_cache, v_cache, layer, meta, parts, interpret=interpret, covers_all=True)
 
 
 @pa._jit
 def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                      num_partitions: int | None = None):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
-    over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one)."""
+    over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
+    `prefill_attention`."""
     _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
     tiles = pa._token_tiles(jnp.ones(T, bool), T)
-    out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, tiles, num_partitions=num_partitions,
-                             interpret=interpret)
-    return pa._scatter(T, N, H, [(tiles, out, lse)])
+    parts = [(tiles, _partitions(tiles, k_cache, meta, num_partitions))]
+    return _combine(q, k_cache, v_cache, layer, meta, parts, interpret=interpret, covers_all=True)
 
 
 @pa._jit
@@ -428,20 +521,22 @@ def paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool 
                            kind: str = MIXED):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
-    (static: the step holds only those) launches only that kernel."""
+    (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
+    NEG_INF). Results out [T, N, H] in q's dtype, lse f32[T, N]: with one partition per launch both kernels write
+    into the same token-order buffers, no scatter (`_combine`)."""
     _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
     B = meta.page_table.shape[0]
     bq = block_q_for(N, k_cache.shape[3])
     counts = jnp.zeros(B, jnp.int32).at[meta.seq_ids].add(1)
     is_decode = counts[meta.seq_ids] == 1
-    args = (q, k_cache, v_cache, layer, meta)
     parts = []
     if kind != PREFILL:
-        dec = pa._token_tiles(is_decode, min(T, B))
-        parts.append((dec, *_attend_tiles(*args, dec, num_partitions=decode_partitions, interpret=interpret)))
-    num_prefill_tiles = T // bq + min(B, T // 2)
+        dec = pa._token_tiles(is_decode, min(T, B))  # a decode token is its sequence's only one: <= min(T, B)
+        parts.append((dec, _partitions(dec, k_cache, meta, decode_partitions)))
+    num_prefill_tiles = T // bq + min(B, T // 2)  # a prefill sequence has >= 2 tokens: at most one partial tile each
     if num_prefill_tiles and kind != DECODE:
         pre = pa._sequence_tiles(meta.seq_ids, ~is_decode, B, bq, num_prefill_tiles)
-        parts.append((pre, *_attend_tiles(*args, pre, num_partitions=num_partitions, interpret=interpret)))
-    return pa._scatter(T, N, H, parts)
+        parts.append((pre, _partitions(pre, k_cache, meta, num_partitions)))
+    # A mixed step's parts hold every token (tile counts above); a one-kind step's, only the tokens of its kind.
+    return _combine(q, k_cache, v_cache, layer, meta, parts, interpret=interpret, covers_all=kind == MIXED)

@@ -27,11 +27,12 @@ def vary_over(x, axes: tuple[str, ...]):
 def kvp_merge(out, lse, shared):
     """Exact online-softmax merge of partial attention over the KVP ranks, for the rows marked `shared`.
 
-    out f32[T, N, H] and lse f32[T, N]: this rank's attention over its own KV shard. shared bool[T]: the row
+    out [T, N, H] (float32, or the Mosaic kernels' bf16/f16: merged in float32) and lse f32[T, N]: this rank's
+    attention over its own KV shard. shared bool[T]: the row
     holds a query token of a request whose KV spans several ranks; the same token sits in the same row on
     each of its ranks. Ranks where the row is not shared contribute nothing and keep their own result (such a
     rank may use the row for a request of its own: whatever it holds there, even a non-finite value, never
-    reaches the merge). Returns out f32[T, N, H].
+    reaches the merge). Returns out f32[T, N, H] (with one KVP rank, `out` itself, in its own dtype).
     """
     if lax.axis_size(KVP) == 1:
         return out  # nothing to merge (and no collective left in the layer loop)

@@ -18,21 +18,34 @@ import pytest
 
 from models import mosaic_attention as ma
 from models.attention import attention, on_hopper_gpu, paged_attention
+from models.kernels import NEG_INF
 from tests.models.test_pallas_attention import (assert_close, assert_lowers_for_cuda, check_compiled, dense, f32,
                                                 make_step, poison_unwritten, run)
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def check(fn, step, **kw):
-    """`fn` interpreted on a bf16 step against the float32 reference and dense softmax on the same values."""
+def tolerance(step):
+    """out: within 2^-8 max|v| (P rounded to the input dtype for P V, as before) plus one rounding of out itself to
+    q's dtype, where the kernels now store it (relative: 2^-8 for bf16, 2^-11 for f16, the unit roundoff)."""
+    out_rtol = 2.0 ** -8 if step["q"].dtype == jnp.bfloat16 else 2.0 ** -11
+    return dict(out_atol=2.0 ** -8 * float(jnp.abs(step["v_cache"].astype(jnp.float32)).max()), out_rtol=out_rtol)
+
+
+def check(fn, step, *, other_kind=None, **kw):
+    """`fn` interpreted on a 16-bit step against the float32 reference and dense softmax on the same values: out
+    in q's dtype, lse float32. `other_kind`: bool[T], tokens the step's kind leaves out (exactly 0, NEG_INF)."""
     got = run(fn, step, interpret=True, **kw)
-    assert got[0].dtype == jnp.float32 and got[1].dtype == jnp.float32
-    bound = 2.0 ** -8 * float(jnp.abs(step["v_cache"].astype(jnp.float32)).max())
-    ref = run(paged_attention, f32(step), block_pages=2, precision=HIGHEST)
-    assert_close(got, ref, out_atol=bound)
-    assert_close(got, dense(step), out_atol=bound)
-    err = np.linalg.norm(np.asarray(got[0]) - np.asarray(ref[0])) / max(np.linalg.norm(np.asarray(ref[0])), 1e-30)
+    assert got[0].dtype == step["q"].dtype and got[1].dtype == jnp.float32
+    assert got[0].shape == step["q"].shape and got[1].shape == step["q"].shape[:2]
+    refs = [run(paged_attention, f32(step), block_pages=2, precision=HIGHEST), dense(step)]
+    if other_kind is not None:
+        refs = [(np.where(other_kind[:, None, None], 0.0, np.asarray(o)),
+                 np.where(other_kind[:, None], np.float32(NEG_INF), np.asarray(l))) for o, l in refs]
+    for ref in refs:
+        assert_close(got, ref, **tolerance(step))
+    ref_out = np.asarray(refs[0][0])
+    err = np.linalg.norm(np.asarray(got[0], np.float32) - ref_out) / max(np.linalg.norm(ref_out), 1e-30)
     assert err < 4e-3
 
 
@@ -69,6 +82,56 @@ def test_decode_kernel_split_k_matches_reference():
     check(ma.decode_attention, step, num_partitions=3)
 
 
+# Token-order writes: (heads, kv heads, dtype, prefill partitions, decode partitions). Two kv heads, so a token's
+# G heads land at kvh*G of N; one launch per kind, each writing its rows in place (the second into the first's
+# buffers) when both have one partition, else the several-partition part merged and scattered into them.
+TOKEN_ORDER = {
+    "g4-k2-np1": (8, 2, jnp.bfloat16, 1, 1),
+    "g2-k2-np1-f16": (4, 2, jnp.float16, 1, 1),
+    "g8-k2-np1": (16, 2, jnp.bfloat16, 1, 1),
+    "g4-k2-decode-np2": (8, 2, jnp.bfloat16, 1, 2),
+    "g4-k2-prefill-np2": (8, 2, jnp.bfloat16, 2, 1),
+}
+
+
+def test_mixed_step_writes_in_token_order():
+    """The default suite's mixed step (the cases below are slow): two kv heads of G=4, rows shuffled, a chunk of a
+    tile and 2 tokens, a decode, a decode with no visible key; both launches of one partition, the prefill one
+    writing into the decode one's buffers, its second tile mostly empty slots."""
+    rng = np.random.default_rng(21)
+    step = make_step(rng, [(30, 18, 0), (20, 1, 0), (0, 1, 0)], num_heads=8, num_kv_heads=2, head_dim=64, page=16,
+                     dtype=jnp.bfloat16, shuffle=True)
+    check(ma.paged_attention_mosaic, step, num_partitions=1, decode_partitions=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TOKEN_ORDER)
+def test_mixed_step_writes_every_token_in_its_place(case):
+    """A mixed step, rows shuffled: a prefill chunk of a tile and 3 tokens (the second tile mostly empty slots), a
+    5-token chunk, two decodes, a sequence with no visible key (0, NEG_INF), a KVP shard's view; the decode launch
+    has empty tiles too. Every token's rows must land in its own row and heads: out in q's dtype, lse float32;
+    a token no tile wrote would be NaN (the interpreter's uninitialised memory)."""
+    num_heads, num_kv_heads, dtype, parts, decode_parts = TOKEN_ORDER[case]
+    bq = ma.block_q_for(num_heads, num_kv_heads)
+    rng = np.random.default_rng(num_heads + 3 * parts + 5 * decode_parts)
+    seqs = [(45, bq + 3, 0), (20, 1, 0), (9, 5, 0), (70, 1, 0), (0, 2, 0), (12, 3, 30)]
+    step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64, page=16, dtype=dtype,
+                     shuffle=True)
+    check(ma.paged_attention_mosaic, step, num_partitions=parts, decode_partitions=decode_parts)
+
+
+def test_one_kind_step_leaves_the_other_kind_at_zero_weight():
+    """kind="decode" / "prefill" launches one kernel, writing in place into buffers that start at (0, NEG_INF):
+    the tokens of the other kind keep exactly that (what the switch promises), the others are right."""
+    rng = np.random.default_rng(13)
+    step = make_step(rng, [(40, 1, 0), (23, 7, 0), (5, 1, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16,
+                     dtype=jnp.bfloat16, shuffle=True)
+    seq_ids = np.asarray(step["seq_ids"])
+    decodes = np.isin(seq_ids, [0, 2])
+    check(ma.paged_attention_mosaic, step, kind="decode", decode_partitions=1, other_kind=~decodes)
+    check(ma.paged_attention_mosaic, step, kind="prefill", num_partitions=1, other_kind=decodes)
+
+
 def test_unwritten_cache_slots_never_reach_the_output():
     """NaN in every cache slot that holds none of the sequence's keys (the rest of the last page and block, the
     pages behind unused page-table columns): the kernel zeroes V past the last visible key, so equal to the
@@ -77,8 +140,7 @@ def test_unwritten_cache_slots_never_reach_the_output():
     step = make_step(rng, [(45, 9, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16,
                      max_pages=4)
     got = run(ma.prefill_attention, poison_unwritten(step), interpret=True, num_partitions=1)
-    bound = 2.0 ** -8 * float(jnp.abs(step["v_cache"].astype(jnp.float32)).max())
-    assert_close(got, run(paged_attention, f32(step), block_pages=2, precision=HIGHEST), out_atol=bound)
+    assert_close(got, run(paged_attention, f32(step), block_pages=2, precision=HIGHEST), **tolerance(step))
 
 
 @pytest.mark.slow
@@ -89,8 +151,8 @@ def test_mixed_step_through_the_switch():
     seqs = [(95, 31, 0), (41, 2, 0), (100, 1, 0), (3, 1, 0)]
     step = make_step(rng, seqs, num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16, pad_rows=2)
     got = run(functools.partial(attention, "mosaic_interpret"), step, block_pages=4)
-    bound = 2.0 ** -8 * float(jnp.abs(step["v_cache"].astype(jnp.float32)).max())
-    assert_close(got, run(paged_attention, f32(step), block_pages=4, precision=HIGHEST), out_atol=bound)
+    assert got[0].dtype == jnp.bfloat16
+    assert_close(got, run(paged_attention, f32(step), block_pages=4, precision=HIGHEST), **tolerance(step))
 
 
 @pytest.mark.parametrize("num_heads,page", [(32, 16), (64, 128)], ids=["8b-page16", "70b-page128"])
@@ -98,8 +160,12 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
     """The non-interpreted kernels at Llama-3-8B / -70B attention shapes lower through Pallas' Mosaic GPU lowering
     (layouts, swizzled SMEM, TMA copies of pages, transposed wgmma, warpgroups) to the Mosaic GPU custom call for
     CUDA, alone and inside the step's shard_map (on the CPU; compiling to PTX and running need a Hopper GPU)."""
-    assert_lowers_for_cuda(jnp.bfloat16, ((ma.paged_attention_mosaic, 2), (ma.decode_attention, 1)),
-                           "@mosaic_gpu_v2", num_heads=num_heads, page=page)
+    one = functools.partial(ma.paged_attention_mosaic, num_partitions=1, decode_partitions=1)
+    cases = ((ma.paged_attention_mosaic, 2), (ma.decode_attention, 1),
+             (one, 2),  # token-order writes, the second launch into the first's buffers
+             (functools.partial(one, kind="decode"), 1),  # into (0, NEG_INF) buffers
+             (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2))  # token order + a scatter
+    assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
 
 
 def test_what_the_kernels_refuse():
