@@ -94,6 +94,7 @@ TOKEN_ORDER = {
 }
 
 
+@pytest.mark.slow  # ~25 s in the interpreter
 def test_mixed_step_writes_in_token_order():
     """The default suite's mixed step (the cases below are slow): two kv heads of G=4, rows shuffled, a chunk of a
     tile and 2 tokens, a decode, a decode with no visible key; both launches of one partition, the prefill one
@@ -120,6 +121,7 @@ def test_mixed_step_writes_every_token_in_its_place(case):
     check(ma.paged_attention_mosaic, step, num_partitions=parts, decode_partitions=decode_parts)
 
 
+@pytest.mark.slow  # ~11 s in the interpreter
 def test_one_kind_step_leaves_the_other_kind_at_zero_weight():
     """kind="decode" / "prefill" launches one kernel, writing in place into buffers that start at (0, NEG_INF):
     the tokens of the other kind keep exactly that (what the switch promises), the others are right."""

@@ -46,8 +46,10 @@ def engine_run(policy: str, async_scheduling: bool):
     return engine.predictor, [engine.pop_finished(rid).metrics for rid in ids]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("policy", ["fcfs", "ilrs"])
+@pytest.mark.parametrize("policy, async_scheduling", [
+    ("fcfs", False), ("ilrs", True),
+    pytest.param("fcfs", True, marks=pytest.mark.slow), pytest.param("ilrs", False, marks=pytest.mark.slow)],
+    ids=["fcfs-sync", "ilrs-async", "fcfs-async", "ilrs-sync"])
 def test_simulator_serves_the_trace_as_the_engine_does(policy, async_scheduling):
     predictor, measured = engine_run(policy, async_scheduling)
     config = SimConfig(**settings(policy), hardware="cpu", dtype_bytes=4, async_scheduling=async_scheduling)
