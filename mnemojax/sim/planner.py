@@ -43,8 +43,9 @@ Plots: `plot_pareto` (TTFT P99 against TBT P99 of every simulated candidate, col
 `plot_capacity` (goodput against arrival rate of the best candidates: the trace's arrivals compressed or
 stretched).
 
-Not modelled: shared prefixes (the KV page manager has no prefix cache, so they change nothing here), the
-server's admission limit (`--max_queue`), the HTTP front end, and routers smarter than round-robin.
+Shared prefixes of a trace (`prefix_id`, `prefix_tokens`) are served by the KV page manager's prefix cache in
+the simulation, as in the engine. Not modelled: the server's admission limit (`--max_queue`), the HTTP front
+end, and routers smarter than round-robin.
 """
 from __future__ import annotations
 
