@@ -70,8 +70,9 @@ def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *,
               precision=None, kind: str = MIXED, **kernel_options):
     """Paged attention by the implementation `impl` (see `models.kernels.ATTENTION_IMPLS`); arguments and results
     as `paged_attention`, but that the Mosaic kernels (`mosaic`, `mosaic_interpret`) give out in q's dtype
-    (bf16/f16, what their kernel writes straight in token order), the others float32; lse is always float32. `impl="pallas"` without an NVIDIA GPU, `impl="mosaic"` without a Hopper GPU, raise
-    instead of running something else. `kernel_options` (tile and block sizes, for tuning) go to
+    (bf16/f16, what their kernel writes straight in token order), the others float32; lse is always float32.
+    `impl="pallas"` without an NVIDIA GPU, `impl="mosaic"` without a Hopper GPU, raise instead of running
+    something else. `kernel_options` (tile and block sizes, for tuning) go to
     `models.pallas_attention.paged_attention_pallas` or `models.mosaic_attention.paged_attention_mosaic`
     (whose kernels take bf16/f16 only and ignore `precision`: wgmma, float32 accumulation). `kind` (static, one of
     `models.kernels.STEP_KINDS`) says which rows the step holds, so the kernels launch only the tiles it needs;

@@ -22,9 +22,9 @@ holder has finished (or left the rank) and no micro-batch in the pipeline still 
 
 Async scheduling: `launch` runs a step without waiting for it and `collect` fetches its results later, so the
 host schedules and prepares step N+1 while step N runs. `collect` waits for its step to end even when it has no
-token to fetch, so the host is never more than one step ahead of the device. A token step N samples stays on the device: every step
-writes its sampled tokens into `sampled` (every rank's rows, on every device), and a row of step N+1 whose
-input is such a token (a decode scheduled before its token reached the host) reads it from there.
+token to fetch, so the host is never more than one step ahead of the device. A token step N samples stays on the
+device: every step writes its sampled tokens into `sampled` (every rank's rows, on every device), and a row of
+step N+1 whose input is such a token (a decode scheduled before its token reached the host) reads it from there.
 """
 from __future__ import annotations
 

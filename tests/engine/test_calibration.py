@@ -116,7 +116,8 @@ def test_a_target_below_the_least_work_of_a_step_is_said_once(caplog):
     long_id = None
     for i in range(600):
         if i == 30:  # the decodes are running and the predictor has calibrated
-            long_id = engine.add_request([1 + i % 199 for i in range(1200)], SamplingParams(max_tokens=2, ignore_eos=True))
+            long_id = engine.add_request([1 + j % 199 for j in range(1200)],
+                                         SamplingParams(max_tokens=2, ignore_eos=True))
         engine.step()
         if not engine.has_unfinished():
             break
