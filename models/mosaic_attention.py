@@ -28,7 +28,7 @@ two launches (decode tiles, prefill tiles) then write into the same buffers: the
 as mutable refs (`jax.new_ref`, aliased in and out of the kernel), every token written by exactly one tile; a
 one-kind step (`kind` decode or prefill) starts them at (0, NEG_INF), what a token of the other kind gets. So no
 slice, transpose, merge or scatter follows the kernel. With several partitions the kernel writes the float32 partial
-(acc, m, l) per tile and `models.pallas_attention._merge` combines them exactly right after it, then `_scatter`
+(acc, m, l) per tile and `models.pallas_attention._merge` combines them exactly right after it, then `_scatter_into`
 puts the tiles' rows in token order (or into the token-order buffers of a one-partition launch of the same step).
 
 Supported (anything else raises, no fallback): bfloat16 or float16 q and cache (wgmma's 16-bit inputs; float32
@@ -393,7 +393,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_parts: int,
     else into fresh buffers whose other rows are undefined (uninitialised memory on a GPU, NaN in the
     interpreter), so the caller must cover every token.
     num_parts > 1: the partials merged by log-sum-exp after the kernel, per tile slot: out f32[nt, BQ, N, H],
-    lse f32[nt, BQ, N] (for `pa._scatter`).
+    lse f32[nt, BQ, N] (for `pa._scatter_into`).
     """
     T, N, H = q.shape
     K = k_cache.shape[3]
@@ -452,7 +452,7 @@ def _combine(q, k_cache, v_cache, layer, meta, parts, *, interpret: bool, covers
     second takes the first's output as an aliased input), so no scatter: the first allocates them, uninitialised,
     when `covers_all` (every token of the step is in some part), else they start as (0, NEG_INF), what a token in
     no part gets. The launches with several partitions are merged after their kernel and scattered
-    (`pa._scatter`, float32) into those buffers, or make them when no launch has one partition."""
+    (`pa._scatter_into`) into those buffers, or into (0, NEG_INF) ones when no launch has one partition."""
     T, N, H = q.shape
     args = (q, k_cache, v_cache, layer, meta)
     into = None if covers_all else (jnp.zeros((T, N, H), q.dtype), jnp.full((T, N), NEG_INF, jnp.float32))
@@ -465,13 +465,8 @@ def _combine(q, k_cache, v_cache, layer, meta, parts, *, interpret: bool, covers
     if not merged:
         return into
     if into is None:
-        out, lse = pa._scatter(T, N, H, merged)
-        return out.astype(q.dtype), lse
-    idx = jnp.concatenate([tt.reshape(-1) for tt, _, _ in merged])
-    out = into[0].at[idx].set(jnp.concatenate([o.reshape(-1, N, H) for _, o, _ in merged]).astype(q.dtype),
-                              mode="drop")
-    lse = into[1].at[idx].set(jnp.concatenate([s.reshape(-1, N) for _, _, s in merged]), mode="drop")
-    return out, lse
+        into = (jnp.zeros((T, N, H), q.dtype), jnp.full((T, N), NEG_INF, jnp.float32))
+    return pa._scatter_into(into, merged)
 
 
 def _check(q, k_cache, v_cache, meta, interpret: bool):

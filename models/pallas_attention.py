@@ -215,11 +215,11 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, q_ref, table_ref, k_r
 
 
 def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, num_partitions: int | None,
-                  precision, interpret: bool, into: tuple | None = None):
+                  precision, interpret: bool, into: tuple):
     """Attention of the tokens laid out in tiles; tile_tok i32[nt, BQ] holds token indices (T = empty slot),
-    all of one sequence per tile. Returns out f32[nt, BQ, N, H] and lse f32[nt, BQ, N] in tile order; with
-    `into`, token-order buffers (out f32[T + 1, N, H], lse f32[T + 1, N], row T a sink), returns them with these
-    tiles' tokens written: by the kernel itself with one KV partition, else merged and scattered after it."""
+    all of one sequence per tile. `into` are the token-order buffers (out f32[T + 1, N, H], lse f32[T + 1, N],
+    row T a sink); returns them with these tiles' tokens written: by the kernel itself with one KV partition,
+    else merged and scattered after it."""
     T, N, H = q.shape
     L, P, S, K, _ = k_cache.shape
     B, M = meta.page_table.shape
@@ -239,7 +239,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, n
         num_partitions = max(1, min(max_blocks, _cdiv(TARGET_PROGRAMS, nt * K),
                                     MAX_PARTIAL_BYTES // (nt * K * R * (H + 2) * 4)))
     NP = num_partitions
-    direct = into is not None and NP == 1
+    direct = NP == 1
 
     kernel = functools.partial(_kernel, block_k=block_k, num_parts=NP, scale=H ** -0.5 * LOG2E,
                                precision=precision, group=G if direct else None)
@@ -287,10 +287,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, n
     out, lse = _merge(acc[..., :bq * G, :], m[..., :bq * G], l[..., :bq * G])  # [nt, K, BQ*G, (H)]
     out = out.reshape(nt, K, bq, G, H).transpose(0, 2, 1, 3, 4).reshape(nt, bq, N, H)
     lse = lse.reshape(nt, K, bq, G).transpose(0, 2, 1, 3).reshape(nt, bq, N)
-    if into is None:
-        return out, lse
-    idx = tile_tok.reshape(-1)  # empty slots (T) land in the sink row
-    return into[0].at[idx].set(out.reshape(-1, N, H)), into[1].at[idx].set(lse.reshape(-1, N))
+    return _scatter_into(into, [(tile_tok, out, lse)])  # empty slots (T) land in the sink row
 
 
 def _token_order_buffers(T: int, N: int, H: int):
@@ -345,14 +342,16 @@ def _merge(acc, m, l):
     return out, lse
 
 
-def _scatter(T, N, H, parts):
-    """Token-order (out, lse) from [(tile_tok, out_tiles, lse_tiles), ...]; each token in exactly one slot."""
+def _scatter_into(into, parts):
+    """The token-order buffers `into` = (out [T', N, H], lse [T', N]) with the rows of the tiles
+    [(tile_tok, out_tiles, lse_tiles), ...] set (each token in exactly one slot; out cast to the buffer's dtype).
+    An empty slot (T) lands in the sink row when T' = T + 1, else is dropped."""
+    out, lse = into
+    N, H = out.shape[1:]
     idx = jnp.concatenate([tt.reshape(-1) for tt, _, _ in parts])
-    out = jnp.zeros((T, N, H), jnp.float32).at[idx].set(
-        jnp.concatenate([o.reshape(-1, N, H) for _, o, _ in parts]), mode="drop")
-    lse = jnp.full((T, N), NEG_INF, jnp.float32).at[idx].set(
-        jnp.concatenate([s.reshape(-1, N) for _, _, s in parts]), mode="drop")
-    return out, lse
+    return (out.at[idx].set(jnp.concatenate([o.reshape(-1, N, H) for _, o, _ in parts]).astype(out.dtype),
+                            mode="drop"),
+            lse.at[idx].set(jnp.concatenate([s.reshape(-1, N) for _, _, s in parts]), mode="drop"))
 
 
 # ---------------------------------------------------------------------------------------------- tilings

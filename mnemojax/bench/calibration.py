@@ -26,6 +26,14 @@ def nearest_rank(xs: list[float], q: float) -> float:
     return xs[max(0, -(-int(q * 100) * len(xs) // 100) - 1)]
 
 
+def after_calibrating(steps: list[tuple[float, int, int]], calibrating: int) -> tuple[list, int]:
+    """Of steps (seconds, decodes, prefill tokens): those with decodes from the `calibrating`-th mixed one (a
+    prefill chunk beside decodes) on, and how many mixed steps there were in all."""
+    with_decodes = [s for s in steps if s[1]]
+    mixed = [i for i, s in enumerate(with_decodes) if s[2]]
+    return (with_decodes[mixed[min(calibrating, len(mixed) - 1)]:] if mixed else with_decodes), len(mixed)
+
+
 def serve(args, policy: str, async_scheduling: bool) -> dict:
     """One run: the workload under `policy`; the numbers of the table's row."""
     from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
@@ -56,9 +64,7 @@ def serve(args, policy: str, async_scheduling: bool) -> dict:
             for out in engine.step():
                 done[out.request_id] = out
     m = done["long"].metrics
-    with_decodes = [s for s in steps if s[1]]
-    mixed = [i for i, s in enumerate(with_decodes) if s[2]]
-    after = with_decodes[mixed[min(args.calibrating, len(mixed) - 1)]:] if mixed else with_decodes
+    after, _ = after_calibrating(steps, args.calibrating)
     mixed_after = [s for s, _, p in after if p]
     return {"steps": len(after), "mixed": len(mixed_after),
             "median_mixed": statistics.median(mixed_after) if mixed_after else float("nan"),

@@ -455,7 +455,6 @@ class Simulator:
         timeline: list[tuple[float, int, int]] = []
         active = 0
         in_flight = None  # async scheduling: the step launched and not yet collected
-        collected = 1  # the number of the step collected next (steps are collected in launch order)
         horizon = cfg.max_simulated_s if cfg.max_simulated_s is not None else math.inf
         stop_reason = "done"
         self.now = self.trace[0].arrival_time if self.trace else 0.0
@@ -508,13 +507,12 @@ class Simulator:
                 ch.request.num_unfetched -= ch.sample
             running = len(sched.running)
             for req in sched.update_from_output(done, outputs):
-                if len(req.output_token_ids) == 1:
-                    first_token_step[id(req)] = collected
+                if len(req.output_token_ids) == 1:  # the collected step's number (launched and collected in order)
+                    first_token_step[id(req)] = self.steps - (in_flight is not None)
                 if req.is_finished:
                     active -= 1
                     running -= 1  # (the timeline counts the finished requests out one by one)
                     timeline.append((self.now, active, running))
-            collected += 1
         end = self.now
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         records = [self._record(r, k, first_token_step.get(id(r))) for r, k in zip(reqs, kinds)]

@@ -16,6 +16,7 @@ import random
 
 import pytest
 
+from mnemojax.bench.calibration import after_calibrating, nearest_rank
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 from mnemojax.scheduling.predictor import ChunkShape, Predictor
 from mnemojax.scheduling.sampling_params import SamplingParams
@@ -59,11 +60,6 @@ def serve(policy: str, async_scheduling: bool, **config):
     return engine, vm, m.first_token_time - m.arrival_time
 
 
-def nearest_rank(xs, q):
-    xs = sorted(xs)
-    return xs[max(0, -(-int(q * 100) * len(xs) // 100) - 1)]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_calibrated_engine_keeps_mixed_steps_within_target(tmp_path, caplog, async_scheduling):
@@ -76,10 +72,8 @@ def test_calibrated_engine_keeps_mixed_steps_within_target(tmp_path, caplog, asy
         assert engine.calibrator.num_refits > 10
         assert engine.prediction_error() < 0.15, policy
 
-        with_decodes = [(s, d, p) for s, d, p in vm.steps if d]
-        mixed = [i for i, (_, d, p) in enumerate(with_decodes) if p]
-        assert len(mixed) > CALIBRATING + 15, (policy, len(mixed))
-        after = with_decodes[mixed[CALIBRATING]:]
+        after, num_mixed = after_calibrating(vm.steps, CALIBRATING)
+        assert num_mixed > CALIBRATING + 15, (policy, num_mixed)
         p99 = nearest_rank([s for s, _, _ in after], 0.99)
         mixed_after = sorted(s for s, _, p in after if p)
         median_mixed = mixed_after[len(mixed_after) // 2]
