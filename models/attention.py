@@ -67,10 +67,13 @@ def resolve_attention(impl: str) -> str:
 
 
 def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *, block_pages: int,
-              precision=None, kind: str = MIXED, **kernel_options):
+              precision=None, kind: str = MIXED, out_dtype=None, **kernel_options):
     """Paged attention by the implementation `impl` (see `models.kernels.ATTENTION_IMPLS`); arguments and results
     as `paged_attention`, but that the Mosaic kernels (`mosaic`, `mosaic_interpret`) give out in q's dtype
     (bf16/f16, what their kernel writes straight in token order), the others float32; lse is always float32.
+    `out_dtype=float32` asks every implementation for float32 out (the Mosaic kernels then write float32): what a
+    KVP rank's partial must be, since the merge across ranks (`shardings.collectives.kvp_merge`) is exact only on
+    unrounded partials. Any other `out_dtype` raises.
     `impl="pallas"` without an NVIDIA GPU, `impl="mosaic"` without a Hopper GPU, raise instead of running
     something else. `kernel_options` (tile and block sizes, for tuning) go to
     `models.pallas_attention.paged_attention_pallas` or `models.mosaic_attention.paged_attention_mosaic`
@@ -79,6 +82,8 @@ def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *,
     a sequence of the other kind then gets no attention (out 0), so it must be right."""
     if kind not in STEP_KINDS:
         raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
+    if out_dtype is not None and jnp.dtype(out_dtype) != jnp.float32:
+        raise ValueError(f"out_dtype must be None (the implementation's own) or float32, got {out_dtype}")
     impl = resolve_attention(impl)
     if impl == REFERENCE:
         if kernel_options:
@@ -94,7 +99,8 @@ def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *,
                                "use 'pallas', 'reference' or 'mosaic_interpret' (the default device is "
                                f"{getattr(device, 'device_kind', device.platform)!r})")
         return mosaic_attention.paged_attention_mosaic(q, k_cache, v_cache, layer, meta, kind=kind,
-                                                       interpret=impl == MOSAIC_INTERPRET, **kernel_options)
+                                                       interpret=impl == MOSAIC_INTERPRET, out_dtype=out_dtype,
+                                                       **kernel_options)
     return pallas_attention.paged_attention_pallas(q, k_cache, v_cache, layer, meta, precision=precision, kind=kind,
                                                    interpret=impl == PALLAS_INTERPRET, **kernel_options)
 

@@ -20,7 +20,7 @@ from models.attention import AttentionMetadata, attention
 from models.config import LlamaConfig
 from models.kernels import AUTO, MIXED, check_attention_impl
 from shardings.collectives import from_last_stage, kvp_merge
-from shardings.mesh import SPP, TP
+from shardings.mesh import KVP, SPP, TP
 from shardings.specs import ShardingTable
 
 
@@ -92,8 +92,10 @@ def _layer(spec: ModelSpec, batch: StepBatch, carry, layer, kind: str = MIXED):
     k = rope.apply_rope(k, batch.attn.positions, inv_freq)
     k_cache = k_cache.at[idx, batch.write_pages, batch.write_slots].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[idx, batch.write_pages, batch.write_slots].set(v.astype(v_cache.dtype))
+    # A KVP rank's out is a partial: float32 into the merge (the Mosaic kernels' own bf16 would round it first).
+    partial = lax.axis_size(KVP) > 1
     o, lse = attention(spec.attention, q, k_cache, v_cache, idx, batch.attn, block_pages=spec.block_pages,
-                       precision=prec, kind=kind)
+                       precision=prec, kind=kind, out_dtype=jnp.float32 if partial else None)
     o = kvp_merge(o, lse, batch.shared)
     attn = jnp.einsum("tnh,nhd->td", o.astype(dt), p["wo"], precision=prec)
     x = x + lax.psum(attn, TP)

@@ -4,8 +4,9 @@ Same arguments and results as the reference `models.attention.paged_attention` a
 `models.pallas_attention` (whose tilings, per-tile metadata, partition merge and scatter this module reuses):
 every query token attends to the keys of its own sequence held in the paged cache [L, P, S, K, H] at local
 index i < kv_lens[seq] and i <= positions[t] - kv_start[seq] (bottom-right causal, KVP shards included);
-out [T, N, H] in q's dtype (bf16 or f16: the model's dtype; the reference and the Triton kernels give float32),
-lse f32[T, N] in natural log; a token with no visible key gets out = 0 and lse = NEG_INF.
+out [T, N, H] in q's dtype (bf16 or f16: the model's dtype; the reference and the Triton kernels give float32)
+or, asked with `out_dtype=float32`, in float32 (a KVP rank's partial: the merge across ranks must see it
+unrounded), lse f32[T, N] in natural log; a token with no visible key gets out = 0 and lse = NEG_INF.
 
 One kernel, two tilings (as in `models.pallas_attention`):
   - prefill tiles: the tokens of each sequence cut into tiles of 64 // G tokens, the G query heads of a kv head
@@ -203,13 +204,13 @@ class _Ops:
 
 # ------------------------------------------------------------------------------------------ the kernel
 def _kernel(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_parts: int, group: int, scale: float,
-            ops: _Ops):
+            ops: _Ops, out_dtype):
     """One (tile, kv head, partition) program: warpgroup 0 consumes, warpgroup 1 produces (TMA).
 
     info_ref i32[nt, 4] (layer, sequence, keys all rows see, keys the furthest row sees); lim_ref i32[nt, 64]
     keys each row sees; table_ref i32[B, M]; q_ref [nt, K, 64, H]; k_ref / v_ref the cache [L, P, S, K, H].
-    When num_parts == 1, io_refs = (tok_ref i32[nt, BQ]: the tile's tokens, T = empty slot; out [T, N, H] in q's
-    dtype; lse f32[T, N]): the program writes its rows normalised, in token order, each token's G heads
+    When num_parts == 1, io_refs = (tok_ref i32[nt, BQ]: the tile's tokens, T = empty slot; out [T, N, H] in
+    `out_dtype`; lse f32[T, N]): the program writes its rows normalised, in token order, each token's G heads
     straight to their place (token i of the tile is rows i*G .. i*G+G-1); empty slots write nothing. Otherwise
     io_refs are the partial (acc [nt, K, NP, 64, H], m [nt, K, NP, 64] base-2, l [nt, K, NP, 64]), float32.
     """
@@ -223,8 +224,8 @@ def _kernel(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_par
         plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # v slots
         plgpu.SMEM((ROWS, BLOCK_K), cdt, transforms=tr),  # p
         plgpu.SMEM((ROWS,), jnp.int32),  # keys each row sees
-        # output staging: rows of G heads copied out per token (q's dtype), or the float32 partial
-        plgpu.SMEM((ROWS, H), cdt if num_parts == 1 else jnp.float32),
+        # output staging: rows of G heads copied out per token (out_dtype), or the float32 partial
+        plgpu.SMEM((ROWS, H), out_dtype if num_parts == 1 else jnp.float32),
         plgpu.SMEM((ROWS,), jnp.float32),  # lse / m staging
         plgpu.SMEM((ROWS,), jnp.float32),  # l staging
     ]
@@ -340,7 +341,7 @@ def _program(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem,
             empty = l == 0.0
             safe = jnp.where(empty, 1.0, l)
             o_smem[...] = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0,
-                                    acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(cdt)
+                                    acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype)
             m_smem[...] = jnp.where(empty, NEG_INF, (m + jnp.log2(safe)) * (1.0 / LOG2E))
             plgpu.commit_smem()
 
@@ -384,11 +385,12 @@ def _partitions(tile_tok, k_cache, meta, num_partitions: int | None) -> int:
     return max(1, min(_cdiv(M * S, BLOCK_K), _cdiv(TARGET_PROGRAMS, nt * K)))
 
 
-def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_parts: int, interpret: bool, into=None):
+def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_parts: int, interpret: bool, out_dtype,
+                  into=None):
     """One kernel launch over the tiles `tile_tok` (i32[nt, BQ], T = empty slot, one sequence per tile).
 
     num_parts == 1: the kernel normalises and writes each token's rows in token order: returns out [T, N, H] in
-    q's dtype and lse f32[T, N]. Only the rows of the tiles' tokens are written: into `into` = (out, lse) when
+    `out_dtype` and lse f32[T, N]. Only the rows of the tiles' tokens are written: into `into` = (out, lse) when
     given (passed to the kernel as mutable refs, i.e. aliased in and out: the other rows keep their values),
     else into fresh buffers whose other rows are undefined (uninitialised memory on a GPU, NaN in the
     interpreter), so the caller must cover every token.
@@ -410,11 +412,11 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_parts: int,
     if NP == 1:
         operands.append(tile_tok.astype(jnp.int32))
         if into is None:
-            out_shape = [jax.ShapeDtypeStruct((T, N, H), q.dtype), jax.ShapeDtypeStruct((T, N), f32)]
+            out_shape = [jax.ShapeDtypeStruct((T, N, H), out_dtype), jax.ShapeDtypeStruct((T, N), f32)]
         else:
             out, lse = into
-            if out.shape != (T, N, H) or out.dtype != q.dtype or lse.shape != (T, N) or lse.dtype != f32:
-                raise ValueError(f"into must be (out {q.dtype}[{T}, {N}, {H}], lse float32[{T}, {N}]), got "
+            if out.shape != (T, N, H) or out.dtype != out_dtype or lse.shape != (T, N) or lse.dtype != f32:
+                raise ValueError(f"into must be (out {out_dtype}[{T}, {N}, {H}], lse float32[{T}, {N}]), got "
                                  f"{out.dtype}{list(out.shape)}, {lse.dtype}{list(lse.shape)}")
             refs = [jax.new_ref(out, memory_space=plgpu.GMEM), jax.new_ref(lse, memory_space=plgpu.GMEM)]
             operands += refs
@@ -429,7 +431,8 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_parts: int,
     # axes check is off as there (its outputs are typed varying over no mesh axis inside shard_map).
     with jax_config._check_vma(False):
         outs = pl.kernel(
-            functools.partial(_kernel, num_parts=NP, group=G, scale=H ** -0.5 * LOG2E, ops=_Ops(interpret)),
+            functools.partial(_kernel, num_parts=NP, group=G, scale=H ** -0.5 * LOG2E, ops=_Ops(interpret),
+                              out_dtype=out_dtype),
             out_type=out_shape,
             mesh=plgpu.Mesh(grid=(nt, K, NP), grid_names=("tile", "kvh", "part"), num_threads=2, thread_name="wg"),
             interpret=_interpret_params() if interpret else False,
@@ -444,9 +447,9 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_parts: int,
     return out, lse
 
 
-def _combine(q, k_cache, v_cache, layer, meta, parts, *, interpret: bool, covers_all: bool):
-    """(out [T, N, H] in q's dtype, lse f32[T, N]) of a step whose tokens are laid out in `parts`, a list of
-    (tile_tok, num_partitions), one launch each, no token in two parts.
+def _combine(q, k_cache, v_cache, layer, meta, parts, *, interpret: bool, covers_all: bool, out_dtype=None):
+    """(out [T, N, H] in `out_dtype` (default q's dtype, or float32), lse f32[T, N]) of a step whose tokens are
+    laid out in `parts`, a list of (tile_tok, num_partitions), one launch each, no token in two parts.
 
     The one-partition launches write their tokens' rows in place, one after the other into the same buffers (the
     second takes the first's output as an aliased input), so no scatter: the first allocates them, uninitialised,
@@ -454,18 +457,23 @@ def _combine(q, k_cache, v_cache, layer, meta, parts, *, interpret: bool, covers
     no part gets. The launches with several partitions are merged after their kernel and scattered
     (`pa._scatter_into`) into those buffers, or into (0, NEG_INF) ones when no launch has one partition."""
     T, N, H = q.shape
+    out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
+    if out_dtype not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be q's dtype ({q.dtype}) or float32, got {out_dtype}")
     args = (q, k_cache, v_cache, layer, meta)
-    into = None if covers_all else (jnp.zeros((T, N, H), q.dtype), jnp.full((T, N), NEG_INF, jnp.float32))
+    zeros = lambda: (jnp.zeros((T, N, H), out_dtype), jnp.full((T, N), NEG_INF, jnp.float32))  # noqa: E731
+    into = None if covers_all else zeros()
     merged = []
     for tile_tok, num_parts in parts:
+        kw = dict(num_parts=num_parts, interpret=interpret, out_dtype=out_dtype)
         if num_parts == 1:
-            into = _attend_tiles(*args, tile_tok, num_parts=1, interpret=interpret, into=into)
+            into = _attend_tiles(*args, tile_tok, into=into, **kw)
         else:
-            merged.append((tile_tok, *_attend_tiles(*args, tile_tok, num_parts=num_parts, interpret=interpret)))
+            merged.append((tile_tok, *_attend_tiles(*args, tile_tok, **kw)))
     if not merged:
         return into
     if into is None:
-        into = (jnp.zeros((T, N, H), q.dtype), jnp.full((T, N), NEG_INF, jnp.float32))
+        into = zeros()
     return pa._scatter_into(into, merged)
 
 
@@ -484,22 +492,23 @@ def block_q_for(num_heads: int, num_kv_heads: int) -> int:
 
 @pa._jit
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
-                      num_partitions: int | None = None):
+                      num_partitions: int | None = None, out_dtype=None):
     """Chunked-prefill attention: every sequence's tokens in tiles of 64 // G tokens, split-K over
     `num_partitions` (default: enough programs to fill the GPU). Arguments as `models.attention.paged_attention`
-    (but `block_pages`); results out [T, N, H] in q's dtype, lse f32[T, N]."""
+    (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by default, or float32), lse f32[T, N]."""
     _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
     B = meta.page_table.shape[0]
     bq = block_q_for(N, k_cache.shape[3])
     tiles = pa._sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
     parts = [(tiles, _partitions(tiles, k_cache, meta, num_partitions))]
-    return _combine(q, k_cache, v_cache, layer, meta, parts, interpret=interpret, covers_all=True)
+    return _combine(q, k_cache, v_cache, layer, meta, parts, interpret=interpret, covers_all=True,
+                    out_dtype=out_dtype)
 
 
 @pa._jit
 def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
-                     num_partitions: int | None = None):
+                     num_partitions: int | None = None, out_dtype=None):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
     `prefill_attention`."""
@@ -507,17 +516,19 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fals
     T, N, H = q.shape
     tiles = pa._token_tiles(jnp.ones(T, bool), T)
     parts = [(tiles, _partitions(tiles, k_cache, meta, num_partitions))]
-    return _combine(q, k_cache, v_cache, layer, meta, parts, interpret=interpret, covers_all=True)
+    return _combine(q, k_cache, v_cache, layer, meta, parts, interpret=interpret, covers_all=True,
+                    out_dtype=out_dtype)
 
 
 @pa._jit
 def paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                            num_partitions: int | None = None, decode_partitions: int | None = None,
-                           kind: str = MIXED):
+                           kind: str = MIXED, out_dtype=None):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
-    NEG_INF). Results out [T, N, H] in q's dtype, lse f32[T, N]: with one partition per launch both kernels write
+    NEG_INF). Results out [T, N, H] in `out_dtype` (default q's dtype; float32 for a KVP rank's partial, which
+    the merge across ranks needs unrounded), lse f32[T, N]: with one partition per launch both kernels write
     into the same token-order buffers, no scatter (`_combine`)."""
     _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
@@ -534,4 +545,5 @@ def paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool 
         pre = pa._sequence_tiles(meta.seq_ids, ~is_decode, B, bq, num_prefill_tiles)
         parts.append((pre, _partitions(pre, k_cache, meta, num_partitions)))
     # A mixed step's parts hold every token (tile counts above); a one-kind step's, only the tokens of its kind.
-    return _combine(q, k_cache, v_cache, layer, meta, parts, interpret=interpret, covers_all=kind == MIXED)
+    return _combine(q, k_cache, v_cache, layer, meta, parts, interpret=interpret, covers_all=kind == MIXED,
+                    out_dtype=out_dtype)

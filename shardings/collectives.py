@@ -27,8 +27,8 @@ def vary_over(x, axes: tuple[str, ...]):
 def kvp_merge(out, lse, shared):
     """Exact online-softmax merge of partial attention over the KVP ranks, for the rows marked `shared`.
 
-    out [T, N, H] (float32, or the Mosaic kernels' bf16/f16: merged in float32) and lse f32[T, N]: this rank's
-    attention over its own KV shard. shared bool[T]: the row
+    out f32[T, N, H] and lse f32[T, N]: this rank's attention over its own KV shard (float32: a partial rounded
+    to 16 bits before the merge would differ from one device's result; such an out raises when kvp > 1). shared bool[T]: the row
     holds a query token of a request whose KV spans several ranks; the same token sits in the same row on
     each of its ranks. Ranks where the row is not shared contribute nothing and keep their own result (such a
     rank may use the row for a request of its own: whatever it holds there, even a non-finite value, never
@@ -36,6 +36,8 @@ def kvp_merge(out, lse, shared):
     """
     if lax.axis_size(KVP) == 1:
         return out  # nothing to merge (and no collective left in the layer loop)
+    if out.dtype != jnp.float32:
+        raise ValueError(f"kvp_merge needs float32 partials (ask the attention for out_dtype=float32), got {out.dtype}")
     w_lse = jnp.where(shared[:, None], lse, NEG)
     m = lax.pmax(w_lse, KVP)
     w = jnp.where(shared[:, None], jnp.exp(w_lse - m), 0.0)  # [T, N]

@@ -135,9 +135,12 @@ def attn_flops(num_heads, head_dim, chunk, context) -> float:
     return 4.0 * num_heads * head_dim * pairs
 
 
-def attn_bytes(args, itemsize, chunk, context, batch=1) -> float:
+def attn_bytes(args, itemsize, chunk, context, batch=1, impl: str = "") -> float:
+    """K and V of the context read once, q read and out written once: out in q's dtype from the Mosaic kernels,
+    float32 from the others."""
     kv = 2 * context * args.num_kv_heads * args.head_dim * itemsize * batch
-    return kv + chunk * batch * args.num_heads * args.head_dim * (itemsize + 4)  # q in, f32 out
+    out_itemsize = itemsize if impl.startswith("mosaic") else 4
+    return kv + chunk * batch * args.num_heads * args.head_dim * (itemsize + out_itemsize)
 
 
 class PagedLayer:
@@ -299,7 +302,7 @@ def main(argv=None) -> dict:
             results["prefill"].append(dict(
                 impl=impl, context=n, chunk=c, ms=t * 1e3, us_per_token=t / c * 1e6,
                 tflops=attn_flops(args.num_heads, args.head_dim, c, n) / t / 1e12,
-                gbps=attn_bytes(args, itemsize, c, n) / t / 1e9, base=base_for(c, n)))
+                gbps=attn_bytes(args, itemsize, c, n, impl=impl) / t / 1e9, base=base_for(c, n)))
             print(f"  {impl} context {n} chunk {c}: {t * 1e3:.3f} ms", flush=True)
         mine = [r for r in results["prefill"] if r["impl"] == impl and r["context"] == n]
         for row in mine:
@@ -312,7 +315,7 @@ def main(argv=None) -> dict:
             dec = PagedLayer(args, n, batch=B, seed=1, impl=impl)
             t = dec.time(1, n, args.repeats)
             results["decode"].append(dict(impl=impl, context=n, batch=B, ms=t * 1e3,
-                                          gbps=attn_bytes(args, itemsize, 1, n, batch=B) / t / 1e9,
+                                          gbps=attn_bytes(args, itemsize, 1, n, batch=B, impl=impl) / t / 1e9,
                                           base=base_for(1, n, B)))
             del dec
         del layer

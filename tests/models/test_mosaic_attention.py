@@ -145,6 +145,31 @@ def test_mixed_step_through_the_switch():
     assert_close(got, run(paged_attention, f32(step), block_pages=4, precision=HIGHEST), **tolerance(step))
 
 
+@pytest.mark.slow  # ~35 s in the interpreter
+def test_float32_out_for_a_kvp_partial_is_the_unrounded_result():
+    """out_dtype=float32 (what a KVP rank asks for: its partial goes into the merge unrounded): out comes back in
+    float32, right against the reference, not rounded to bf16, and the default bf16 out is exactly it rounded; both
+    paths: the decode launch normalising in the kernel (one partition), the prefill launch merged after it (two)."""
+    rng = np.random.default_rng(21)
+    step = make_step(rng, [(30, 1, 0), (9, 5, 0), (12, 3, 30)], num_heads=4, num_kv_heads=1, head_dim=64,
+                     page=16, dtype=jnp.bfloat16, shuffle=True)
+    kw = dict(interpret=True, num_partitions=2, decode_partitions=1)
+    out32, lse32 = run(ma.paged_attention_mosaic, step, out_dtype=jnp.float32, **kw)
+    assert out32.dtype == jnp.float32 and lse32.dtype == jnp.float32
+    ref = run(paged_attention, f32(step), block_pages=2, precision=HIGHEST)
+    assert_close((out32, lse32), ref, out_atol=tolerance(step)["out_atol"], out_rtol=0.0)
+    seq_ids = np.asarray(step["seq_ids"])
+    for rows in (seq_ids == 0, seq_ids != 0):  # the decode's rows, the prefill chunks' rows
+        o = np.asarray(out32)[rows]
+        assert (o != np.asarray(jnp.asarray(o).astype(jnp.bfloat16), np.float32)).any(), "rounded to bf16"
+    out16, lse16 = run(ma.paged_attention_mosaic, step, **kw)
+    assert out16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out16, np.float32), np.asarray(out32.astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(lse16, lse32)
+    with pytest.raises(ValueError, match="out_dtype must be q's dtype .* or float32"):
+        run(ma.paged_attention_mosaic, step, out_dtype=jnp.float16, **kw)
+
+
 @pytest.mark.parametrize("num_heads,page", [(32, 16), (64, 128)], ids=["8b-page16", "70b-page128"])
 def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
     """The non-interpreted kernels at Llama-3-8B / -70B attention shapes lower through Pallas' Mosaic GPU lowering
@@ -154,7 +179,8 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
     cases = ((ma.paged_attention_mosaic, 2), (ma.decode_attention, 1),
              (one, 2),  # token-order writes, the second launch into the first's buffers
              (functools.partial(one, kind="decode"), 1),  # into (0, NEG_INF) buffers
-             (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2))  # token order + a scatter
+             (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2),  # token order + a scatter
+             (functools.partial(one, out_dtype=jnp.float32), 2))  # a KVP rank's float32 partial
     assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
 
 

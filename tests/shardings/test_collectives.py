@@ -194,3 +194,20 @@ def test_vary_over_keeps_values_and_lets_a_replicated_carry_take_stage_local_upd
         for layer in range(3):
             want = want * 0.5 + w[s, layer]
         np.testing.assert_allclose(got[s], want, rtol=1e-6, atol=1e-6)
+
+
+def test_kvp_merge_refuses_partials_rounded_to_16_bits():
+    """A bf16 partial (the Mosaic kernels' own out dtype) would be rounded before the merge, so kvp > 1 differs
+    from one device: the merge raises, naming the fix, instead of merging it; one rank has nothing to merge."""
+    mesh, merge = _merge_fn(2)
+    out = np.zeros((2, 3, N, H), np.float32)
+    lse = np.zeros((2, 3, N), np.float32)
+    shared = np.ones((2, 3), bool)
+    o16, l32, s = _put(mesh, P(KVP), out.astype(jnp.bfloat16), lse, shared)
+    with pytest.raises(ValueError, match="kvp_merge needs float32 partials .*out_dtype=float32.*bfloat16"):
+        merge(o16, l32, s)
+    mesh1, one = _merge_fn(1)
+    o16 = np.ones((1, 3, N, H), jnp.bfloat16)
+    got = one(*_put(mesh1, P(KVP), o16, np.zeros((1, 3, N), np.float32), np.ones((1, 3), bool)))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), 1.0)
