@@ -3,6 +3,7 @@
     python scripts/profile_predictor.py [--model tiny] [--dtype float32] [--hardware cpu] [--reps 7]
         [--out mnemojax/scheduling/profiles/cpu.json]
     python scripts/profile_predictor.py --check mnemojax/scheduling/profiles/cpu.json   # measure and compare, no fit
+    python scripts/profile_predictor.py --wake_only --out PROFILE    # measure the wake factor into PROFILE
 
 Builds an engine on one device (the 1x1x1 mesh), then times `engine.executor.execute(plan)` on a spread of
 plans built by hand (requests given pages straight from the pool, `ScheduledChunk`s, a `StepPlan`): decode
@@ -12,6 +13,12 @@ shape bucket), then in each of `--reps` rounds every plan runs twice back to bac
 timed (the steady state of consecutive steps of one shape; see `Bench.measure`); a plan's time is the median
 of its rounds. `execute` returns host values, so each call is complete when it returns. Run it on a quiet
 machine (`--wait_quiet`): on 2 cores, one busy process elsewhere slows every step by up to half.
+
+Then the wake factor (`Profile.wake_factor`): each of `WAKE_PLANS` (a new request's first chunk, 16 to 512 tokens)
+runs after `--wake_idle_s` of sleep, as the first step of an engine that waited for a request does, and again at
+once; the factor is the median over plans of their median cold / warm ratio (at least 1). The simulator applies it
+to a step launched after the device idled (the one effect the steady-state plans above cannot see: on this VM a
+step after a second of sleep takes about 1.5x its time, caches cold and threads parked).
 
 The factors (`mnemojax.scheduling.predictor.Profile`) are fitted on two thirds of the plans (every category split the
 same way) by Nelder-Mead on the log of each factor, minimising the mean squared log error of predicted vs
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import math
 import os
 import platform
@@ -160,6 +168,44 @@ class Bench:
                     ex.execute(built[i])
                     times[i].append(time.perf_counter() - t)
         return [statistics.median(ts) for ts in times]
+
+
+WAKE_PLANS: list[Plan] = [[ChunkShape(q, q)] for q in (16, 64, 128, 256, 512)]
+"""What an engine that idled starts with: a new request's first prefill chunk."""
+
+
+def measure_wake(execute, plans: list, reps: int, idle_s: float, *, sleep=time.sleep, clock=time.perf_counter,
+                 seed: int = 0) -> list[tuple[float, float]]:
+    """(cold, warm) seconds per plan: `execute(plan)` after `idle_s` of sleep (the engine waiting for a request),
+    then again at once; each the median over `reps` rounds, plans in a shuffled order each round."""
+    cold: list[list[float]] = [[] for _ in plans]
+    warm: list[list[float]] = [[] for _ in plans]
+    rng = random.Random(seed)
+    for _ in range(reps):
+        for i in rng.sample(range(len(plans)), len(plans)):
+            sleep(idle_s)
+            for times in (cold, warm):
+                t = clock()
+                execute(plans[i])
+                times[i].append(clock() - t)
+    return [(statistics.median(c), statistics.median(w)) for c, w in zip(cold, warm)]
+
+
+def wake_factor(pairs: list[tuple[float, float]]) -> float:
+    """`Profile.wake_factor` from `measure_wake`'s (cold, warm) pairs: the median cold / warm ratio, at least 1."""
+    return max(1.0, statistics.median(c / w for c, w in pairs))
+
+
+def wake_record(pairs: list[tuple[float, float]], idle_s: float, reps: int) -> dict:
+    """How the wake factor was measured, for the profile file."""
+    return dict(idle_s=idle_s, reps=reps, factor=wake_factor(pairs),
+                plans=[{"chunks": [[c.query_tokens, c.context_len, c.num_ranks] for c in p], "cold_s": c, "warm_s": w}
+                       for p, (c, w) in zip(WAKE_PLANS, pairs)])
+
+
+def set_wake(profile_file: dict, record: dict) -> dict:
+    """A profile file's contents with the wake factor of `record` (from `wake_record`) set, the rest unchanged."""
+    return {**profile_file, "factors": {**profile_file["factors"], "wake_factor": record["factor"]}, "wake": record}
 
 
 class OtherLoad:
@@ -318,11 +364,9 @@ def summary_line(name: str, s: dict) -> str:
             f"  (mean signed {s['mean_signed']:+.1%})")
 
 
-def time_plans(args, plans, command) -> tuple[list[float], dict, dict]:
+def time_plans(args, bench: Bench, plans, command) -> tuple[list[float], dict, dict]:
     """(measured seconds per plan, engine settings, how they were timed) on this machine."""
-    print(f"building the engine ({args.model}, {args.dtype}, 1 device) and timing {len(plans)} plans ...",
-          flush=True)
-    bench = Bench(args.model, args.dtype)
+    print(f"timing {len(plans)} plans ...", flush=True)
     deadline = time.monotonic() + args.wait_quiet
     while True:
         if args.wait_quiet:
@@ -343,6 +387,48 @@ def time_plans(args, plans, command) -> tuple[list[float], dict, dict]:
     return meas, engine, timing
 
 
+def time_wake(args, bench: Bench) -> dict:
+    """The wake factor's measurement on `bench` (`measure_wake` over `WAKE_PLANS`), as `wake_record`."""
+    print(f"timing {len(WAKE_PLANS)} plans after {args.wake_idle_s:g} s idle, {args.wake_reps} rounds ...", flush=True)
+    plans = [bench.plan(p) for p in WAKE_PLANS]
+    for p in plans:  # compiled, and the pages written once
+        bench.engine.executor.execute(p)
+    pairs = measure_wake(bench.engine.executor.execute, plans, args.wake_reps, args.wake_idle_s, seed=args.seed)
+    return wake_record(pairs, args.wake_idle_s, args.wake_reps)
+
+
+def wake_line(wake: dict) -> str:
+    ratios = ", ".join(f"{p['chunks'][0][0]} tokens {p['cold_s'] / p['warm_s']:.2f}" for p in wake["plans"])
+    return (f"wake factor {wake['factor']:.3f} after {wake['idle_s']:g} s idle (median cold / warm over "
+            f"{wake['reps']} rounds: {ratios})")
+
+
+def wake_only(args, command) -> dict:
+    """`--wake_only`: measures the wake factor and writes it into the profile file at `args.out`."""
+    with open(args.out, encoding="utf-8") as f:
+        profile = json.load(f)
+    print(f"building the engine ({profile['model']}, {profile['dtype']}, 1 device) ...", flush=True)
+    bench = Bench(profile["model"], profile["dtype"])
+    if args.wait_quiet:
+        wait_for_quiet(args.wait_quiet, log=lambda s: print(s, flush=True))
+    with OtherLoad() as other:
+        wake = time_wake(args, bench)
+    wake.update(command=command, date=_now(), other_processes_cpu=round(other.fraction, 3))
+    profile = set_wake(profile, wake)
+    Profile.from_dict(profile["factors"])  # still a valid profile
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(profile, f, indent=2)
+        f.write("\n")
+    print()
+    print("command:", command)
+    for line in hardware_lines():
+        print("hardware:", line)
+    print(f"other processes used {other.fraction:.0%} of the CPUs meanwhile")
+    print(wake_line(wake))
+    print("written to", os.path.relpath(args.out))
+    return wake
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -359,6 +445,11 @@ def main(argv=None):
                     help="time the plans and compare with this profile's predictions; fit and write nothing")
     ap.add_argument("--samples", default=None, metavar="PROFILE",
                     help="fit to the samples stored in this profile file instead of timing anew")
+    ap.add_argument("--wake_idle_s", type=float, default=1.0,
+                    help="seconds of sleep before each cold run that measures the wake factor (0: not measured, 1)")
+    ap.add_argument("--wake_reps", type=int, default=5, help="rounds of the wake measurement")
+    ap.add_argument("--wake_only", action="store_true",
+                    help="measure only the wake factor and set it in the profile at --out (nothing refitted)")
     ap.add_argument("--wait_quiet", type=float, default=0.0, metavar="SECONDS",
                     help="for up to this long, wait for other processes to leave the CPUs (mostly) idle before "
                          "timing, and time again when they did not stay so")
@@ -368,6 +459,9 @@ def main(argv=None):
 
     from models.config import preset
 
+    if args.wake_only:
+        return wake_only(args, command)
+    wake = None
     if args.samples:
         source = Predictor.load_profile(args.samples)
         args.model, args.dtype, args.hardware = source["model"], source["dtype"], source["hardware"]
@@ -375,11 +469,15 @@ def main(argv=None):
         meas = [x["measured_s"] for x in source["samples"]]
         held = [i for i, x in enumerate(source["samples"]) if x["held_out"]]
         train = [i for i in range(len(plans)) if i not in held]
-        engine, timing = source["engine"], source["timing"]
+        engine, timing, wake = source["engine"], source["timing"], source.get("wake")
     else:
         plans = default_plans(args.seed)
         train, held = split(plans)
-        meas, engine, timing = time_plans(args, plans, command)
+        print(f"building the engine ({args.model}, {args.dtype}, 1 device) ...", flush=True)
+        bench = Bench(args.model, args.dtype)
+        meas, engine, timing = time_plans(args, bench, plans, command)
+        if args.wake_idle_s > 0 and not args.check:
+            wake = time_wake(args, bench)
     model = preset(args.model)
 
     def make(profile):
@@ -392,7 +490,8 @@ def main(argv=None):
         layout = dict(attention="reference", block_tokens=engine["block_tokens"], pad_tokens_min=16,
                       pad_rows_min=8)
         base = dataclasses.replace(Profile(), **layout)
-        predictor = make(fit(make, base, [plans[i][1] for i in train], [meas[i] for i in train]))
+        fitted = fit(make, base, [plans[i][1] for i in train], [meas[i] for i in train])
+        predictor = make(dataclasses.replace(fitted, wake_factor=wake["factor"] if wake else 1.0))
     pred = [predictor.step_time(p) for _, p in plans]
     errs = errors(pred, meas)
     result = {"all": summary(errs), "held_out": summary([errs[i] for i in held])}
@@ -400,6 +499,7 @@ def main(argv=None):
         result["fit"] = summary([errs[i] for i in train])
         predictor.save_profile(
             args.out, model=args.model, engine=engine, date=_now(), command=command, errors=result, timing=timing,
+            **({"wake": wake} if wake else {}),
             samples=[{"kind": c, "chunks": [[x.query_tokens, x.context_len, x.num_ranks] for x in p],
                       "measured_s": m, "held_out": i in held}
                      for i, ((c, p), m) in enumerate(zip(plans, meas))])
@@ -413,6 +513,8 @@ def main(argv=None):
     print(f"timing: {len(plans)} plans x {timing['reps']} rounds in {timing['seconds']:.0f} s (warm-up included); "
           f"other processes used {timing['other_processes_cpu']:.0%} of the CPUs meanwhile")
     print("factors:", ", ".join(f"{k}={getattr(predictor.profile, k):.3g}" for k in FITTED))
+    if wake:
+        print(wake_line(wake))
     if not args.check:
         print("profile written to", os.path.relpath(args.out))
     print()

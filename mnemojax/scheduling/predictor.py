@@ -140,6 +140,11 @@ class Profile:
     """Seconds per request (chunk) in the step: host-side bookkeeping of its rows and pages."""
     per_row_overhead_s: float = 2e-6
     """Seconds per padded logits row: sampling, log-probs, reading the result back."""
+    wake_factor: float = 1.0
+    """A step the engine launches after idling (nothing in flight, waiting for a request) takes this many times its
+    steady-state time: caches gone cold, worker threads parked, clocks lowered. Measured by
+    `scripts/profile_predictor.py` (each plan timed again after a second of sleep); the simulator applies it,
+    the scheduler's step costs do not (it plans steady-state steps). 1: no such cost."""
     attention: str = PALLAS
     """The engine's attention kernels, by their names (`models.kernels`): "pallas" is costed as an ideal ragged
     paged kernel (each request's own causal work); "reference" as the plain-jnp blockwise kernel (every padded row
@@ -165,7 +170,7 @@ class Profile:
             if f.name == "attn_gather_cache_bytes":
                 if v is not None and not v > 0:
                     raise ValueError(f"{f.name} must be positive or None, got {v}")
-            elif f.name.endswith("_eff") and not v > 0:
+            elif (f.name.endswith("_eff") or f.name == "wake_factor") and not v > 0:
                 raise ValueError(f"{f.name} must be positive, got {v}")
             if (f.name.endswith("_s") or f.name.endswith("_min")) and v < 0:
                 raise ValueError(f"{f.name} must not be negative, got {v}")

@@ -235,3 +235,25 @@ def test_cli_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "lrs" in proc.stdout and json.loads(out.read_text())["policy"] == "lrs"
     assert len(simulator.load_trace(str(trace))) == json.loads(out.read_text())["num_requests"] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_step_after_idling_takes_the_wake_factor(async_scheduling):
+    """wake_factor 2: a step launched when the device sat idle (the first, and the first after a gap) takes twice
+    its time, so the TTFT of a request arriving at an idle engine doubles; the steps that follow others (the
+    decodes, a request joining a busy engine) keep their time."""
+    import dataclasses
+
+    trace = [TraceRequest(0.0, 100, 4), TraceRequest(0.001, 60, 4), TraceRequest(50.0, 100, 4)]
+    runs = {}
+    for wake in (1.0, 2.0):
+        cfg = SimConfig(async_scheduling=async_scheduling)
+        predictor = simulator.make_predictor(cfg)
+        predictor.set_profile(dataclasses.replace(predictor.profile, wake_factor=wake))
+        runs[wake] = Simulator(cfg, trace, predictor=predictor).run().requests
+    warm, cold = runs[1.0], runs[2.0]
+    for i in (0, 2):  # alone at an idle engine: one prefill step, twice as long
+        assert cold[i]["ttft"] == pytest.approx(2 * warm[i]["ttft"], rel=1e-12)
+        assert cold[i]["tbt_max"] == pytest.approx(warm[i]["tbt_max"], rel=1e-12)
+    # the second request joins while the first's prefill runs: it waits for that step's extra time only
+    assert cold[1]["first_token"] - warm[1]["first_token"] == pytest.approx(warm[0]["ttft"], rel=1e-12)
