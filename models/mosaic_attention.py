@@ -23,8 +23,8 @@ The grid is (tiles, kv heads, partitions). Each program (a CUDA block) holds two
     stored to SMEM, P V by wgmma, then releases the slot.
 With one partition the consumer normalises and writes (out, lse) itself, in token order: the tile's token i
 (index `tile_tok[t, i]`, read from GMEM) owns rows i*G .. i*G+G-1, a [G, H] box that one TMA copy takes from the
-SMEM staging (in q's dtype) to out[tok, kvh*G : kvh*G+G, :], and its G lse floats go by scalar stores (a TMA row
-must be a multiple of 16 bytes: G float32 would need G % 4 == 0); an empty slot (tok == T) writes nothing. A step's
+SMEM staging (in q's dtype) to out[tok, kvh*G : kvh*G+G, :], and its G lse floats by a second TMA copy when G % 4
+== 0 (a TMA row is a multiple of 16 bytes), else by scalar stores; an empty slot (tok == T) writes nothing. A step's
 two launches (decode tiles, prefill tiles) then write into the same buffers: the second takes the first's outputs
 as mutable refs (`jax.new_ref`, aliased in and out of the kernel), every token written by exactly one tile; a
 one-kind step (`kind` decode or prefill) starts them at (0, NEG_INF), what a token of the other kind gets. So no
@@ -345,15 +345,19 @@ def _program(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem,
             m_smem[...] = jnp.where(empty, NEG_INF, (m + jnp.log2(safe)) * (1.0 / LOG2E))
             plgpu.commit_smem()
 
+            lse_by_tma = G % 4 == 0  # G float32 make a 16-byte TMA row (with N = K x G, every row offset aligned)
+
             def write_token(i, _):  # token i of the tile: rows i*G .. i*G+G-1 -> out[tok, kvh*G : kvh*G+G, :]
                 tok = tok_ref[t, i]
 
                 @pl.when(tok < num_tokens)  # an empty slot (tok == T) writes nothing
                 def _():
                     plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(i * G, G)], out_ref.at[tok, pl.ds(kvh * G, G)])
+                    if lse_by_tma:
+                        plgpu.copy_smem_to_gmem(m_smem.at[pl.ds(i * G, G)], lse_ref.at[tok, pl.ds(kvh * G, G)])
                 return ()
 
-            def write_lse(r, _):  # one float per row: too narrow for a TMA copy (16-byte rows), a scalar store
+            def write_lse(r, _):  # G < 4: a row narrower than a TMA copy takes (16 bytes), a scalar store each
                 tok = tok_ref[t, lax.div(r, G)]
 
                 @pl.when(tok < num_tokens)
@@ -363,7 +367,8 @@ def _program(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem,
 
             bq = tok_ref.shape[1]
             lax.fori_loop(0, bq, write_token, ())
-            lax.fori_loop(0, bq * G, write_lse, ())
+            if not lse_by_tma:
+                lax.fori_loop(0, bq * G, write_lse, ())
         else:
             acc_ref, m_ref, l_ref = io_refs
             o_smem[...] = acc
