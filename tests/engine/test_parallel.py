@@ -7,6 +7,7 @@ each mesh shape; prompt log-probs must be within 1e-5 of the 1x1x1 run and greed
 import itertools
 import logging
 
+import jax
 import numpy as np
 import pytest
 
@@ -41,8 +42,8 @@ def run_workload(ckpt, kvp=1, spp=1, tp=1, arrivals=ARRIVALS, on_engine=None, **
     """Drives the engine step by step with `arrivals` (by step; one request named "long"); returns outputs by name
     and span facts. `on_engine(engine)` is called once the engine is built."""
     kw.setdefault("max_tokens_per_kvp_rank", _max_tokens_per_rank(kvp))
-    llm = LLM(model=ckpt, page_size=4, chunk_size=16, max_num_batched_tokens=32, max_model_len=96, kvp=kvp,
-              spp=spp, tp=tp, **kw)
+    kw.setdefault("chunk_size", 16)
+    llm = LLM(model=ckpt, page_size=4, max_num_batched_tokens=32, max_model_len=96, kvp=kvp, spp=spp, tp=tp, **kw)
     engine = llm.engine
     if on_engine is not None:
         on_engine(engine)
@@ -236,3 +237,39 @@ def test_a_kvp_rank_asks_its_attention_for_float32_partials(ckpt, monkeypatch, k
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     assert len(asked) >= MODEL["num_layers"]
     assert {None if a is None else str(np.dtype(a)) for a in asked} == {want}
+
+
+@pytest.mark.parametrize("kvp,chunk_size", [(3, 16), (1, 1)])
+def test_one_token_chunks_lay_out_as_the_general_path_does(ckpt, kvp, chunk_size):
+    """`Executor.prepare` writes a one-token chunk (a decode, or a prompt fed a token at a time) by scalars: every
+    array it hands the step equals the general path's, on every step of a workload: decodes of a request whose KV
+    spans three ranks (one joining mid-decode), tokens sampled by the step still in flight (async), prompt
+    log-prob rows of one-token prompt chunks."""
+    from mnemojax.engine.executor import Executor
+
+    compared = []
+
+    def watch(engine):
+        ex = engine.executor
+        prepare = ex.prepare
+
+        def both(plan, T):
+            ex._one_token_scalars = False
+            try:
+                want = prepare(plan, T)
+            finally:
+                del ex._one_token_scalars  # back to the class's default: the scalar path
+            got = prepare(plan, T)
+            for g, w in zip(jax.tree.leaves((got.batch, got.rows, got.sampling, got.src)),
+                            jax.tree.leaves((want.batch, want.rows, want.sampling, want.src))):
+                np.testing.assert_array_equal(g, w)
+            assert got.refs == want.refs
+            compared.append(sum(c.num_tokens == 1 for c in plan.chunks))
+            return got
+
+        ex.prepare = both
+
+    assert Executor._one_token_scalars
+    outs, _ = run_workload(ckpt, kvp, on_engine=watch, chunk_size=chunk_size, min_chunk_size=1)
+    assert sum(compared) > 20  # one-token chunks were laid out and compared
+    assert all(len(o.outputs[0].token_ids) > 0 for o in outs.values())
