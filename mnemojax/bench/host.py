@@ -12,16 +12,20 @@ page table as wide as `--max_model_len` tokens (default 1,048,576: 65,536 column
 sequence, as a 1M-context deployment has whatever the requests' actual lengths), and the same at 8,192 for
 comparison. Each part is timed by wrapping the engine's own methods; `--steps` decode steps after a warm-up.
 
-    python scripts/bench_host.py [--requests 256] [--steps 20] [--max_model_len 1048576]
+    python scripts/bench_host.py [--requests 256] [--steps 20] [--max_model_len 1048576] [--freeze_gc]
 
 Prints, per page-table width and mode: ms per step of each part, the host parts' total, the step's wall time, and
 how much of the host work is hidden behind the device: (host + device - step) / host, with the device's time
-per step taken from the synchronous run of the same width (its `run`, which waits for the step).
+per step taken from the synchronous run of the same width (its `run`, which waits for the step); then the ms
+spent in full garbage collections during all the measured steps (`--freeze_gc`: after the warm-up,
+`gc.freeze()` the start-up objects as `python -m mnemojax.serve` does, so a full collection walks only what
+serving created since).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import time
 from collections import defaultdict
@@ -45,10 +49,12 @@ def _timed(log: dict, name: str, fn):
 
 
 def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16,
-            async_scheduling: bool = False) -> dict[str, float]:
+            async_scheduling: bool = False, freeze_gc: bool = False) -> dict[str, float]:
     """Median ms per decode step of each part and of `step` (the whole `LLMEngine.step`); `host`: the host parts
-    (with the dispatch in `run` when async, whose `run` does not wait)."""
-    from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
+    (with the dispatch in `run` when async, whose `run` does not wait); `full_gc`: ms in full (generation 2)
+    garbage collections during all the measured steps together. `freeze_gc`: the server's
+    `freeze_startup_objects()` after the warm-up."""
+    from mnemojax.engine.llm_engine import EngineConfig, LLMEngine, freeze_startup_objects
     from mnemojax.engine.loader import load
     from mnemojax.scheduling.sampling_params import SamplingParams
 
@@ -76,18 +82,42 @@ def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16,
         engine.add_request(rng.integers(0, 256, prompt_len).tolist(), params)
     for _ in range(4):  # prefill, first decodes, compiles
         engine.step()
+    if freeze_gc:
+        freeze_startup_objects()
     log.clear()
     walls = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - t)
+    full_gc = _FullCollections()
+    gc.callbacks.append(full_gc)
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t)
+    finally:
+        gc.callbacks.remove(full_gc)
     out = {p: statistics.median(log[p]) * 1e3 if log[p] else 0.0 for p in PARTS}
     out["step"] = statistics.median(walls) * 1e3
+    out["full_gc"] = full_gc.seconds * 1e3
     out["host"] = sum(out[p] for p in HOST_PARTS) + (out["run"] if async_scheduling else 0.0)
     while engine.has_unfinished():
         engine.step()
     return out
+
+
+class _FullCollections:
+    """A `gc.callbacks` entry that adds up the seconds spent in full (generation 2) collections."""
+
+    def __init__(self):
+        self.seconds, self._start = 0.0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
 
 
 def hidden_fraction(m: dict[str, float], device_ms: float) -> float:
@@ -98,14 +128,14 @@ def hidden_fraction(m: dict[str, float], device_ms: float) -> float:
 
 def table(rows: dict[tuple[int, bool], dict[str, float]], requests: int) -> str:
     head = (f"{'table width':>22} {'mode':>6} " + " ".join(f"{p:>8}" for p in PARTS)
-            + f" {'host':>8} {'step':>8} {'hidden':>7}")
+            + f" {'host':>8} {'step':>8} {'hidden':>7} {'full_gc':>8}")
     lines = [f"ms per decode step, {requests} requests decoding (median); device time per step = the sync run's "
              "'run'", head]
     for (width, async_), m in rows.items():
         hidden = hidden_fraction(m, rows[(width, False)]["run"])
         lines.append(f"{width:>15,} tokens {'async' if async_ else 'sync':>6} "
                      + " ".join(f"{m[p]:>8.2f}" for p in PARTS) + f" {m['host']:>8.2f} {m['step']:>8.2f} "
-                     f"{hidden:>6.0%}")
+                     f"{hidden:>6.0%} {m['full_gc']:>8.2f}")
     return "\n".join(lines)
 
 
@@ -114,10 +144,13 @@ def main(argv=None) -> None:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--max_model_len", type=int, default=1 << 20)
+    p.add_argument("--freeze_gc", action="store_true",
+                   help="freeze the start-up objects out of the garbage collector's reach, as the server does")
     args = p.parse_args(argv)
     print_header(argv)
     widths = sorted({8192, args.max_model_len})
-    rows = {(w, a): measure(args.requests, args.steps, w, async_scheduling=a) for w in widths for a in (False, True)}
+    rows = {(w, a): measure(args.requests, args.steps, w, async_scheduling=a, freeze_gc=args.freeze_gc)
+            for w in widths for a in (False, True)}
     print(table(rows, args.requests))
     print("sync: 'run' dispatches the step and waits for it (its 'wait' inside), the device's time as the host sees "
           "it, and the host parts run while the device idles. async: 'run' only dispatches, 'wait' is what is left "

@@ -97,6 +97,13 @@ class _Server:
         self.server.run()
 
 
+def _freeze_startup() -> None:
+    from mnemojax.engine.llm_engine import freeze_startup_objects
+
+    logger.info("froze %d objects of start-up out of the garbage collector's reach (gc.freeze)",
+                freeze_startup_objects())
+
+
 def main(argv):
     del argv
     from mnemojax.engine.llm_engine import EngineConfig
@@ -116,12 +123,15 @@ def main(argv):
         from mnemojax.engine import multihost
 
         if mh.process_id != 0:
-            multihost.follow(LLMEngine(config).executor)
+            follower = LLMEngine(config).executor
+            _freeze_startup()
+            multihost.follow(follower)
             return
         leader = multihost.Leader()
     engine = LLMEngine(config, channel=leader)
     llm = AsyncLLM(engine=engine, idle_tick=None if leader is None else leader.noop)
     fastapi_app = build_app(llm, server)
+    _freeze_startup()
     logger.info("serving %r as %r on http://%s:%d (mesh kvp=%d spp=%d tp=%d, max_model_len %d%s)", config.model,
                 fastapi_app.state.server.served_model_name, server.host, server.port, config.kvp, config.spp,
                 config.tp, engine.max_model_len, ", API key required" if server.api_key else "")

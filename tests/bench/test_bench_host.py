@@ -8,7 +8,8 @@ from mnemojax.bench import host
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_measure_times_every_part_of_a_decode_step(async_scheduling):
     m = host.measure(requests=8, steps=3, max_model_len=65536, async_scheduling=async_scheduling)
-    assert set(m) == set(host.PARTS) | {"host", "step"}
+    assert set(m) == set(host.PARTS) | {"host", "step", "full_gc"}
+    assert m["full_gc"] >= 0.0
     assert all(m[p] > 0 for p in host.PARTS)
     assert m["host"] == pytest.approx(sum(m[p] for p in host.HOST_PARTS) + (m["run"] if async_scheduling else 0))
     # the parts are inside the step (medians of different steps, so compare with room)
@@ -23,3 +24,26 @@ def test_hidden_fraction_by_hand():
     assert host.hidden_fraction({"host": 7, "step": 12}, 10) == 5 / 7
     assert host.hidden_fraction({"host": 7, "step": 17}, 10) == 0.0  # one after the other
     assert host.hidden_fraction({"host": 7, "step": 10}, 10) == 1.0  # all behind the device
+
+
+def test_full_collections_are_timed_and_freeze_takes_start_up_objects_out():
+    """The full-GC clock counts generation-2 collections only; `--freeze_gc` leaves the engine's objects frozen
+    (unfrozen again here: the rest of the test session must be able to collect them)."""
+    import gc
+
+    clock = host._FullCollections()
+    gc.callbacks.append(clock)
+    try:
+        gc.collect(0)
+        assert clock.seconds == 0.0
+        gc.collect()
+        assert clock.seconds > 0.0
+    finally:
+        gc.callbacks.remove(clock)
+    try:
+        host.measure(requests=8, steps=2, max_model_len=65536, freeze_gc=True)
+        assert gc.get_freeze_count() > 10000  # the engine, its compiled steps, jax's caches
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+
