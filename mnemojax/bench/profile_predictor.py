@@ -18,7 +18,7 @@ Then the wake factor (`Profile.wake_factor`): each of `WAKE_PLANS` (a new reques
 runs after `--wake_idle_s` of sleep, as the first step of an engine that waited for a request does, and again at
 once; the factor is the median over plans of their median cold / warm ratio (at least 1). The simulator applies it
 to a step launched after the device idled (the one effect the steady-state plans above cannot see: on this VM a
-step after a second of sleep takes about 1.5x its time, caches cold and threads parked).
+step after a second of sleep took 1.16-1.43x its time in three measurements, caches cold and threads parked).
 
 The factors (`mnemojax.scheduling.predictor.Profile`) are fitted on two thirds of the plans (every category split the
 same way) by Nelder-Mead on the log of each factor, minimising the mean squared log error of predicted vs
