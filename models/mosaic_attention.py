@@ -122,40 +122,7 @@ def check_shapes(q, k_cache, v_cache):
 def _interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     _interpreter_transposed_wgmma()
-    _interpreter_compiles_one_at_a_time()
     return InterpretGPUParams()
-
-
-@functools.cache
-def _interpreter_compiles_one_at_a_time():
-    """Serialises the compiles of jax's Mosaic GPU interpreter (jax 0.10.2).
-
-    The interpreter runs a kernel's warpgroups as Python threads, and each thread first compiles the same program
-    (`thread_map._run_jaxpr`: `jax.jit(...).trace(...).lower().compile()`), so two XLA compiles of it run at
-    once; one CI run of the default suite died there with a segmentation fault (both threads inside
-    `backend_compile_and_load`). This replacement compiles under a lock (the second thread then finds it in
-    jax's cache) and runs the compiled program outside it, so the threads still run concurrently, as barriers
-    between the warpgroups need. Only the interpreter is touched; a jax without `_run_jaxpr` is left as it is.
-    """
-    import threading
-
-    from jax._src.pallas.mosaic.interpret import thread_map
-
-    if not hasattr(thread_map, "_run_jaxpr"):  # pragma: no cover - depends on the jax version
-        return
-    from jax._src import core as jax_core
-
-    lock = threading.Lock()
-
-    def run(jaxpr, consts, *args):
-        def body(jaxpr, consts, *args):
-            jax_core.eval_jaxpr(jaxpr, consts, *args)
-
-        with lock:
-            compiled = jax.jit(body, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
-        compiled(consts, *args)
-
-    thread_map._run_jaxpr = run
 
 
 @functools.cache
