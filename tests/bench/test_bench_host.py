@@ -26,9 +26,11 @@ def test_hidden_fraction_by_hand():
     assert host.hidden_fraction({"host": 7, "step": 10}, 10) == 1.0  # all behind the device
 
 
-def test_full_collections_are_timed_and_freeze_takes_start_up_objects_out():
-    """The full-GC clock counts generation-2 collections only; `--freeze_gc` leaves the engine's objects frozen
-    (unfrozen again here: the rest of the test session must be able to collect them)."""
+def test_full_collections_are_timed():
+    """The full-GC clock counts generation-2 collections only. (`--freeze_gc` calls the server's
+    `freeze_startup_objects`, whose effect the serve-process test checks in its own process: a version of this test
+    that froze this test process, and unfroze it after, was followed in the default suite's order by a crash inside
+    a later interpreted Mosaic kernel's XLA compile, every time; without it the same order passes.)"""
     import gc
 
     clock = host._FullCollections()
@@ -40,10 +42,3 @@ def test_full_collections_are_timed_and_freeze_takes_start_up_objects_out():
         assert clock.seconds > 0.0
     finally:
         gc.callbacks.remove(clock)
-    try:
-        host.measure(requests=8, steps=2, max_model_len=65536, freeze_gc=True)
-        assert gc.get_freeze_count() > 10000  # the engine, its compiled steps, jax's caches
-    finally:
-        gc.unfreeze()
-    assert gc.get_freeze_count() == 0
-
