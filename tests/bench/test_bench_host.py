@@ -28,9 +28,8 @@ def test_hidden_fraction_by_hand():
 
 def test_full_collections_are_timed():
     """The full-GC clock counts generation-2 collections only. (`--freeze_gc` calls the server's
-    `freeze_startup_objects`, whose effect the serve-process test checks in its own process: a version of this test
-    that froze this test process, and unfroze it after, was followed in the default suite's order by a crash inside
-    a later interpreted Mosaic kernel's XLA compile, every time; without it the same order passes.)"""
+    `freeze_startup_objects`, whose effect the serve-process test checks in the server's own process: frozen here,
+    the objects of every later test in this process would stay out of the collector's reach.)"""
     import gc
 
     clock = host._FullCollections()
