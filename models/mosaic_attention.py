@@ -466,8 +466,10 @@ def _combine(q, k_cache, v_cache, layer, meta, parts, *, interpret: bool, covers
     if out_dtype not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be q's dtype ({q.dtype}) or float32, got {out_dtype}")
     args = (q, k_cache, v_cache, layer, meta)
-    zeros = lambda: (jnp.zeros((T, N, H), out_dtype), jnp.full((T, N), NEG_INF, jnp.float32))  # noqa: E731
-    into = None if covers_all else zeros()
+    def blank():  # what a token no tile holds gets: out 0, lse NEG_INF
+        return jnp.zeros((T, N, H), out_dtype), jnp.full((T, N), NEG_INF, jnp.float32)
+
+    into = None if covers_all else blank()
     merged = []
     for tile_tok, num_parts in parts:
         kw = dict(num_parts=num_parts, interpret=interpret, out_dtype=out_dtype)
@@ -478,7 +480,7 @@ def _combine(q, k_cache, v_cache, layer, meta, parts, *, interpret: bool, covers
     if not merged:
         return into
     if into is None:
-        into = zeros()
+        into = blank()
     return pa._scatter_into(into, merged)
 
 

@@ -9,7 +9,6 @@ from mnemojax.bench import host
 def test_measure_times_every_part_of_a_decode_step(async_scheduling):
     m = host.measure(requests=8, steps=3, max_model_len=65536, async_scheduling=async_scheduling)
     assert set(m) == set(host.PARTS) | {"host", "step", "full_gc"}
-    assert m["full_gc"] >= 0.0
     assert all(m[p] > 0 for p in host.PARTS)
     assert m["host"] == pytest.approx(sum(m[p] for p in host.HOST_PARTS) + (m["run"] if async_scheduling else 0))
     # the parts are inside the step (medians of different steps, so compare with room)
