@@ -13,5 +13,34 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory mappings. Every XLA CPU executable maps its own code pages, and jax keeps every compiled executable
+# while its jit cache holds it, so one pytest process running the whole suite accumulates mappings: measured,
+# ~43,000 a third of the way through the default suite. Linux refuses a process more than vm.max_map_count of
+# them (65,530 by default); past it LLVM's next code mapping fails inside an XLA compile and the process dies
+# (a segfault or an abort in whatever test compiles then: what a reordered suite hit in CI). So after a test
+# that leaves more than MAX_MAPPINGS, the jit caches are cleared and the executables they held collected.
+MAX_MAPPINGS = 30_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to guard
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_mappings():
+    yield
+    if _mappings() > MAX_MAPPINGS:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
