@@ -1,18 +1,25 @@
 """Fits the runtime predictor's efficiency factors to timed steps of the real executor; saves a profile.
 
-    python scripts/profile_predictor.py [--model tiny] [--dtype float32] [--hardware cpu] [--reps 7]
-        [--out mnemojax/scheduling/profiles/cpu.json]
+    python scripts/profile_predictor.py [--hardware auto] [--model M] [--dtype D] [--reps 7] [--out PROFILE]
     python scripts/profile_predictor.py --check mnemojax/scheduling/profiles/cpu.json   # measure and compare, no fit
     python scripts/profile_predictor.py --wake_only --out PROFILE    # measure the wake factor into PROFILE
 
-Builds an engine on one device (the 1x1x1 mesh), then times `engine.executor.execute(plan)` on a spread of
-plans built by hand (requests given pages straight from the pool, `ScheduledChunk`s, a `StepPlan`): decode
-batches of 1..64 at contexts 16..2048, single prefill chunks of 16..512 tokens at contexts 0..2048, prefill
-chunks mixed with decodes, and several prefill chunks together. Every plan runs once first (compiling its
-shape bucket), then in each of `--reps` rounds every plan runs twice back to back and the second run is
-timed (the steady state of consecutive steps of one shape; see `Bench.measure`); a plan's time is the median
-of its rounds. `execute` returns host values, so each call is complete when it returns. Run it on a quiet
-machine (`--wait_quiet`): on 2 cores, one busy process elsewhere slows every step by up to half.
+Builds an engine on one device (the 1x1x1 mesh) of the machine it runs on, then times
+`engine.executor.execute(plan)` on a spread of plans built by hand (requests given pages straight from the pool,
+`ScheduledChunk`s, a `StepPlan`). `--hardware auto` takes the predictor preset of the first device (`cpu`, or
+`a100` / `h100` / `h200` on those NVIDIA GPUs); the set-up follows it (`SETUPS`):
+  - on a CPU, the tiny model in float32 (`cpu_plans`): decode batches of 1..64 at contexts 16..2048, single
+    prefill chunks of 16..512 tokens at contexts 0..2048, prefill chunks mixed with decodes, and several prefill
+    chunks together;
+  - on a GPU, llama3.2-1b in bf16 with random weights, the attention kernels the engine runs there ("pallas"),
+    a 1M-token page pool (`gpu_plans`): decode batches of 1..256 at contexts 1K..128K, prefill chunks of
+    128..4096 tokens at up to 128K, mixed and multi-prefill steps.
+The profile goes to `--out`, by default the shipped profile of the hardware (`mnemojax/scheduling/profiles/
+<hardware>.json`), which the engine, the simulator and the planner read for that preset. Every plan runs once
+first (compiling its shape bucket), then in each of `--reps` rounds every plan runs twice back to back and the
+second run is timed (the steady state of consecutive steps of one shape; see `Bench.measure`); a plan's time is
+the median of its rounds. `execute` returns host values, so each call is complete when it returns. Run it on a
+quiet machine (`--wait_quiet`): on 2 cores, one busy process elsewhere slows every step by up to half.
 
 Then the wake factor (`Profile.wake_factor`): each of `WAKE_PLANS` (a new request's first chunk, 16 to 512 tokens)
 runs after `--wake_idle_s` of sleep, as the first step of an engine that waited for a request does, and again at
@@ -20,9 +27,9 @@ once; the factor is the median over plans of their median cold / warm ratio (at 
 to a step launched after the device idled (the one effect the steady-state plans above cannot see: on this VM a
 step after a second of sleep took 1.16-1.43x its time in three measurements, caches cold and threads parked).
 
-The factors (`mnemojax.scheduling.predictor.Profile`) are fitted on two thirds of the plans (every category split the
-same way) by Nelder-Mead on the log of each factor, minimising the mean squared log error of predicted vs
-measured time; the summary reports the relative error |predicted / measured - 1| (median, p90, max) on the
+The factors (`mnemojax.scheduling.predictor.Profile`; `fitted_factors`: the reference kernel's own ones only
+when the engine ran it) are fitted on two thirds of the plans (every category split the same way) by
+Nelder-Mead on the log of each factor, minimising the mean squared log error of predicted vs measured time; the summary reports the relative error |predicted / measured - 1| (median, p90, max) on the
 held-out third and on all plans. The profile file records the factors, the engine settings they describe,
 the error summary, the samples, the date and the command. Prints the command, the hardware, and the table.
 """
@@ -40,24 +47,33 @@ import shlex
 import statistics
 import sys
 import time
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported; one real CPU device, no fake ones
-
+from typing import Callable
 
 from mnemojax.scheduling.buckets import bucket
-from mnemojax.scheduling.predictor import PROFILE_DIR, ChunkShape, Predictor, Profile  # noqa: E402
+from mnemojax.scheduling.predictor import HARDWARE, PROFILE_DIR, ChunkShape, Predictor, Profile
+from models.kernels import REFERENCE
 
 FITTED = ("linear_flops_eff", "linear_bw_eff", "attn_flops_eff", "attn_bw_eff", "attn_gather_bw_eff",
           "attn_gather_cache_bytes", "attn_block_overhead_s", "step_overhead_s", "per_token_overhead_s",
           "per_request_overhead_s", "per_row_overhead_s")
 """The factors the fit moves; the rest (layout, collectives: none on one device) stay as set."""
 
+REFERENCE_ONLY = ("attn_gather_bw_eff", "attn_gather_cache_bytes", "attn_block_overhead_s")
+"""Factors only the reference kernel's cost uses: not fitted for the GPU kernels (they cannot move the loss)."""
+
+
+def fitted_factors(attention: str) -> tuple[str, ...]:
+    """The factors a fit moves for an engine running `attention` (a resolved kernel name)."""
+    return FITTED if attention == REFERENCE else tuple(k for k in FITTED if k not in REFERENCE_ONLY)
+
+
 Plan = list[ChunkShape]
 
 
 # ---------------------------------------------------------------------- plans
-def default_plans(seed: int = 0) -> list[tuple[str, Plan]]:
-    """(category, chunks) over the spread the predictor must cover; at most 512 tokens and 64 requests."""
+def cpu_plans(seed: int = 0) -> list[tuple[str, Plan]]:
+    """(category, chunks) over the spread the predictor must cover on a CPU (the tiny model); at most 512
+    tokens and 64 requests."""
     rng = random.Random(seed)
     plans: list[tuple[str, Plan]] = []
     for batch in (1, 4, 16, 64):
@@ -79,6 +95,70 @@ def default_plans(seed: int = 0) -> list[tuple[str, Plan]]:
         sizes = [rng.choice((16, 32, 64, 128)) for _ in range(rng.randrange(2, 5))]
         plans.append(("prefills", [ChunkShape(q, rng.randrange(0, 2049) + q) for q in sizes]))
     return plans
+
+
+GPU_POOL_TOKENS = 1 << 20
+"""KV tokens of the GPU set-up's page pool (llama3.2-1b in bf16: 32 KiB a token, 32 GiB in all)."""
+
+
+def gpu_plans(seed: int = 0) -> list[tuple[str, Plan]]:
+    """(category, chunks) for a GPU (llama3.2-1b, bf16): decode batches of 1..256 at contexts of 1K..128K,
+    prefill chunks of 128..4096 tokens at up to 128K of context, chunks mixed with decodes, and several prefill
+    chunks together; at most 4096 tokens and 256 requests a plan, every plan's keys within the page pool
+    (`GPU_POOL_TOKENS`), so no two of its requests share a page."""
+    rng = random.Random(seed)
+    max_ctx = 131072
+    plans: list[tuple[str, Plan]] = []
+    for batch in (1, 8, 32, 128, 256):
+        for ctx in (1024, 8192, 32768, max_ctx):
+            if batch * ctx <= GPU_POOL_TOKENS:
+                plans.append(("decode", [ChunkShape(1, ctx)] * batch))
+    for batch, ctx in ((2, 65536), (16, 16384), (64, 4096), (256, 2048), (4, 200), (96, 6000)):
+        plans.append(("decode", [ChunkShape(1, ctx)] * batch))
+    for q in (128, 512, 1024, 2048, 4096):
+        for start in (0, 8192, 32768, max_ctx - 4096):
+            plans.append(("prefill", [ChunkShape(q, start + q)]))
+    for _ in range(12):
+        q = rng.choice((128, 256, 512, 1024, 2048, 3072))
+        n = min(rng.choice((1, 4, 16, 64, 128, 255)), 4096 - q)
+        chunks = [ChunkShape(q, rng.randrange(0, 65536) + q)]
+        budget = GPU_POOL_TOKENS - chunks[0].context_len
+        chunks += [ChunkShape(1, rng.randrange(256, min(32768, budget // n) + 1)) for _ in range(n)]
+        plans.append(("mixed", chunks))
+    for _ in range(6):
+        sizes = [rng.choice((128, 256, 512, 1024)) for _ in range(rng.randrange(2, 5))]
+        plans.append(("prefills", [ChunkShape(q, rng.randrange(0, 65536) + q) for q in sizes]))
+    return plans
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The engine a profile is fitted on, and the plans timed on it, for one kind of machine."""
+
+    model: str
+    dtype: str
+    plans: Callable[[int], list[tuple[str, Plan]]]
+    max_num_seqs: int
+    num_pages: int
+    max_num_batched_tokens: int
+    max_model_len: int | None = None
+    page_size: int = 16
+    block_pages: int = 8
+
+
+SETUPS: dict[str, Setup] = {
+    "cpu": Setup("tiny", "float32", cpu_plans, max_num_seqs=64, num_pages=8 * 1024 + 512,
+                 max_num_batched_tokens=512),
+    "gpu": Setup("llama3.2-1b", "bfloat16", gpu_plans, max_num_seqs=256, num_pages=GPU_POOL_TOKENS // 16 + 512,
+                 max_num_batched_tokens=4096, max_model_len=131072),
+}
+"""By kind of machine: the tiny model in float32 on a CPU; on a GPU (any of the NVIDIA presets) llama3.2-1b in
+bf16 with random weights, whose 131,072-token context reaches the long-context shapes the GPU presets plan."""
+
+
+def setup_for(hardware: str) -> Setup:
+    """The set-up a profile of the hardware preset `hardware` is fitted with."""
+    return SETUPS["cpu" if hardware == "cpu" else "gpu"]
 
 
 def split(plans: list[tuple[str, Plan]]) -> tuple[list[int], list[int]]:
@@ -104,16 +184,24 @@ def describe(chunks: Plan) -> str:
 class Bench:
     """An engine on one device and a way to turn chunk shapes into executable plans."""
 
-    def __init__(self, model: str = "tiny", dtype: str = "float32", *, max_num_seqs: int = 64,
-                 num_pages: int = 8 * 1024 + 512, block_pages: int = 8, page_size: int = 16,
-                 max_num_batched_tokens: int = 512):
+    def __init__(self, setup: Setup, model: str | None = None, dtype: str | None = None):
         from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 
-        self.config = EngineConfig(model=model, dtype=dtype, max_num_seqs=max_num_seqs, num_pages=num_pages,
-                                   block_pages=block_pages, page_size=page_size,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+        self.config = EngineConfig(model=model or setup.model, dtype=dtype or setup.dtype,
+                                   max_num_seqs=setup.max_num_seqs, num_pages=setup.num_pages,
+                                   block_pages=setup.block_pages, page_size=setup.page_size,
+                                   max_num_batched_tokens=setup.max_num_batched_tokens,
+                                   max_model_len=setup.max_model_len,
+                                   precompile=False)  # each plan's first run compiles its shape, untimed
         self.engine = LLMEngine(self.config)
         self._next_page = 0
+
+    @property
+    def attention(self) -> str:
+        """The attention kernels the engine runs ("reference" on a CPU, "pallas" on an NVIDIA GPU)."""
+        from models.attention import resolve_attention
+
+        return resolve_attention(self.config.attention)
 
     @property
     def block_tokens(self) -> int:
@@ -309,26 +397,27 @@ def nelder_mead(f, x0: list[float], step: float = 1.0, iters: int = 3000, tol: f
     return pts[min(range(n + 1), key=vals.__getitem__)]
 
 
-def fit(make_predictor, base: Profile, plans: list[Plan], times: list[float]) -> Profile:
-    """The profile (base with the `FITTED` factors moved) minimising the mean squared log error.
+def fit(make_predictor, base: Profile, plans: list[Plan], times: list[float],
+        factors: tuple[str, ...] = FITTED) -> Profile:
+    """The profile (base with `factors`, some of `FITTED`, moved) minimising the mean squared log error.
 
     Works on the logs of the factors, clamped to efficiencies in [1e-3, 1e3] of the hardware preset's
     ceilings, overheads in [1e-12, 1] s (an overhead that does not matter fits to ~0), the cache size in
     [1e5, 1e10] bytes.
     """
     bounds = [(math.log(1e-3), math.log(1e3)) if k.endswith("_eff") else
-              (math.log(1e5), math.log(1e10)) if k.endswith("_bytes") else (math.log(1e-12), 0.0) for k in FITTED]
+              (math.log(1e5), math.log(1e10)) if k.endswith("_bytes") else (math.log(1e-12), 0.0) for k in factors]
 
     def profile_at(x):
         return dataclasses.replace(base, **{k: math.exp(min(max(v, lo), hi))
-                                            for k, v, (lo, hi) in zip(FITTED, x, bounds)})
+                                            for k, v, (lo, hi) in zip(factors, x, bounds)})
 
     def loss(x):
         pred = make_predictor(profile_at(x))
         return statistics.fmean((math.log(pred.step_time(p) / t)) ** 2 for p, t in zip(plans, times))
 
     start = dict(attn_gather_cache_bytes=16 * 2**20)  # a last-level cache's worth
-    best = [math.log(max(start.get(k) or getattr(base, k), 1e-12)) for k in FITTED]
+    best = [math.log(max(start.get(k) or getattr(base, k), 1e-12)) for k in factors]
     for step in (2.0, 1.0, 0.5, 0.25):  # restarts from the best point so far, shrinking the simplex
         best = nelder_mead(loss, best, step=step)
     return profile_at(best)
@@ -381,7 +470,7 @@ def time_plans(args, bench: Bench, plans, command) -> tuple[list[float], dict, d
         print(f"  other processes used {other.fraction:.0%} of the CPUs while timing: timing again", flush=True)
     engine = dict(page_size=bench.config.page_size, block_pages=bench.config.block_pages,
                   block_tokens=bench.block_tokens, max_model_len=bench.engine.max_model_len,
-                  max_num_seqs=bench.config.max_num_seqs)
+                  max_num_seqs=bench.config.max_num_seqs, attention=bench.attention)
     timing = dict(command=command, date=_now(), machine=hardware_lines(), reps=args.reps,
                   seconds=round(elapsed, 1), other_processes_cpu=round(other.fraction, 3))
     return meas, engine, timing
@@ -408,7 +497,7 @@ def wake_only(args, command) -> dict:
     with open(args.out, encoding="utf-8") as f:
         profile = json.load(f)
     print(f"building the engine ({profile['model']}, {profile['dtype']}, 1 device) ...", flush=True)
-    bench = Bench(profile["model"], profile["dtype"])
+    bench = Bench(setup_for(profile["hardware"]), profile["model"], profile["dtype"])
     if args.wait_quiet:
         wait_for_quiet(args.wait_quiet, log=lambda s: print(s, flush=True))
     with OtherLoad() as other:
@@ -433,14 +522,39 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def resolve_defaults(args) -> None:
+    """Fills the arguments left to the machine: `--hardware auto` from the first device, `--model` and `--dtype`
+    from its set-up (`setup_for`), `--out` as the shipped profile of the hardware. With `--samples` the model,
+    dtype and hardware are the sample file's (set in `main`)."""
+    if args.hardware == "auto":
+        if args.samples:
+            args.hardware = Predictor.load_profile(args.samples)["hardware"]
+        else:
+            from mnemojax.engine.llm_engine import detect_hardware
+
+            args.hardware = detect_hardware()
+    if args.hardware not in HARDWARE:
+        raise SystemExit(f"--hardware {args.hardware!r} is not a predictor preset; known: {sorted(HARDWARE)}")
+    setup = setup_for(args.hardware)
+    args.model = args.model or setup.model
+    args.dtype = args.dtype or setup.dtype
+    if args.out is None:
+        args.out = os.path.join(PROFILE_DIR, f"{args.hardware}.json")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny", help="a preset name (models.config.PRESETS)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--hardware", default="cpu", help="hardware preset the factors are relative to")
+    ap.add_argument("--model", default=None,
+                    help="a preset name (models.config.PRESETS); default: tiny on a CPU, llama3.2-1b on a GPU")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                    help="default: float32 on a CPU, bfloat16 on a GPU")
+    ap.add_argument("--hardware", default="auto",
+                    help="hardware preset the factors are relative to (mnemojax.scheduling.predictor.HARDWARE); "
+                         "auto: the first device's (cpu, a100, h100, h200)")
     ap.add_argument("--reps", type=int, default=7, help="timed rounds over all plans; a plan's time is the median")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(PROFILE_DIR, "cpu.json"), help="profile file to write")
+    ap.add_argument("--out", default=None,
+                    help="profile file to write; default: the shipped one, mnemojax/scheduling/profiles/<hardware>.json")
     ap.add_argument("--check", default=None, metavar="PROFILE",
                     help="time the plans and compare with this profile's predictions; fit and write nothing")
     ap.add_argument("--samples", default=None, metavar="PROFILE",
@@ -456,6 +570,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/profile_predictor.py"] +
                                    (sys.argv[1:] if argv is None else list(argv)))
+    resolve_defaults(args)
 
     from models.config import preset
 
@@ -471,10 +586,11 @@ def main(argv=None):
         train = [i for i in range(len(plans)) if i not in held]
         engine, timing, wake = source["engine"], source["timing"], source.get("wake")
     else:
-        plans = default_plans(args.seed)
+        setup = setup_for(args.hardware)
+        plans = setup.plans(args.seed)
         train, held = split(plans)
-        print(f"building the engine ({args.model}, {args.dtype}, 1 device) ...", flush=True)
-        bench = Bench(args.model, args.dtype)
+        print(f"building the engine ({args.model}, {args.dtype}, 1 device, for {args.hardware}) ...", flush=True)
+        bench = Bench(setup, args.model, args.dtype)
         meas, engine, timing = time_plans(args, bench, plans, command)
         if args.wake_idle_s > 0 and not args.check:
             wake = time_wake(args, bench)
@@ -487,10 +603,11 @@ def main(argv=None):
         predictor = Predictor(model, args.hardware, profile=args.check)
         held = list(range(len(plans)))
     else:
-        layout = dict(attention="reference", block_tokens=engine["block_tokens"], pad_tokens_min=16,
-                      pad_rows_min=8)
+        attention = engine.get("attention", REFERENCE)  # profiles before this field timed the reference kernel
+        layout = dict(attention=attention, block_tokens=engine["block_tokens"], pad_tokens_min=16, pad_rows_min=8)
         base = dataclasses.replace(Profile(), **layout)
-        fitted = fit(make, base, [plans[i][1] for i in train], [meas[i] for i in train])
+        fitted = fit(make, base, [plans[i][1] for i in train], [meas[i] for i in train],
+                     factors=fitted_factors(attention))
         predictor = make(dataclasses.replace(fitted, wake_factor=wake["factor"] if wake else 1.0))
     pred = [predictor.step_time(p) for _, p in plans]
     errs = errors(pred, meas)
@@ -512,7 +629,8 @@ def main(argv=None):
         print("hardware:", line)
     print(f"timing: {len(plans)} plans x {timing['reps']} rounds in {timing['seconds']:.0f} s (warm-up included); "
           f"other processes used {timing['other_processes_cpu']:.0%} of the CPUs meanwhile")
-    print("factors:", ", ".join(f"{k}={getattr(predictor.profile, k):.3g}" for k in FITTED))
+    print("factors:", ", ".join(f"{k}={getattr(predictor.profile, k):.3g}"
+                                for k in fitted_factors(predictor.attention)))
     if wake:
         print(wake_line(wake))
     if not args.check:

@@ -52,3 +52,79 @@ def test_wake_factor_goes_into_the_profile_file_and_nothing_else_changes(tmp_pat
     assert p.profile.wake_factor == pytest.approx(1.5) and p.profile.step_overhead_s == 3e-3
     with pytest.raises(ValueError, match="wake_factor must be positive"):
         Profile(wake_factor=0.0)
+
+
+# ------------------------------------------------------------------------------------------- set-ups and fits
+def _args(*argv):
+    import argparse
+
+    ns = argparse.Namespace(model=None, dtype=None, hardware="auto", out=None, samples=None)
+    for flag, value in zip(argv[::2], argv[1::2]):
+        setattr(ns, flag.lstrip("-"), value)
+    pp.resolve_defaults(ns)
+    return ns
+
+
+def test_defaults_follow_the_machine_and_the_hardware_asked_for():
+    import os
+
+    from mnemojax.scheduling.predictor import PROFILE_DIR
+
+    cpu = _args()  # the tests' device is a CPU
+    assert (cpu.hardware, cpu.model, cpu.dtype) == ("cpu", "tiny", "float32")
+    assert cpu.out == os.path.join(PROFILE_DIR, "cpu.json")
+    h100 = _args("--hardware", "h100")
+    assert (h100.model, h100.dtype, h100.out) == ("llama3.2-1b", "bfloat16", os.path.join(PROFILE_DIR, "h100.json"))
+    mine = _args("--hardware", "h200", "--model", "llama3-8b", "--out", "/tmp/x.json")
+    assert (mine.model, mine.dtype, mine.out) == ("llama3-8b", "bfloat16", "/tmp/x.json")
+    with pytest.raises(SystemExit, match="'b200' is not a predictor preset; known: .*'h100'"):
+        _args("--hardware", "b200")
+
+
+def test_gpu_plans_fit_the_gpu_engine():
+    """Every GPU plan runs on the GPU set-up as built: tokens within the budget, requests within max_num_seqs,
+    contexts within max_model_len, the plan's keys within the page pool (no two requests share a page); and each
+    category has plans to fit and to hold out."""
+    setup = pp.SETUPS["gpu"]
+    model = preset(setup.model)
+    assert setup.max_model_len <= model.max_position_embeddings
+    plans = pp.gpu_plans(0)
+    usable = setup.num_pages - 1  # page 0 is the null page
+    for _, chunks in plans:
+        assert sum(c.query_tokens for c in chunks) <= setup.max_num_batched_tokens
+        assert len(chunks) <= setup.max_num_seqs
+        assert all(c.query_tokens <= c.context_len <= setup.max_model_len for c in chunks)
+        assert sum(-(-c.context_len // setup.page_size) for c in chunks) <= usable
+    train, held = pp.split(plans)
+    kinds = {k for k, _ in plans}
+    assert kinds == {"decode", "prefill", "mixed", "prefills"}
+    assert {plans[i][0] for i in held} == kinds == {plans[i][0] for i in train}
+    assert max(c.context_len for _, p in plans for c in p) == 131072
+    assert pp.gpu_plans(0) == plans and pp.gpu_plans(1) != plans  # seeded
+
+
+def test_fit_of_a_gpu_kernel_recovers_its_profile_and_leaves_reference_factors_alone():
+    """Steps timed by a known profile of the Pallas kernels on an H100 (llama3.2-1b, bf16): the fit from the
+    defaults finds factors predicting them within 2%, and does not move the factors only the reference kernel's
+    cost uses (they cannot change a Pallas prediction)."""
+    import dataclasses
+
+    model = preset("llama3.2-1b")
+    truth = Profile(attention="pallas", linear_flops_eff=0.55, linear_bw_eff=0.6, attn_flops_eff=0.3,
+                    attn_bw_eff=0.45, step_overhead_s=4e-3, per_token_overhead_s=2e-7,
+                    per_request_overhead_s=5e-6, per_row_overhead_s=1e-6)
+
+    def make(profile):
+        return Predictor(model, "h100", dtype_bytes=2, profile=profile)
+
+    plans = [p for _, p in pp.gpu_plans(0)]
+    times = [make(truth).step_time(p) for p in plans]
+    base = Profile(attention="pallas", attn_gather_bw_eff=0.37, attn_block_overhead_s=1e-5)
+    factors = pp.fitted_factors("pallas")
+    assert set(pp.FITTED) - set(factors) == set(pp.REFERENCE_ONLY)
+    got = pp.fit(make, base, plans, times, factors=factors)
+    errs = [abs(make(got).step_time(p) / t - 1) for p, t in zip(plans, times)]
+    assert max(errs) < 0.02
+    assert (got.attn_gather_bw_eff, got.attn_block_overhead_s, got.attn_gather_cache_bytes) == (0.37, 1e-5, None)
+    assert dataclasses.replace(got, **{k: getattr(base, k) for k in factors}) == base  # only `factors` moved
+    assert pp.fitted_factors("reference") == pp.FITTED
