@@ -155,6 +155,7 @@ def test_per_device_shapes(ckpt, shape):
         assert L == 6 and not np.asarray(layers["wq"])[4:].any()
 
 
+@pytest.mark.slow  # ~15 s; tests/models/test_orbax.py restores on other meshes in the default suite
 def test_orbax_checkpoint_restores_under_another_mesh(ckpt, reference, tmp_path):
     """Saved from a (2, 2, 2) mesh, restored into (1, 2, 4) and (4, 1, 1): the same results as the HF load."""
     import jax

@@ -73,6 +73,7 @@ def test_prefill_kernel_matches_reference(case):
     check(ma.prefill_attention, step, num_partitions=parts)
 
 
+@pytest.mark.slow  # ~13 s in the interpreter (the prefill case and the CUDA lowering stay in the default suite)
 def test_decode_kernel_split_k_matches_reference():
     """Decode tiles (one token, its 8 heads as rows), 3 partitions: 70 keys (two blocks: the third partition is
     empty), an empty KVP shard (no visible key: out 0, lse NEG_INF), a shard's view from position 100."""
