@@ -21,16 +21,20 @@ second run is timed (the steady state of consecutive steps of one shape; see `Be
 the median of its rounds. `execute` returns host values, so each call is complete when it returns. Run it on a
 quiet machine (`--wait_quiet`): on 2 cores, one busy process elsewhere slows every step by up to half.
 
-Then the wake factor (`Profile.wake_factor`): each of `WAKE_PLANS` (a new request's first chunk, 16 to 512 tokens)
-runs after `--wake_idle_s` of sleep, as the first step of an engine that waited for a request does, and again at
-once; the factor is the median over plans of their median cold / warm ratio (at least 1). The simulator applies it
-to a step launched after the device idled (the one effect the steady-state plans above cannot see: on this VM a
-step after a second of sleep took 1.16-1.43x its time in three measurements, caches cold and threads parked).
+Then the wake-up (`Profile.wake_factor`, `Profile.wake_overhead_s`): what an engine that waited for a request pays
+for its first step, the one effect the steady-state plans above cannot see. For each of `WAKE_TOKENS` (16 to 256
+tokens, a new request's first chunk), a request goes through the engine's own loop (`Bench.first_token`:
+admission, scheduling, the steps, the results) after `--wake_idle_s` of sleep, and again at once; the line
+cold first token = factor x step + overhead is fitted over the sizes, the step being that prefill's steady-state
+time. The simulator applies it to a step launched after the device idled. On this VM the host's part dominates:
+after a second of sleep, a new request's admission, scheduling and launch took ~10 ms before its step started
+(~2.5 ms at once), and its step 1.1-1.4x its time.
 
 The factors (`mnemojax.scheduling.predictor.Profile`; `fitted_factors`: the reference kernel's own ones only
 when the engine ran it) are fitted on two thirds of the plans (every category split the same way) by
-Nelder-Mead on the log of each factor, minimising the mean squared log error of predicted vs measured time; the summary reports the relative error |predicted / measured - 1| (median, p90, max) on the
-held-out third and on all plans. The profile file records the factors, the engine settings they describe,
+Nelder-Mead on the log of each factor, minimising the mean squared log error of predicted vs measured time;
+the summary reports the relative error |predicted / measured - 1| (median, p90, max) on the held-out third and
+on all plans. The profile file records the factors, the engine settings they describe,
 the error summary, the samples, the date and the command. Prints the command, the hardware, and the table.
 """
 from __future__ import annotations
@@ -195,6 +199,7 @@ class Bench:
                                    precompile=False)  # each plan's first run compiles its shape, untimed
         self.engine = LLMEngine(self.config)
         self._next_page = 0
+        self._rng = random.Random(0)
 
     @property
     def attention(self) -> str:
@@ -202,6 +207,20 @@ class Bench:
         from models.attention import resolve_attention
 
         return resolve_attention(self.config.attention)
+
+    def first_token(self, n: int) -> float:
+        """Seconds from a new request's arrival to its first token through the engine's own loop (admission,
+        scheduling, the steps, the results): a prompt of `n` random tokens (no prefix-cache hit), 2 to generate."""
+        from mnemojax.scheduling.sampling_params import SamplingParams
+
+        engine = self.engine
+        prompt = [self._rng.randrange(256) for _ in range(n)]
+        t0 = engine.clock()
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0),
+                                 arrival_time=t0)
+        while engine.has_unfinished():
+            engine.step()
+        return engine.pop_finished(rid).metrics.first_token_time - t0
 
     @property
     def block_tokens(self) -> int:
@@ -258,42 +277,56 @@ class Bench:
         return [statistics.median(ts) for ts in times]
 
 
-WAKE_PLANS: list[Plan] = [[ChunkShape(q, q)] for q in (16, 64, 128, 256, 512)]
-"""What an engine that idled starts with: a new request's first prefill chunk."""
+WAKE_TOKENS = (16, 64, 128, 192, 256)
+"""Prompt lengths of the wake measurement: what an engine that idled starts with, a new request's first chunk (each
+one chunk at the default `chunk_size`)."""
 
 
-def measure_wake(execute, plans: list, reps: int, idle_s: float, *, sleep=time.sleep, clock=time.perf_counter,
-                 seed: int = 0) -> list[tuple[float, float]]:
-    """(cold, warm) seconds per plan: `execute(plan)` after `idle_s` of sleep (the engine waiting for a request),
-    then again at once; each the median over `reps` rounds, plans in a shuffled order each round."""
-    cold: list[list[float]] = [[] for _ in plans]
-    warm: list[list[float]] = [[] for _ in plans]
+def measure_wake(first_token, step, sizes, reps: int, idle_s: float, *, sleep=time.sleep,
+                 seed: int = 0) -> list[tuple[float, float, float]]:
+    """(step, cold, warm) seconds per prompt size: `step(n)` the steady-state time of the step that prefills a
+    new request of n tokens (what the predictor models), `first_token(n)` the seconds from a new request's arrival
+    to its first token through the engine's loop, after `idle_s` of sleep (cold) and again at once (warm); each
+    the median over `reps` rounds, sizes in a shuffled order each round."""
+    cold: list[list[float]] = [[] for _ in sizes]
+    warm: list[list[float]] = [[] for _ in sizes]
     rng = random.Random(seed)
     for _ in range(reps):
-        for i in rng.sample(range(len(plans)), len(plans)):
+        for i in rng.sample(range(len(sizes)), len(sizes)):
             sleep(idle_s)
-            for times in (cold, warm):
-                t = clock()
-                execute(plans[i])
-                times[i].append(clock() - t)
-    return [(statistics.median(c), statistics.median(w)) for c, w in zip(cold, warm)]
+            cold[i].append(first_token(sizes[i]))
+            warm[i].append(first_token(sizes[i]))
+    return [(step(n), statistics.median(c), statistics.median(w)) for n, c, w in zip(sizes, cold, warm)]
 
 
-def wake_factor(pairs: list[tuple[float, float]]) -> float:
-    """`Profile.wake_factor` from `measure_wake`'s (cold, warm) pairs: the median cold / warm ratio, at least 1."""
-    return max(1.0, statistics.median(c / w for c, w in pairs))
+def wake_fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(`Profile.wake_factor`, `Profile.wake_overhead_s`) from `measure_wake`'s (step, cold, warm) points: the
+    least-squares line cold = factor x step + overhead, with factor >= 1 and overhead >= 0 (a bound that binds
+    is held and the other refitted)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    factor = max(1.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 1.0)
+    overhead = my - factor * mx
+    if overhead < 0:  # through the origin
+        overhead = 0.0
+        factor = max(1.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+    return factor, overhead
 
 
-def wake_record(pairs: list[tuple[float, float]], idle_s: float, reps: int) -> dict:
-    """How the wake factor was measured, for the profile file."""
-    return dict(idle_s=idle_s, reps=reps, factor=wake_factor(pairs),
-                plans=[{"chunks": [[c.query_tokens, c.context_len, c.num_ranks] for c in p], "cold_s": c, "warm_s": w}
-                       for p, (c, w) in zip(WAKE_PLANS, pairs)])
+def wake_record(points: list[tuple[float, float, float]], sizes, idle_s: float, reps: int) -> dict:
+    """How the wake factor and overhead were measured, for the profile file."""
+    factor, overhead = wake_fit(points)
+    return dict(idle_s=idle_s, reps=reps, factor=factor, overhead_s=overhead,
+                plans=[{"tokens": n, "step_s": st, "cold_first_token_s": c, "warm_first_token_s": w}
+                       for n, (st, c, w) in zip(sizes, points)])
 
 
 def set_wake(profile_file: dict, record: dict) -> dict:
-    """A profile file's contents with the wake factor of `record` (from `wake_record`) set, the rest unchanged."""
-    return {**profile_file, "factors": {**profile_file["factors"], "wake_factor": record["factor"]}, "wake": record}
+    """A profile file's contents with the wake factor and overhead of `record` (from `wake_record`) set, the rest
+    unchanged."""
+    return {**profile_file, "factors": {**profile_file["factors"], "wake_factor": record["factor"],
+                                        "wake_overhead_s": record["overhead_s"]}, "wake": record}
 
 
 class OtherLoad:
@@ -477,19 +510,24 @@ def time_plans(args, bench: Bench, plans, command) -> tuple[list[float], dict, d
 
 
 def time_wake(args, bench: Bench) -> dict:
-    """The wake factor's measurement on `bench` (`measure_wake` over `WAKE_PLANS`), as `wake_record`."""
-    print(f"timing {len(WAKE_PLANS)} plans after {args.wake_idle_s:g} s idle, {args.wake_reps} rounds ...", flush=True)
-    plans = [bench.plan(p) for p in WAKE_PLANS]
-    for p in plans:  # compiled, and the pages written once
-        bench.engine.executor.execute(p)
-    pairs = measure_wake(bench.engine.executor.execute, plans, args.wake_reps, args.wake_idle_s, seed=args.seed)
-    return wake_record(pairs, args.wake_idle_s, args.wake_reps)
+    """The wake measurement on `bench` (`measure_wake` over `WAKE_TOKENS`), as `wake_record`."""
+    print(f"timing {len(WAKE_TOKENS)} new requests' first tokens after {args.wake_idle_s:g} s idle and at once, "
+          f"{args.wake_reps} rounds ...", flush=True)
+    steps = dict(zip(WAKE_TOKENS, bench.measure([[ChunkShape(n, n)] for n in WAKE_TOKENS], max(3, args.wake_reps),
+                                                args.seed)))
+    for n in WAKE_TOKENS:  # the engine loop's shapes compiled
+        bench.first_token(n)
+    points = measure_wake(bench.first_token, steps.__getitem__, WAKE_TOKENS, args.wake_reps, args.wake_idle_s,
+                          seed=args.seed)
+    return wake_record(points, WAKE_TOKENS, args.wake_idle_s, args.wake_reps)
 
 
 def wake_line(wake: dict) -> str:
-    ratios = ", ".join(f"{p['chunks'][0][0]} tokens {p['cold_s'] / p['warm_s']:.2f}" for p in wake["plans"])
-    return (f"wake factor {wake['factor']:.3f} after {wake['idle_s']:g} s idle (median cold / warm over "
-            f"{wake['reps']} rounds: {ratios})")
+    firsts = ", ".join(f"{p['tokens']} tokens {p['step_s'] * 1e3:.1f} / {p['cold_first_token_s'] * 1e3:.1f} / "
+                       f"{p['warm_first_token_s'] * 1e3:.1f}" for p in wake["plans"])
+    return (f"wake: a step after {wake['idle_s']:g} s idle takes {wake['factor']:.3f} x its time + "
+            f"{wake['overhead_s'] * 1e3:.2f} ms (ms of the step / a new request's first token after the idle / "
+            f"at once, medians over {wake['reps']} rounds: {firsts})")
 
 
 def wake_only(args, command) -> dict:
@@ -608,7 +646,8 @@ def main(argv=None):
         base = dataclasses.replace(Profile(), **layout)
         fitted = fit(make, base, [plans[i][1] for i in train], [meas[i] for i in train],
                      factors=fitted_factors(attention))
-        predictor = make(dataclasses.replace(fitted, wake_factor=wake["factor"] if wake else 1.0))
+        predictor = make(dataclasses.replace(fitted, wake_factor=wake["factor"] if wake else 1.0,
+                                             wake_overhead_s=wake["overhead_s"] if wake else 0.0))
     pred = [predictor.step_time(p) for _, p in plans]
     errs = errors(pred, meas)
     result = {"all": summary(errs), "held_out": summary([errs[i] for i in held])}

@@ -145,6 +145,10 @@ class Profile:
     steady-state time: caches gone cold, worker threads parked, clocks lowered. Measured by
     `scripts/profile_predictor.py` (each plan timed again after a second of sleep); the simulator applies it,
     the scheduler's step costs do not (it plans steady-state steps). 1: no such cost."""
+    wake_overhead_s: float = 0.0
+    """Seconds such a step takes on top of `wake_factor` x its time: the host's own wake-up (a request's admission,
+    its scheduling and the step's launch run slower after a sleep, before the device starts). Measured with
+    `wake_factor` by `scripts/profile_predictor.py`, through the engine's loop; the simulator applies it."""
     attention: str = PALLAS
     """The engine's attention kernels, by their names (`models.kernels`): "pallas" is costed as an ideal ragged
     paged kernel (each request's own causal work); "reference" as the plain-jnp blockwise kernel (every padded row

@@ -354,17 +354,19 @@ class PredictedExecutor:
     """The executor's interface with the predictor as its clock; nothing runs.
 
     `launch(plan)` feeds the plan's micro-batch into stage 0; the step starts when the device is free (or now) and
-    takes the clocked step's predicted time (its slowest micro-batch's `stage_time`), times `wake_factor` when the
-    device had gone idle before it (it finished its last step before now: the engine was waiting for a request).
+    takes the clocked step's predicted time (its slowest micro-batch's `stage_time`), times `wake_factor` plus
+    `wake_overhead_s` when the device had gone idle before it (it finished its last step before now: the engine was
+    waiting for a request).
     It returns the micro-batch leaving the last stage, with token 0 for each of its sampling chunks, as the
     executor returns it, and when those results are ready; `collect` waits for them (`now` moves to the step's
     end), `execute(plan)` does both.
     """
 
     def __init__(self, stage_time: Callable[[StepPlan], float], num_stages: int, now: float = 0.0,
-                 wake_factor: float = 1.0):
+                 wake_factor: float = 1.0, wake_overhead_s: float = 0.0):
         self.stage_time = stage_time
         self.wake_factor = wake_factor
+        self.wake_overhead_s = wake_overhead_s
         self.now = now
         self.free_at = -math.inf  # when the device finishes the steps launched (it starts idle: a cold start)
         self.pipeline: Pipeline[_MicroBatch] = Pipeline(num_stages)
@@ -378,7 +380,7 @@ class PredictedExecutor:
         self.pipeline.push(_MicroBatch(plan, self.stage_time(plan)), lambda: self._padding)
         took = max(mb.stage_time for mb in self.pipeline)
         if self.now > self.free_at:  # the device sat idle until now: a cold start
-            took *= self.wake_factor
+            took = took * self.wake_factor + self.wake_overhead_s
         self.free_at = max(self.now, self.free_at) + took
         done = self.pipeline.pop().plan
         return _Launched(done, [ChunkOutput(0 if ch.sample else None) for ch in done.chunks], self.free_at)
@@ -428,7 +430,8 @@ class Simulator:
                                  prefix_caching=self.prefix_caching)
         self._empty_time = self.predictor.stage_time([])
         self.executor = PredictedExecutor(self.stage_time, config.spp,
-                                          wake_factor=self.predictor.profile.wake_factor)
+                                          wake_factor=self.predictor.profile.wake_factor,
+                                          wake_overhead_s=self.predictor.profile.wake_overhead_s)
         # As in the engine, the scheduler gets the predictor with a target batch time (without one, its LRS /
         # ILRS remaining prefill time is its per-token fallback); also for predicted TTFT deadlines.
         uses_predictor = config.target_batch_time_ms is not None or config.ttft_slo_prefill_factor > 0

@@ -1,5 +1,6 @@
-"""The wake factor of `mnemojax.bench.profile_predictor`: measured with a fake clock and executor whose step is
-slower right after a sleep, and written into a profile file without touching the other factors."""
+"""`mnemojax.bench.profile_predictor`: the wake-up measured with a fake machine whose first token is later right
+after a sleep and written into a profile file without touching the other factors; the set-ups per machine; the
+fit for a GPU's kernels."""
 import json
 
 import pytest
@@ -10,48 +11,65 @@ from models.config import preset
 
 
 class FakeMachine:
-    """A step takes `cost[plan]` seconds, times `cold` when it follows a sleep; the clock moves only by them."""
+    """A new request of n tokens gets its first token `loop` seconds plus its step `cost[n]` after it arrives; right
+    after a sleep the step takes `cold` times as long and the host `wake_s` more."""
 
-    def __init__(self, cost, cold):
-        self.cost, self.cold, self.t, self.slept, self.sleeps = cost, cold, 0.0, False, []
+    def __init__(self, cost, loop, cold, wake_s):
+        self.cost, self.loop, self.cold, self.wake_s = cost, loop, cold, wake_s
+        self.slept, self.sleeps = False, []
 
     def sleep(self, s):
         self.sleeps.append(s)
-        self.t += s
         self.slept = True
 
-    def execute(self, plan):
-        self.t += self.cost[plan] * (self.cold if self.slept else 1.0)
+    def first_token(self, n):
+        t = self.loop + (self.cost[n] * self.cold + self.wake_s if self.slept else self.cost[n])
         self.slept = False
-
-    def clock(self):
-        return self.t
+        return t
 
 
-def test_measure_wake_times_each_plan_after_a_sleep_and_at_once():
-    m = FakeMachine({"a": 0.01, "b": 0.04}, cold=1.5)
-    pairs = pp.measure_wake(m.execute, ["a", "b"], reps=3, idle_s=0.7, sleep=m.sleep, clock=m.clock)
-    assert pairs == [(pytest.approx(0.015), pytest.approx(0.01)), (pytest.approx(0.06), pytest.approx(0.04))]
-    assert m.sleeps == [0.7] * 6
-    assert pp.wake_factor(pairs) == pytest.approx(1.5)
-    assert pp.wake_factor([(0.9, 1.0), (0.95, 1.0), (1.2, 1.0)]) == 1.0  # faster when cold is noise: at least 1
-    assert pp.wake_factor([(3.0, 1.0), (1.2, 1.0), (1.4, 1.0)]) == pytest.approx(1.4)  # the median ratio
+def test_measure_wake_times_a_first_token_after_a_sleep_and_at_once_and_fits_the_line():
+    m = FakeMachine({16: 0.002, 128: 0.01, 256: 0.03}, loop=0.001, cold=1.2, wake_s=0.008)
+    points = pp.measure_wake(m.first_token, m.cost.__getitem__, [16, 128, 256], reps=3, idle_s=0.7, sleep=m.sleep)
+    assert [p[0] for p in points] == [0.002, 0.01, 0.03]
+    assert [p[1] for p in points] == [pytest.approx(0.001 + c * 1.2 + 0.008) for c in (0.002, 0.01, 0.03)]
+    assert [p[2] for p in points] == [pytest.approx(0.001 + c) for c in (0.002, 0.01, 0.03)]
+    assert m.sleeps == [0.7] * 9
+    factor, overhead = pp.wake_fit(points)  # cold = 1.2 x step + 9 ms, exactly
+    assert factor == pytest.approx(1.2) and overhead == pytest.approx(0.009)
 
 
-def test_wake_factor_goes_into_the_profile_file_and_nothing_else_changes(tmp_path):
+def test_wake_fit_keeps_its_bounds():
+    # a cold first token no slower than the step: factor 1, no overhead
+    assert pp.wake_fit([(0.01, 0.009, 0.0), (0.02, 0.019, 0.0)]) == (1.0, 0.0)
+    # a line steeper than it is long: overhead 0 and the slope through the origin
+    factor, overhead = pp.wake_fit([(0.01, 0.01, 0.0), (0.02, 0.05, 0.0)])
+    assert overhead == 0.0 and factor == pytest.approx((0.01 * 0.01 + 0.02 * 0.05) / (0.01 ** 2 + 0.02 ** 2))
+    # a flat line (the cold cost all overhead): factor 1, the overhead is the mean excess
+    factor, overhead = pp.wake_fit([(0.01, 0.03, 0.0), (0.02, 0.035, 0.0), (0.03, 0.04, 0.0)])
+    assert factor == 1.0 and overhead == pytest.approx(0.035 - 0.02)
+
+
+def test_wake_goes_into_the_profile_file_and_nothing_else_changes(tmp_path):
     path = tmp_path / "p.json"
     Predictor(preset("tiny"), "cpu", profile=Profile(step_overhead_s=3e-3)).save_profile(str(path), model="tiny",
                                                                                         note="kept")
     before = json.loads(path.read_text())
-    pairs = [(0.02, 0.01), (0.03, 0.02), (0.05, 0.04), (0.3, 0.2), (0.6, 0.5)]
-    after = pp.set_wake(before, pp.wake_record(pairs, 1.0, 5))
-    assert after["factors"] == {**before["factors"], "wake_factor": pytest.approx(1.5)}
-    assert after["note"] == "kept" and after["wake"]["idle_s"] == 1.0 and len(after["wake"]["plans"]) == 5
+    points = [(0.01, 0.025, 0.011), (0.02, 0.04, 0.021), (0.04, 0.07, 0.042)]  # cold = 1.5 x step + 10 ms
+    after = pp.set_wake(before, pp.wake_record(points, [16, 128, 256], 1.0, 5))
+    assert after["factors"] == {**before["factors"], "wake_factor": pytest.approx(1.5),
+                                "wake_overhead_s": pytest.approx(0.01)}
+    assert after["note"] == "kept" and after["wake"]["idle_s"] == 1.0
+    assert [x["tokens"] for x in after["wake"]["plans"]] == [16, 128, 256]
     path.write_text(json.dumps(after))
     p = Predictor(preset("tiny"), "cpu", profile=str(path))
-    assert p.profile.wake_factor == pytest.approx(1.5) and p.profile.step_overhead_s == 3e-3
+    assert p.profile.wake_factor == pytest.approx(1.5) and p.profile.wake_overhead_s == pytest.approx(0.01)
+    assert p.profile.step_overhead_s == 3e-3
+    assert "1.500 x its time + 10.00 ms" in pp.wake_line(after["wake"])
     with pytest.raises(ValueError, match="wake_factor must be positive"):
         Profile(wake_factor=0.0)
+    with pytest.raises(ValueError, match="wake_overhead_s must not be negative"):
+        Profile(wake_overhead_s=-1e-3)
 
 
 # ------------------------------------------------------------------------------------------- set-ups and fits

@@ -257,3 +257,23 @@ def test_a_step_after_idling_takes_the_wake_factor(async_scheduling):
         assert cold[i]["tbt_max"] == pytest.approx(warm[i]["tbt_max"], rel=1e-12)
     # the second request joins while the first's prefill runs: it waits for that step's extra time only
     assert cold[1]["first_token"] - warm[1]["first_token"] == pytest.approx(warm[0]["ttft"], rel=1e-12)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_step_after_idling_takes_the_wake_overhead_on_top(async_scheduling):
+    """wake_factor 1.5 and wake_overhead_s 7 ms: a step launched on an idle device takes 1.5 x its time + 7 ms (the
+    host's wake-up), so a request alone at an idle engine gets its first token that much later; later steps keep
+    their time."""
+    import dataclasses
+
+    trace = [TraceRequest(0.0, 100, 4), TraceRequest(50.0, 100, 4)]
+    runs = {}
+    for wake in ((1.0, 0.0), (1.5, 0.007)):
+        cfg = SimConfig(async_scheduling=async_scheduling)
+        predictor = simulator.make_predictor(cfg)
+        predictor.set_profile(dataclasses.replace(predictor.profile, wake_factor=wake[0], wake_overhead_s=wake[1]))
+        runs[wake] = Simulator(cfg, trace, predictor=predictor).run().requests
+    warm, cold = runs[(1.0, 0.0)], runs[(1.5, 0.007)]
+    for i in (0, 1):
+        assert cold[i]["ttft"] == pytest.approx(1.5 * warm[i]["ttft"] + 0.007, rel=1e-12)
+        assert cold[i]["tbt_max"] == pytest.approx(warm[i]["tbt_max"], rel=1e-12)
