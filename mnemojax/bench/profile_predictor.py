@@ -26,9 +26,9 @@ for its first step, the one effect the steady-state plans above cannot see. For 
 tokens, a new request's first chunk), a request goes through the engine's own loop (`Bench.first_token`:
 admission, scheduling, the steps, the results) after `--wake_idle_s` of sleep, and again at once; the line
 cold first token = factor x step + overhead is fitted over the sizes, the step being that prefill's steady-state
-time. The simulator applies it to a step launched after the device idled. On this VM the host's part dominates:
-after a second of sleep, a new request's admission, scheduling and launch took ~10 ms before its step started
-(~2.5 ms at once), and its step 1.1-1.4x its time.
+time. The simulator applies it to a step launched after the device idled, so an idle engine's first token costs
+what the engine's loop makes it cost (on this VM: 1.4-1.6x the step + ~1 ms; the loop's host work around the step,
+two launches before the first collect, is in it whether the machine slept or not).
 
 The factors (`mnemojax.scheduling.predictor.Profile`; `fitted_factors`: the reference kernel's own ones only
 when the engine ran it) are fitted on two thirds of the plans (every category split the same way) by
