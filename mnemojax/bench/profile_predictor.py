@@ -523,6 +523,8 @@ def time_wake(args, bench: Bench) -> dict:
 
 
 def wake_line(wake: dict) -> str:
+    if "overhead_s" not in wake:  # a record of the older measurement (executor.execute after a sleep): factor only
+        return f"wake factor {wake['factor']:.3f} after {wake['idle_s']:g} s idle (measured by an older script)"
     firsts = ", ".join(f"{p['tokens']} tokens {p['step_s'] * 1e3:.1f} / {p['cold_first_token_s'] * 1e3:.1f} / "
                        f"{p['warm_first_token_s'] * 1e3:.1f}" for p in wake["plans"])
     return (f"wake: a step after {wake['idle_s']:g} s idle takes {wake['factor']:.3f} x its time + "
@@ -647,7 +649,7 @@ def main(argv=None):
         fitted = fit(make, base, [plans[i][1] for i in train], [meas[i] for i in train],
                      factors=fitted_factors(attention))
         predictor = make(dataclasses.replace(fitted, wake_factor=wake["factor"] if wake else 1.0,
-                                             wake_overhead_s=wake["overhead_s"] if wake else 0.0))
+                                             wake_overhead_s=wake.get("overhead_s", 0.0) if wake else 0.0))
     pred = [predictor.step_time(p) for _, p in plans]
     errs = errors(pred, meas)
     result = {"all": summary(errs), "held_out": summary([errs[i] for i in held])}

@@ -146,3 +146,23 @@ def test_fit_of_a_gpu_kernel_recovers_its_profile_and_leaves_reference_factors_a
     assert (got.attn_gather_bw_eff, got.attn_block_overhead_s, got.attn_gather_cache_bytes) == (0.37, 1e-5, None)
     assert dataclasses.replace(got, **{k: getattr(base, k) for k in factors}) == base  # only `factors` moved
     assert pp.fitted_factors("reference") == pp.FITTED
+
+
+def test_a_profile_with_the_older_wake_record_refits_from_its_samples(tmp_path, capsys):
+    """`--samples` on a profile written before the wake overhead existed: its wake factor is kept, the overhead is
+    0, and nothing is timed (the samples are the file's)."""
+    path = tmp_path / "old.json"
+    plans = pp.cpu_plans(0)
+    truth = Predictor(preset("tiny"), "cpu", profile=Profile(attention="reference", step_overhead_s=2e-3))
+    samples = [{"kind": k, "chunks": [[c.query_tokens, c.context_len, c.num_ranks] for c in p],
+                "measured_s": truth.step_time(p), "held_out": i in pp.split(plans)[1]}
+               for i, (k, p) in enumerate(plans)]
+    truth.save_profile(str(path), model="tiny", engine={"block_tokens": 128}, timing={"command": "x", "date": "d",
+                       "machine": ["m"], "reps": 1, "seconds": 1.0, "other_processes_cpu": 0.0},
+                       wake={"idle_s": 1.0, "reps": 5, "factor": 1.3, "plans": []}, samples=samples)
+    out = tmp_path / "new.json"
+    result = pp.main(["--samples", str(path), "--out", str(out)])
+    assert result["held_out"]["median"] < 0.02  # the reference kernel's cost model refitted to its own numbers
+    factors = json.loads(out.read_text())["factors"]
+    assert factors["wake_factor"] == 1.3 and factors["wake_overhead_s"] == 0.0
+    assert "wake factor 1.300 after 1 s idle (measured by an older script)" in capsys.readouterr().out
