@@ -24,7 +24,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # ~43,000 a third of the way through the default suite. Linux refuses a process more than vm.max_map_count of
 # them (65,530 by default); past it LLVM's next code mapping fails inside an XLA compile and the process dies
 # (a segfault or an abort in whatever test compiles then: what a reordered suite hit in CI). So after a test
-# that leaves more than MAX_MAPPINGS, the jit caches are cleared and the executables they held collected.
+# module that leaves more than MAX_MAPPINGS, the jit caches are cleared and the executables they held collected.
+# Per module, not per test: a module's engines (module-scoped fixtures) keep their compiled steps for all its
+# tests (tests/engine/test_compiles.py counts compiles on one), and one module adds at most ~12,000 mappings.
 MAX_MAPPINGS = 30_000
 
 
@@ -36,7 +38,7 @@ def _mappings() -> int:
         return 0
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _bounded_memory_mappings():
     yield
     if _mappings() > MAX_MAPPINGS:
