@@ -562,17 +562,16 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def resolve_defaults(args) -> None:
+def resolve_defaults(args, source: dict | None = None) -> None:
     """Fills the arguments left to the machine: `--hardware auto` from the first device, `--model` and `--dtype`
-    from its set-up (`setup_for`), `--out` as the shipped profile of the hardware. With `--samples` the model,
-    dtype and hardware are the sample file's (set in `main`)."""
-    if args.hardware == "auto":
-        if args.samples:
-            args.hardware = Predictor.load_profile(args.samples)["hardware"]
-        else:
-            from mnemojax.engine.llm_engine import detect_hardware
+    from its set-up (`setup_for`), `--out` as the shipped profile of the hardware. `source`: the profile file of
+    `--samples`, whose model, dtype and hardware they are."""
+    if source is not None:
+        args.model, args.dtype, args.hardware = source["model"], source["dtype"], source["hardware"]
+    elif args.hardware == "auto":
+        from mnemojax.engine.llm_engine import detect_hardware
 
-            args.hardware = detect_hardware()
+        args.hardware = detect_hardware()
     if args.hardware not in HARDWARE:
         raise SystemExit(f"--hardware {args.hardware!r} is not a predictor preset; known: {sorted(HARDWARE)}")
     setup = setup_for(args.hardware)
@@ -610,16 +609,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/profile_predictor.py"] +
                                    (sys.argv[1:] if argv is None else list(argv)))
-    resolve_defaults(args)
+    source = Predictor.load_profile(args.samples) if args.samples else None
+    resolve_defaults(args, source)
 
     from models.config import preset
 
     if args.wake_only:
         return wake_only(args, command)
     wake = None
-    if args.samples:
-        source = Predictor.load_profile(args.samples)
-        args.model, args.dtype, args.hardware = source["model"], source["dtype"], source["hardware"]
+    if source is not None:
         plans = [(x["kind"], [ChunkShape(*c) for c in x["chunks"]]) for x in source["samples"]]
         meas = [x["measured_s"] for x in source["samples"]]
         held = [i for i, x in enumerate(source["samples"]) if x["held_out"]]

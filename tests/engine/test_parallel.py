@@ -219,9 +219,10 @@ def test_out_of_pages_on_a_rank_queues_or_preempts_and_stays_exact(ckpt, referen
     assert "preempted request" in caplog.text or "waits: not enough free KV pages" in caplog.text
 
 
-def test_a_kvp_rank_asks_its_attention_for_float32_partials(ckpt, monkeypatch):
+@pytest.mark.parametrize("kvp,want", [(1, None), (2, "float32")])
+def test_a_kvp_rank_asks_its_attention_for_float32_partials(ckpt, monkeypatch, kvp, want):
     """With kvp > 1 every layer asks the attention for float32 out (a partial the merge needs unrounded: the Mosaic
-    kernels would otherwise write bf16, rounding before the merge)."""
+    kernels would otherwise write bf16, rounding before the merge); one rank leaves the implementation's own."""
     import models.llama as llama
 
     asked = []
@@ -232,11 +233,11 @@ def test_a_kvp_rank_asks_its_attention_for_float32_partials(ckpt, monkeypatch):
         return attention(*args, **kw)
 
     monkeypatch.setattr(llama, "attention", spy)
-    llm = LLM(model=ckpt, page_size=4, chunk_size=16, max_num_batched_tokens=32, max_model_len=96, kvp=2,
-              max_tokens_per_kvp_rank=_max_tokens_per_rank(2), precompile=False)
+    llm = LLM(model=ckpt, page_size=4, chunk_size=16, max_num_batched_tokens=32, max_model_len=96, kvp=kvp,
+              max_tokens_per_kvp_rank=_max_tokens_per_rank(kvp), precompile=False)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     assert len(asked) >= MODEL["num_layers"]
-    assert {None if a is None else str(np.dtype(a)) for a in asked} == {"float32"}
+    assert {None if a is None else str(np.dtype(a)) for a in asked} == {want}
 
 
 @pytest.mark.parametrize("kvp,chunk_size", [(3, 16), (1, 1)])
