@@ -251,9 +251,9 @@ class Bench:
         run of each plan.
 
         The first run of each pair also absorbs what belongs to a change of shape, not to the plan: caches
-        holding the previous plan's data, and the executor re-creating its pipeline register with a freshly
-        traced `jax.jit` (~30 ms on this CPU) whenever the padded token rows T change. Plans with the same T
-        run together, in a shuffled order, so a burst of load from another process spreads over them.
+        holding the previous plan's data, and the executor allocating a pipeline register of the new size
+        whenever the padded token rows T change. Plans with the same T run together, in a shuffled order, so a
+        burst of load from another process spreads over them.
         """
         ex = self.engine.executor
         built = [self.plan(p) for p in plans]
