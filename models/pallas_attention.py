@@ -26,7 +26,13 @@ Two tilings, one kernel:
 `paged_attention_pallas` (what `attention="pallas"` runs) sends the tokens of one-token sequences (decodes) to
 decode tiles and the rest to prefill tiles, in the same step. Grid sizes are static given (T, B, M): prefill
 tiles number T // block_q + min(B, T // 2) (every sequence adds at most one partial tile), decode tiles
-min(T, B); tiles a step does not use exit at once. The per-tile metadata (which tokens, which sequence, how
+min(T, B); tiles a step does not use exit at once. `persistent=True` launches instead a work-list grid:
+(programs, kv heads), each program looping over the step's (tile, partition) items, only tiles with keys to
+read, each tile cut into partitions by the keys it reads (not by the page table's capacity), so no partition is
+empty and no program only exits unless the whole step has fewer items than the grid has programs (the grid is
+static: sizing it from the device would need a host sync). It is the same arithmetic per item and is checked
+in Pallas' interpreter and lowered to Triton on the CPU, but has not run on a GPU: off by default until
+`scripts/bench_attention.py --persistent` measures it against the static grid. The per-tile metadata (which tokens, which sequence, how
 far each row sees) is computed on device with jnp, so the kernels need no host work and run inside jit and
 shard_map.
 
@@ -138,37 +144,26 @@ def _compiler_params(rows: int):
 
 
 # ---------------------------------------------------------------------------------------------- the kernel
-def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, q_ref, table_ref, k_ref, v_ref,  # inputs
-            *rest, block_k: int, num_parts: int, scale: float, precision, group: int | None):
-    """One (tile, kv head, partition) program.
+def _partition(layer, b, kv_full, kv_hi, q, lim, table_ref, k_ref, v_ref, kvh, part, num_parts, *,
+               block_k: int, scale: float, precision):
+    """Online softmax (base 2) of one tile's query rows over partition `part` of `num_parts` of its key blocks.
 
-    layer_ref i32[1]; seq_ref / full_ref / hi_ref i32[nt]: the tile's sequence, the keys every row of it sees,
-    the keys its furthest row sees; lim_ref i32[R]: keys each row sees (local index < lim); q_ref [R, H];
-    table_ref i32[B, M]; k_ref / v_ref the whole cache [L, P, S, K, H].
-
-    With several partitions (`group` None), `rest` is this (tile, kv head, partition)'s outputs: acc [R, H]
-    (unnormalised), m [R] (running max of base-2 scores) and l [R] (sum of weights). With one (`group` = G, the
-    query heads per kv head), `rest` is (row_tok_ref i32[R], the token of each row: T for padding and empty
-    slots; the input buffers out [T + 1, N, H] and lse [T + 1, N], aliased to the outputs; the outputs): the
-    program normalises and writes its rows straight into token order, row r to (row_tok[r], kv head x G + r % G),
-    so no merge, transpose or scatter follows the kernel (row T is a sink for padding rows, sliced off).
+    layer, b (the tile's sequence), kv_full / kv_hi (the keys every row / the furthest row of the tile sees),
+    kvh, part, num_parts: i32 scalars; q [R, H] the rows of (tile, kv head); lim i32[R] the keys each row sees
+    (local index < lim); table_ref i32[B, M]; k_ref / v_ref the whole cache [L, P, S, K, H]. Returns (m [R], the
+    running max of the base-2 scores; l [R], the sum of weights; acc [R, H], unnormalised), all float32.
     """
-    t, kvh, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer, b = layer_ref[0], seq_ref[t]
     page_size = k_ref.shape[2]
     max_pages = table_ref.shape[1]
-    q = q_ref[...]
-    lim = lim_ref[...]
     rows, head_dim = q.shape
     cdt = q.dtype  # compute dtype of the matmuls (accumulation is float32)
 
     # This partition's share of the tile's key blocks, and where the unmasked ones end.
-    kv_hi = hi_ref[t]
     n_blocks = _cdiv(kv_hi, block_k)
     per_part = _cdiv(n_blocks, num_parts)
     lo = jnp.minimum(part * per_part, n_blocks)
     hi = jnp.minimum(lo + per_part, n_blocks)
-    split = jnp.clip(lax.div(full_ref[t], block_k), lo, hi)
+    split = jnp.clip(lax.div(kv_full, block_k), lo, hi)
 
     def block(j, carry, masked: bool):
         m, l, acc = carry
@@ -198,15 +193,14 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, q_ref, table_ref, k_r
     carry = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
              jnp.zeros((rows, head_dim), jnp.float32))
     carry = lax.fori_loop(lo, split, functools.partial(block, masked=False), carry)
-    m, l, acc = lax.fori_loop(split, hi, functools.partial(block, masked=True), carry)
-    if group is None:
-        acc_ref, m_ref, l_ref = rest
-        acc_ref[...] = acc
-        m_ref[...] = m
-        l_ref[...] = l
-        return
-    row_tok_ref, _, _, out_ref, lse_ref = rest  # (the two inputs are the outputs' buffers: aliased)
-    tok = row_tok_ref[...]
+    return lax.fori_loop(split, hi, functools.partial(block, masked=True), carry)
+
+
+def _write_rows(tok, kvh, group: int, m, l, acc, out_ref, lse_ref):
+    """Normalises one (tile, kv head)'s rows and writes them in token order: row r to (tok[r], kvh x G + r % G)
+    of out [T + 1, N, H] and lse [T + 1, N] (natural log); a row with no visible key (l = 0) gets (0, NEG_INF);
+    padding rows and empty slots have tok = T, the sink row."""
+    rows = tok.shape[0]
     head = kvh * group + lax.rem(lax.broadcasted_iota(jnp.int32, (rows,), 0), group)
     empty = l == 0.0
     safe = jnp.where(empty, 1.0, l)
@@ -214,12 +208,106 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, q_ref, table_ref, k_r
     lse_ref[tok, head] = jnp.where(empty, NEG_INF, (m + jnp.log2(safe)) * LN2)
 
 
+def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, q_ref, table_ref, k_ref, v_ref,  # inputs
+            *rest, block_k: int, num_parts: int, scale: float, precision, group: int | None):
+    """One (tile, kv head, partition) program of the static grid.
+
+    layer_ref i32[1]; seq_ref / full_ref / hi_ref i32[nt]: the tile's sequence, the keys every row of it sees,
+    the keys its furthest row sees; lim_ref i32[R]: keys each row sees (local index < lim); q_ref [R, H];
+    table_ref i32[B, M]; k_ref / v_ref the whole cache [L, P, S, K, H].
+
+    With several partitions (`group` None), `rest` is this (tile, kv head, partition)'s outputs: acc [R, H]
+    (unnormalised), m [R] (running max of base-2 scores) and l [R] (sum of weights). With one (`group` = G, the
+    query heads per kv head), `rest` is (row_tok_ref i32[R], the token of each row: T for padding and empty
+    slots; the input buffers out [T + 1, N, H] and lse [T + 1, N], aliased to the outputs; the outputs): the
+    program normalises and writes its rows straight into token order, row r to (row_tok[r], kv head x G + r % G),
+    so no merge, transpose or scatter follows the kernel (row T is a sink for padding rows, sliced off).
+    """
+    t, kvh, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    m, l, acc = _partition(layer_ref[0], seq_ref[t], full_ref[t], hi_ref[t], q_ref[...], lim_ref[...], table_ref,
+                           k_ref, v_ref, kvh, part, num_parts, block_k=block_k, scale=scale, precision=precision)
+    if group is None:
+        acc_ref, m_ref, l_ref = rest
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+        return
+    row_tok_ref, _, _, out_ref, lse_ref = rest  # (the two inputs are the outputs' buffers: aliased)
+    _write_rows(row_tok_ref[...], kvh, group, m, l, acc, out_ref, lse_ref)
+
+
+def _persistent_kernel(layer_ref, seq_ref, full_ref, hi_ref, parts_ref, count_ref, item_tile_ref, item_part_ref,
+                       lim_ref, q_ref, table_ref, k_ref, v_ref,  # inputs
+                       *rest, block_k: int, programs: int, scale: float, precision, group: int | None):
+    """One program of the persistent grid (programs, kv heads): it runs the work items pid, pid + programs, ...
+    below count_ref[0], each one partition of one tile (`item_tile_ref`, `item_part_ref`), so only items that
+    hold keys are run and no program of a step with at least `programs` items only exits.
+
+    parts_ref i32[nt]: the partitions tile t is cut into (0 for a tile with no key to read); lim_ref i32[nt, R],
+    q_ref [nt, K, R, H] (the rows of every tile: indexed by the item's tile); the rest as `_kernel`'s. With
+    several partitions (`group` None) `rest` is the whole partial outputs acc [nt, K, NP, R, H], m and l
+    [nt, K, NP, R] (the slots of partitions a tile does not have are left unwritten: the merge ignores them);
+    with one, as `_kernel`'s but with row_tok_ref i32[nt, R].
+    """
+    pid, kvh = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+
+    def item(j, carry):
+        i = pid + j * programs
+        t, part = item_tile_ref[i], item_part_ref[i]
+        m, l, acc = _partition(layer, seq_ref[t], full_ref[t], hi_ref[t], q_ref[t, kvh], lim_ref[t], table_ref,
+                               k_ref, v_ref, kvh, part, parts_ref[t], block_k=block_k, scale=scale,
+                               precision=precision)
+        if group is None:
+            acc_ref, m_ref, l_ref = rest
+            acc_ref[t, kvh, part] = acc
+            m_ref[t, kvh, part] = m
+            l_ref[t, kvh, part] = l
+        else:
+            row_tok_ref, _, _, out_ref, lse_ref = rest
+            _write_rows(row_tok_ref[t], kvh, group, m, l, acc, out_ref, lse_ref)
+        return carry
+
+    lax.fori_loop(0, _cdiv(jnp.maximum(count_ref[0] - pid, 0), programs), item, 0)
+
+
+def _work_items(kv_hi, num_kv_heads: int, num_parts: int, block_k: int):
+    """The persistent grid's work list: which tiles hold keys to read, cut into how many partitions.
+
+    kv_hi i32[nt]: the keys each tile's furthest row sees. With one partition (`num_parts` 1) every tile that
+    reads a key is one item; with several, a tile of n key blocks gets min(num_parts, ceil(n / per_item))
+    partitions, per_item = the step's key blocks x kv heads / TARGET_PROGRAMS (at least 1): partitions sized by
+    the contexts the step holds rather than by the page table's capacity, so they share the work evenly and
+    none is empty. Returns parts i32[nt], count i32[1] (the items) and item_tile / item_part i32[nt x
+    num_parts] (item i's tile and its partition there; entries from count on are unused).
+    """
+    nt = kv_hi.shape[0]
+    n_blocks = _cdiv(kv_hi, block_k)
+    if num_parts == 1:
+        parts = (n_blocks > 0).astype(jnp.int32)
+    else:
+        per_item = jnp.maximum(_cdiv(n_blocks.sum() * num_kv_heads, TARGET_PROGRAMS), 1)
+        parts = jnp.minimum(_cdiv(n_blocks, per_item), num_parts).astype(jnp.int32)
+    size = nt * num_parts
+    first = jnp.cumsum(parts) - parts  # each tile's first item
+    item_tile = jnp.repeat(jnp.arange(nt, dtype=jnp.int32), parts, total_repeat_length=size)
+    item_part = jnp.arange(size, dtype=jnp.int32) - first[item_tile]
+    return parts, parts.sum(keepdims=True), item_tile, item_part
+
+
 def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, num_partitions: int | None,
-                  precision, interpret: bool, into: tuple):
+                  precision, interpret: bool, into: tuple, persistent: bool = False, programs: int | None = None):
     """Attention of the tokens laid out in tiles; tile_tok i32[nt, BQ] holds token indices (T = empty slot),
     all of one sequence per tile. `into` are the token-order buffers (out f32[T + 1, N, H], lse f32[T + 1, N],
     row T a sink); returns them with these tiles' tokens written: by the kernel itself with one KV partition,
-    else merged and scattered after it."""
+    else merged and scattered after it.
+
+    The grid: (tiles, kv heads, partitions), every program one (tile, kv head, partition), those of empty tiles
+    and partitions exiting at once; or, `persistent`, (programs, kv heads) with programs = min(the work list's
+    bound, `programs` or TARGET_PROGRAMS / kv heads), each program looping over the step's work items
+    (`_work_items`: only tiles with keys to read, partitions sized by the step's contexts)."""
+    if programs is not None and (not persistent or programs < 1):
+        raise ValueError(f"programs (the persistent grid's size) needs persistent=True and >= 1, got {programs}")
     T, N, H = q.shape
     L, P, S, K, _ = k_cache.shape
     B, M = meta.page_table.shape
@@ -240,50 +328,73 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, n
                                     MAX_PARTIAL_BYTES // (nt * K * R * (H + 2) * 4)))
     NP = num_partitions
     direct = NP == 1
+    scale = H ** -0.5 * LOG2E
 
-    kernel = functools.partial(_kernel, block_k=block_k, num_parts=NP, scale=H ** -0.5 * LOG2E,
-                               precision=precision, group=G if direct else None)
-    whole = lambda shape: pl.BlockSpec(shape, lambda t, k, p: (0,) * len(shape))  # noqa: E731
-    in_specs = [
-        whole((1,)),  # layer
-        whole((nt,)), whole((nt,)), whole((nt,)),  # tile sequence, keys all rows see, keys any row sees
-        pl.BlockSpec((_SQ, R), lambda t, k, p: (t, 0)),  # keys each row sees
-        pl.BlockSpec((_SQ, _SQ, R, H), lambda t, k, p: (t, k, 0, 0)),  # q rows of (tile, kv head)
-        whole((B, M)),  # page table
-        whole(k_cache.shape), whole(v_cache.shape),
-    ]
-    operands = [jnp.reshape(layer, (1,)).astype(jnp.int32), tile_seq, kv_full, kv_hi,
-                lim_rows, qt, meta.page_table.astype(jnp.int32), k_cache, v_cache]
+    if persistent:
+        parts, count, item_tile, item_part = _work_items(kv_hi, K, NP, block_k)
+        programs = min(nt * NP, programs or _cdiv(TARGET_PROGRAMS, K))
+        grid = (programs, K)
+        kernel = functools.partial(_persistent_kernel, block_k=block_k, programs=programs, scale=scale,
+                                   precision=precision, group=G if direct else None)
+        whole = lambda shape: pl.BlockSpec(shape, lambda p, k: (0,) * len(shape))  # noqa: E731
+        in_specs = [whole((1,)), whole((nt,)), whole((nt,)), whole((nt,)), whole((nt,)), whole((1,)),
+                    whole(item_tile.shape), whole(item_part.shape), whole((nt, R)), whole((nt, K, R, H)),
+                    whole((B, M)), whole(k_cache.shape), whole(v_cache.shape)]
+        operands = [jnp.reshape(layer, (1,)).astype(jnp.int32), tile_seq, kv_full, kv_hi, parts, count,
+                    item_tile, item_part, lim_rows, qt, meta.page_table.astype(jnp.int32), k_cache, v_cache]
+        row_tok_spec = whole((nt, R))
+        partial_specs = [whole((nt, K, NP, R, H)), whole((nt, K, NP, R)), whole((nt, K, NP, R))]
+    else:
+        grid = (nt, K, NP)
+        kernel = functools.partial(_kernel, block_k=block_k, num_parts=NP, scale=scale, precision=precision,
+                                   group=G if direct else None)
+        whole = lambda shape: pl.BlockSpec(shape, lambda t, k, p: (0,) * len(shape))  # noqa: E731
+        in_specs = [
+            whole((1,)),  # layer
+            whole((nt,)), whole((nt,)), whole((nt,)),  # tile sequence, keys all rows see, keys any row sees
+            pl.BlockSpec((_SQ, R), lambda t, k, p: (t, 0)),  # keys each row sees
+            pl.BlockSpec((_SQ, _SQ, R, H), lambda t, k, p: (t, k, 0, 0)),  # q rows of (tile, kv head)
+            whole((B, M)),  # page table
+            whole(k_cache.shape), whole(v_cache.shape),
+        ]
+        operands = [jnp.reshape(layer, (1,)).astype(jnp.int32), tile_seq, kv_full, kv_hi,
+                    lim_rows, qt, meta.page_table.astype(jnp.int32), k_cache, v_cache]
+        row_tok_spec = pl.BlockSpec((_SQ, R), lambda t, k, p: (t, 0))
+        partial_specs = [pl.BlockSpec((_SQ, _SQ, _SQ, R, H), lambda t, k, p: (t, k, p, 0, 0)),
+                         pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0)),
+                         pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0))]
     if direct:
         row_tok = jnp.pad(jnp.repeat(tile_tok, G, axis=1), ((0, 0), (0, R - bq * G)), constant_values=T)
         axes = frozenset().union(*map(_varying_axes, operands))
-        in_specs += [pl.BlockSpec((_SQ, R), lambda t, k, p: (t, 0)), whole((T + 1, N, H)), whole((T + 1, N))]
+        in_specs += [row_tok_spec, whole((T + 1, N, H)), whole((T + 1, N))]
         operands += [row_tok, *(_varying(x, axes) for x in into)]
         out_specs = [whole((T + 1, N, H)), whole((T + 1, N))]
         shapes = [((T + 1, N, H), jnp.float32), ((T + 1, N), jnp.float32)]
         aliases = {len(operands) - 2: 0, len(operands) - 1: 1}
     else:
-        out_specs = [pl.BlockSpec((_SQ, _SQ, _SQ, R, H), lambda t, k, p: (t, k, p, 0, 0)),
-                     pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0)),
-                     pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0))]
+        out_specs = partial_specs
         shapes = [((nt, K, NP, R, H), jnp.float32), ((nt, K, NP, R), jnp.float32), ((nt, K, NP, R), jnp.float32)]
         aliases = {}
     call = lambda like: pl.pallas_call(  # noqa: E731  (out_shape varies over the mesh axes `like` varies over)
         kernel,
-        grid=(nt, K, NP),
+        grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=[_out_struct(shape, dtype, like) for shape, dtype in shapes],
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=_compiler_params(R),
-        name=f"paged_attention_r{R}_k{block_k}" + ("_tokens" if direct else ""),
+        name=f"paged_attention_r{R}_k{block_k}" + ("_tokens" if direct else "") + ("_persistent" if persistent else ""),
     )
     outs = _interpret_call(call, operands) if interpret else call(_typed_like(operands))(*operands)
     if direct:
         return tuple(outs)
 
     acc, m, l = outs
+    if persistent:  # a tile's slots past its partitions were never written (uninitialised memory): dropped
+        written = (jnp.arange(NP) < parts[:, None])[:, None, :, None]  # [nt, 1, NP, 1]
+        acc = jnp.where(written[..., None], acc, 0.0)
+        m, l = jnp.where(written, m, NEG_INF), jnp.where(written, l, 0.0)
     out, lse = _merge(acc[..., :bq * G, :], m[..., :bq * G], l[..., :bq * G])  # [nt, K, BQ*G, (H)]
     out = out.reshape(nt, K, bq, G, H).transpose(0, 2, 1, 3, 4).reshape(nt, bq, N, H)
     lse = lse.reshape(nt, K, bq, G).transpose(0, 2, 1, 3).reshape(nt, bq, N)
@@ -402,9 +513,12 @@ def _jit(fn):
 
 @_jit
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, precision=None, interpret: bool = False,
-                      block_q: int | None = None, block_k: int = BLOCK_K, num_partitions: int | None = None):
+                      block_q: int | None = None, block_k: int = BLOCK_K, num_partitions: int | None = None,
+                      persistent: bool = False, programs: int | None = None):
     """Chunked-prefill attention: every sequence's tokens in tiles of `block_q` (default 128 // G), split-K
     over `num_partitions` KV partitions (default: enough for ~TARGET_PROGRAMS programs). Any ragged batch.
+    `persistent`: the work-list grid of `_attend_tiles`, `programs` programs per kv head (default
+    TARGET_PROGRAMS / kv heads); unmeasured on a GPU, so off by default.
 
     Arguments and results as `models.attention.paged_attention`, whose `block_pages` has no use here: the
     kernel's key block is `block_k` keys.
@@ -416,15 +530,17 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, precision=None, inter
     tiles = _sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
     out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, tiles, block_k=block_k,
                              into=_token_order_buffers(T, N, H), num_partitions=num_partitions,
-                             precision=precision, interpret=interpret)
+                             precision=precision, interpret=interpret, persistent=persistent, programs=programs)
     return out[:T], lse[:T]
 
 
 @_jit
 def decode_attention(q, k_cache, v_cache, layer, meta, *, precision=None, interpret: bool = False,
-                     block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None):
+                     block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None, persistent: bool = False,
+                     programs: int | None = None):
     """Decode attention (FlashDecoding): one tile per query token, its G heads as rows, the keys split over
     `num_partitions` partitions. Correct for any batch; efficient when each sequence has one query token.
+    `persistent`, `programs` as `prefill_attention`'s.
 
     Arguments and results as `models.attention.paged_attention` (but `block_pages`).
     """
@@ -433,7 +549,7 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, precision=None, interp
     tiles = _token_tiles(jnp.ones(T, bool), T)
     out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, tiles, block_k=block_k,
                              into=_token_order_buffers(T, N, H), num_partitions=num_partitions,
-                             precision=precision, interpret=interpret)
+                             precision=precision, interpret=interpret, persistent=persistent, programs=programs)
     return out[:T], lse[:T]
 
 
@@ -441,11 +557,13 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, precision=None, interp
 def paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None, interpret: bool = False,
                            block_q: int | None = None, block_k: int = BLOCK_K,
                            decode_block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None,
-                           decode_partitions: int | None = None, kind: str = MIXED):
+                           decode_partitions: int | None = None, kind: str = MIXED, persistent: bool = False,
+                           programs: int | None = None):
     """A mixed step: tokens of one-token sequences (decodes) through decode tiles, the others through prefill
     tiles, both kernels launched with grids fixed by (T, B, M); `kind` DECODE or PREFILL (static: the step holds
-    only those) launches only that kernel. Arguments and results as `models.attention.paged_attention` (but
-    `block_pages`)."""
+    only those) launches only that kernel; `persistent` launches them as work-list grids of `programs`
+    programs per kv head (`prefill_attention`).
+    Arguments and results as `models.attention.paged_attention` (but `block_pages`)."""
     _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
     B = meta.page_table.shape[0]
@@ -458,10 +576,10 @@ def paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None, 
     if kind != PREFILL:
         dec = _token_tiles(is_decode, min(T, B))
         out = _attend_tiles(*args, dec, block_k=decode_block_k, num_partitions=decode_partitions, into=out,
-                            precision=precision, interpret=interpret)
+                            precision=precision, interpret=interpret, persistent=persistent, programs=programs)
     num_prefill_tiles = T // bq + min(B, T // 2)  # a prefill sequence has >= 2 tokens
     if num_prefill_tiles and kind != DECODE:
         pre = _sequence_tiles(seq_ids, ~is_decode, B, bq, num_prefill_tiles)
         out = _attend_tiles(*args, pre, block_k=block_k, num_partitions=num_partitions, into=out,
-                            precision=precision, interpret=interpret)
+                            precision=precision, interpret=interpret, persistent=persistent, programs=programs)
     return out[0][:T], out[1][:T]

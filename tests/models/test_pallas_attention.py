@@ -208,11 +208,13 @@ def test_unwritten_cache_slots_never_reach_the_output():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_compiled_kernels_lower_to_triton(dtype):
-    """The non-interpreted kernels at Llama-3-8B attention shapes lower to Triton IR for CUDA, alone and inside
-    the step's shard_map on the 1x1x1 mesh (on the CPU: catches what the Triton lowering or shard_map's
-    varying-axes check rejects; compiling to PTX and running need a GPU)."""
+    """The non-interpreted kernels (static and persistent grids) at Llama-3-8B attention shapes lower to Triton IR
+    for CUDA, alone and inside the step's shard_map on the 1x1x1 mesh (on the CPU: catches what the Triton
+    lowering or shard_map's varying-axes check rejects; compiling to PTX and running need a GPU)."""
+    persistent = [(functools.partial(fn, persistent=True), n) for fn, n in
+                  ((pa.paged_attention_pallas, 2), (pa.prefill_attention, 1), (pa.decode_attention, 1))]
     assert_lowers_for_cuda(dtype, ((pa.paged_attention_pallas, 2), (pa.prefill_attention, 1),
-                                   (pa.decode_attention, 1)), "@__gpu$xla.gpu.triton")
+                                   (pa.decode_attention, 1), *persistent), "@__gpu$xla.gpu.triton")
 
 
 def assert_lowers_for_cuda(dtype, cases, custom_call: str, *, num_heads: int = 32, page: int = 16):
@@ -297,15 +299,17 @@ def _has_gpu() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
 def test_compiled_kernels_on_gpu_match_float32_reference():
-    """The compiled kernels at Llama-3-8B attention shapes (32 q heads, 8 kv heads, head dim 128, page 16) on
-    random bf16 inputs: a long prefill chunk, short chunks, decodes, an empty KVP shard, padding rows."""
+    """The compiled kernels (static and persistent grids) at Llama-3-8B attention shapes (32 q heads, 8 kv heads,
+    head dim 128, page 16) on random bf16 inputs: a long prefill chunk, short chunks, decodes, an empty KVP
+    shard, padding rows."""
     gpu = jax.devices("gpu")[0]
     rng = np.random.default_rng(0)
     seqs = [(5000, 512, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (1, 1, 0), (0, 3, 0), (900, 17, 3000)]
     with jax.default_device(gpu):
         step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=128, page=16, dtype=jnp.bfloat16,
                          pad_rows=3)
-        check_compiled(step, (pa.paged_attention_pallas, pa.prefill_attention, pa.decode_attention))
+        fns = (pa.paged_attention_pallas, pa.prefill_attention, pa.decode_attention)
+        check_compiled(step, fns + tuple(functools.partial(fn, persistent=True) for fn in fns))
 
 
 def check_compiled(step, fns):
@@ -395,3 +399,78 @@ def test_one_partition_writes_token_order_directly(partitions):
               decode_block_k=16, num_partitions=prefill, decode_partitions=decode)
     assert got[0].dtype == jnp.float32 and got[0].shape == step["q"].shape
     assert_close(got, run(paged_attention, step, block_pages=3, precision=HIGHEST))
+
+
+def _pallas_grids(fn, step, **kw) -> list[tuple]:
+    """The grids of the pallas_calls `fn(**kw)` traces on `step`."""
+    jaxpr = jax.make_jaxpr(lambda s: run(fn, s, **kw))(step).jaxpr
+    grids = []
+
+    def walk(jx):
+        for e in jx.eqns:
+            if str(e.primitive) == "pallas_call":
+                grids.append(tuple(e.params["grid_mapping"].grid))
+                continue
+            for v in e.params.values():
+                for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+    walk(jaxpr)
+    return grids
+
+
+@pytest.mark.parametrize("partitions", [(1, 1), (3, 4)], ids=["direct", "split-K"])
+@pytest.mark.parametrize("programs", [None, 3], ids=["default-grid", "3-programs"])
+def test_persistent_grid_matches_reference(partitions, programs):
+    """`persistent=True`: (programs, kv heads) programs loop over the step's work items (tiles with keys to read,
+    cut into partitions by their keys). Shuffled rows, padding rows, an empty sequence, G = 4, NaN in unwritten
+    cache slots; with 3 programs each loops over several items. A split-K launch's partial outputs start as NaN
+    in Pallas' interpreter (what uninitialised GPU memory may hold), so a slot of a partition no item wrote
+    reaches the output unless the merge drops it. With one partition the items do the static grid's arithmetic:
+    the same bits."""
+    rng = np.random.default_rng(29)
+    step = make_step(rng, MIXED, num_heads=8, num_kv_heads=2, pad_rows=3, shuffle=True, **SMALL)
+    ref = run(paged_attention, step, block_pages=3, precision=HIGHEST)
+    prefill, decode = partitions
+    poisoned = poison_unwritten(step)
+    for fn, kw in ((pa.paged_attention_pallas, dict(block_q=2, block_k=8, decode_block_k=16, num_partitions=prefill,
+                                                    decode_partitions=decode)),
+                   (pa.prefill_attention, dict(block_q=2, block_k=8, num_partitions=prefill)),
+                   (pa.decode_attention, dict(block_k=16, num_partitions=decode))):
+        got = run(fn, poisoned, interpret=True, persistent=True, programs=programs, **kw)
+        assert_close(got, ref)
+        if partitions == (1, 1):
+            static = run(fn, poisoned, interpret=True, **kw)
+            for g, s in zip(got, static):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(s))
+    T, B = step["q"].shape[0], step["kv_lens"].shape[0]  # 29 rows (26 + 3 padding), 9 sequences
+    nt_prefill, nt_decode = T // 2 + min(B, T // 2), min(T, B)  # the static bounds on each kind's tiles
+    grids = _pallas_grids(pa.paged_attention_pallas, step, interpret=True, block_q=2, block_k=8, decode_block_k=16,
+                          num_partitions=prefill, decode_partitions=decode, persistent=True, programs=programs)
+    want = [(nt_decode * decode, 2), (nt_prefill * prefill, 2)]  # the work list's bound, when programs is None
+    assert grids == [(min(n, programs or n), k) for n, k in want]
+
+
+def test_work_items_cut_tiles_by_the_keys_they_read():
+    """`_work_items`, by hand: tiles reading 0, 64, 640 and 8 keys in blocks of 64 with 2 kv heads and up to 4
+    partitions: per item max(1, ceil(12 blocks x 2 / 1024)) = 1 block, so (0, 1, 4, 1) partitions (the third
+    capped at 4), items (tile, partition) in order; with one partition, one item per tile that reads a key; with
+    4,000 blocks over 8 kv heads, ceil(32,000 / 1024) = 32 blocks per item."""
+    parts, count, tile, part = pa._work_items(jnp.array([0, 64, 640, 8], jnp.int32), 2, 4, 64)
+    assert parts.tolist() == [0, 1, 4, 1] and count.tolist() == [6]
+    assert tile.tolist()[:6] == [1, 2, 2, 2, 2, 3] and part.tolist()[:6] == [0, 0, 1, 2, 3, 0]
+    assert tile.shape == part.shape == (16,)
+    parts, count, tile, part = pa._work_items(jnp.array([0, 64, 640, 8], jnp.int32), 2, 1, 64)
+    assert parts.tolist() == [0, 1, 1, 1] and count.tolist() == [3]
+    assert tile.tolist()[:3] == [1, 2, 3] and part.tolist()[:3] == [0, 0, 0]
+    parts, count, _, _ = pa._work_items(jnp.array([64 * 1000, 64 * 3000], jnp.int32), 8, 64, 64)
+    assert parts.tolist() == [32, 64] and count.tolist() == [96]  # ceil(1000 / 32) = 32; ceil(3000 / 32) capped
+
+
+def test_programs_needs_the_persistent_grid():
+    step = make_step(np.random.default_rng(1), [(9, 3, 0)], num_heads=2, num_kv_heads=1, **SMALL)
+    with pytest.raises(ValueError, match="programs .* needs persistent=True and >= 1, got 4"):
+        run(pa.prefill_attention, step, interpret=True, programs=4)
+    with pytest.raises(ValueError, match="programs .* needs persistent=True and >= 1, got 0"):
+        run(pa.decode_attention, step, interpret=True, persistent=True, programs=0)
