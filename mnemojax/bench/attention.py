@@ -1,14 +1,17 @@
 """Attention kernel time vs chunk size at long context (Mnemosyne Figure 7 / Medha Figure 5b), and decode.
 
     python scripts/bench_attention.py [--contexts 262144,1048576] [--chunks 32,64,128,256,512,1024,2048,4096]
-        [--impl pallas,mosaic] [--model_shape llama3-70b] [--repeats 5] [--decode_batches 1,8] [--no_baselines]
+        [--impl pallas,mosaic] [--persistent] [--model_shape llama3-70b] [--repeats 5] [--decode_batches 1,8]
+        [--no_baselines]
     python scripts/bench_attention.py --small     # tiny shapes, interpreted kernels: runs on a CPU (tests)
 
 Meant for an NVIDIA H100 / H200 at Llama-3-8B attention shapes (32 query heads, 8 KV heads, head dim 128, bf16,
 pages of 16; `--model_shape llama3-70b` for 64 query heads, 8 KV heads). `--impl` names one or more of the
 engine's attention implementations (comma-separated; default the Triton kernels "pallas" and the Hopper Mosaic GPU
 kernels "mosaic", issue 15), each timed on the same shapes and printed in its own tables, beside the same
-baselines. One layer's paged KV cache holds one sequence of the largest context; a chunk of c query tokens is
+baselines; `--persistent` adds, for each Triton implementation named, the same kernels on their work-list grid
+(`persistent=True` of `models.pallas_attention`, labelled e.g. "pallas+persistent") to compare with the static
+grid in the same run. One layer's paged KV cache holds one sequence of the largest context; a chunk of c query tokens is
 timed at the end of an x-token context (its own keys included, bottom-right causal), i.e. one chunked-prefill
 step's attention for one layer, metadata and split-K merge included, median of `--repeats` after a warm-up.
 
@@ -50,9 +53,10 @@ import numpy as np  # noqa: E402
 from mnemojax.bench import parse_with_small  # noqa: E402
 from models.attention import AttentionMetadata, attention  # noqa: E402
 from models.config import preset  # noqa: E402
-from models.kernels import ATTENTION_IMPLS, MOSAIC, MOSAIC_INTERPRET  # noqa: E402
+from models.kernels import ATTENTION_IMPLS, MOSAIC, MOSAIC_INTERPRET, PALLAS, PALLAS_INTERPRET  # noqa: E402
 
 MODEL_SHAPES = ("llama3-8b", "llama3-70b", "llama3.2-1b")
+PERSISTENT = "+persistent"  # the label suffix of a Triton implementation timed on its persistent grid
 SMALL = dict(contexts="256", chunks="4,16,64", decode_batches="1,3", num_heads=4, num_kv_heads=2, head_dim=16,
              page_size=4, impl="pallas_interpret", repeats=2, samples=3, dtype="float32")
 
@@ -64,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--decode_batches", default="1,8", help="comma-separated decode batch sizes")
     p.add_argument("--impl", default="pallas,mosaic",
                    help=f"comma-separated attention implementations to time, of: {', '.join(ATTENTION_IMPLS)}")
+    p.add_argument("--persistent", action="store_true",
+                   help="also time each Triton implementation named with its persistent work-list grid")
     p.add_argument("--model_shape", default=None, choices=MODEL_SHAPES,
                    help="take the attention shape (q heads, kv heads, head dim) of this preset")
     p.add_argument("--num_heads", type=int, default=32)
@@ -83,10 +89,22 @@ def parse_args(argv=None):
     for impl in args.impls:
         if impl not in ATTENTION_IMPLS:
             p.error(f"--impl: unknown attention implementation {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+    if args.persistent:
+        triton = [impl for impl in args.impls if impl in (PALLAS, PALLAS_INTERPRET)]
+        if not triton:
+            p.error(f"--persistent: the persistent grid is the Triton kernels' ({PALLAS}, {PALLAS_INTERPRET}); "
+                    f"--impl names none of them ({args.impl})")
+        args.impls += [impl + PERSISTENT for impl in triton]
     if args.model_shape:
         c = preset(args.model_shape)
         args.num_heads, args.num_kv_heads, args.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
     return args
+
+
+def split_label(label: str) -> tuple[str, bool]:
+    """(attention implementation, persistent grid?) of a row label such as "pallas" or "pallas+persistent"."""
+    impl = label.removesuffix(PERSISTENT)
+    return impl, impl != label
 
 
 def ints(text: str) -> list[int]:
@@ -157,9 +175,11 @@ class PagedLayer:
         # Sequence b owns pages 1 + b*pages ... in a shuffled order (pages are not contiguous in a real pool).
         perm = np.random.default_rng(seed).permutation(batch * self.pages) + 1
         self.table = jnp.asarray(perm.reshape(batch, self.pages), jnp.int32)
-        impl = impl or args.impls[0]
+        impl, persistent = split_label(impl or args.impls[0])
         opts = {name: getattr(args, name) for name in ("block_q", "block_k", "decode_block_k")
                 if getattr(args, name) is not None and impl not in (MOSAIC, MOSAIC_INTERPRET)}  # Triton options
+        if persistent:
+            opts["persistent"] = True
         self.fn = jax.jit(functools.partial(attention, impl, block_pages=8, **opts))
 
     def step(self, chunk: int, context: int):

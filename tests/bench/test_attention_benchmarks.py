@@ -33,6 +33,25 @@ def test_bench_attention_small(capsys):
     assert lines[-1].split()[:2] == ["256", "3"]  # the decode table is last
 
 
+def test_bench_attention_times_the_persistent_grid_beside_the_static_one(capsys):
+    """--persistent: each Triton implementation named gets a second set of rows on its work-list grid, in the
+    same run; naming no Triton implementation is refused."""
+    import pytest
+
+    res = _script("bench_attention").main(["--small", "--persistent", "--chunks", "4,64", "--decode_batches", "1"])
+    out = capsys.readouterr().out
+    impls = ["pallas_interpret", "pallas_interpret+persistent"]
+    assert [(r["impl"], r["chunk"]) for r in res["prefill"]] == [(i, c) for i in impls for c in (4, 64)]
+    assert [r["impl"] for r in res["decode"]] == impls and all(r["ms"] > 0 for r in res["decode"])
+    assert "attention (pallas_interpret+persistent)" in out and "decode (pallas_interpret+persistent)" in out
+    args = _script("bench_attention").parse_args(["--small", "--persistent"])
+    layers = [_script("bench_attention").PagedLayer(args, 64, impl=i) for i in impls]
+    assert [layer.fn.__wrapped__.keywords.get("persistent") for layer in layers] == [None, True]
+    with pytest.raises(SystemExit):
+        _script("bench_attention").main(["--small", "--impl", "reference", "--persistent"])
+    assert "--persistent: the persistent grid is the Triton kernels'" in capsys.readouterr().err
+
+
 def test_bench_step_small(capsys):
     """Two attention implementations in one run: rows of each, in the order given, then the exact long runs."""
     res = _script("bench_step").main(["--small", "--attention", "pallas_interpret,reference"])
