@@ -66,8 +66,29 @@ def resolve_attention(impl: str) -> str:
     return resolve_attention_impl(impl, on_nvidia_gpu())
 
 
+def plan_attention(impl: str, meta: AttentionMetadata, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                   page_size: int, kind: str = MIXED, **kernel_options):
+    """What `attention(impl, ...)` can compute once per step and share between layers: for the kernels (pallas,
+    mosaic and their interpreted forms) the step's tilings and per-tile metadata (`pallas_attention.StepTiles`,
+    from the layout `meta` and static shapes alone: q's heads and the cache's page size and head dim as the
+    kernels see them, i.e. per device), None for the reference. Pass it to every layer's `attention(...,
+    plan=...)` with the same `impl`; `kind` and the kernel's tiling options go here instead of there."""
+    if kind not in STEP_KINDS:
+        raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
+    impl = resolve_attention(impl)
+    if impl == REFERENCE:
+        if kernel_options:
+            raise TypeError(f"the reference attention takes no kernel options, got {sorted(kernel_options)}")
+        return None
+    if impl in (MOSAIC, MOSAIC_INTERPRET):
+        return mosaic_attention.plan_step(meta, num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=page_size,
+                                          kind=kind, **kernel_options)
+    return pallas_attention.plan_step(meta, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                      page_size=page_size, kind=kind, **kernel_options)
+
+
 def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *, block_pages: int,
-              precision=None, kind: str = MIXED, out_dtype=None, **kernel_options):
+              precision=None, kind: str = MIXED, out_dtype=None, plan=None, **kernel_options):
     """Paged attention by the implementation `impl` (see `models.kernels.ATTENTION_IMPLS`); arguments and results
     as `paged_attention`, but that the Mosaic kernels (`mosaic`, `mosaic_interpret`) give out in q's dtype
     (bf16/f16, what their kernel writes straight in token order), the others float32; lse is always float32.
@@ -79,12 +100,20 @@ def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *,
     `models.pallas_attention.paged_attention_pallas` or `models.mosaic_attention.paged_attention_mosaic`
     (whose kernels take bf16/f16 only and ignore `precision`: wgmma, float32 accumulation). `kind` (static, one of
     `models.kernels.STEP_KINDS`) says which rows the step holds, so the kernels launch only the tiles it needs;
-    a sequence of the other kind then gets no attention (out 0), so it must be right."""
+    a sequence of the other kind then gets no attention (out 0), so it must be right. `plan`: the step's
+    `plan_attention(impl, ...)`, computed once per step (then `kind` and the tiling options are the plan's)."""
     if kind not in STEP_KINDS:
         raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
     if out_dtype is not None and jnp.dtype(out_dtype) != jnp.float32:
         raise ValueError(f"out_dtype must be None (the implementation's own) or float32, got {out_dtype}")
     impl = resolve_attention(impl)
+    if plan is not None:
+        if impl == REFERENCE:
+            raise ValueError("the reference attention takes no plan (plan_attention gives it None)")
+        kernel_options = dict(kernel_options, tiles=plan)
+        if kind != plan.kind:
+            raise ValueError(f"kind {kind!r} differs from the plan's ({plan.kind!r})")
+        kind = MIXED  # the plan's: the kernels take it from there
     if impl == REFERENCE:
         if kernel_options:
             raise TypeError(f"the reference attention takes no kernel options, got {sorted(kernel_options)}")

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from models import rope
-from models.attention import AttentionMetadata, attention
+from models.attention import AttentionMetadata, attention, plan_attention
 from models.config import LlamaConfig
 from models.kernels import AUTO, MIXED, check_attention_impl
 from shardings.collectives import from_last_stage, kvp_merge
@@ -78,7 +78,7 @@ def rms_norm(x, weight, eps):
     return weight * xf.astype(x.dtype)
 
 
-def _layer(spec: ModelSpec, batch: StepBatch, carry, layer, kind: str = MIXED):
+def _layer(spec: ModelSpec, batch: StepBatch, carry, layer, kind: str = MIXED, plan=None):
     x, k_cache, v_cache = carry
     p, idx = layer
     dt, prec, eps = jnp.dtype(spec.dtype), spec.precision, spec.config.rms_norm_eps
@@ -95,7 +95,7 @@ def _layer(spec: ModelSpec, batch: StepBatch, carry, layer, kind: str = MIXED):
     # A KVP rank's out is a partial: float32 into the merge (the Mosaic kernels' own bf16 would round it first).
     partial = lax.axis_size(KVP) > 1
     o, lse = attention(spec.attention, q, k_cache, v_cache, idx, batch.attn, block_pages=spec.block_pages,
-                       precision=prec, kind=kind, out_dtype=jnp.float32 if partial else None)
+                       precision=prec, kind=kind, out_dtype=jnp.float32 if partial else None, plan=plan)
     o = kvp_merge(o, lse, batch.shared)
     attn = jnp.einsum("tnh,nhd->td", o.astype(dt), p["wo"], precision=prec)
     x = x + lax.psum(attn, TP)
@@ -122,10 +122,15 @@ def forward(spec: ModelSpec, params: dict, k_cache, v_cache, register, batch: St
     first = lax.axis_index(SPP) == 0
     x = jnp.where(first, params["embed"][batch.token_ids], register)  # [T, D]
     carry = (x, k_cache, v_cache)
+    # The attention kernels' tilings and per-tile metadata depend on the step's layout alone: planned once here,
+    # read by every layer (None for the reference attention).
+    plan = plan_attention(spec.attention, batch.attn, num_heads=params["layers"][0]["wq"].shape[-2],
+                          num_kv_heads=k_cache.shape[3], head_dim=k_cache.shape[4], page_size=k_cache.shape[2],
+                          kind=kind) if params["layers"] else None
     # One layer after another, each reading its own weight buffers ([1, ...] here: this stage's share of
     # `models.params.split_layers`' [spp, ...]); a scan over stacked weights would copy every layer's slice.
     for i, layer in enumerate(params["layers"]):
-        carry, _ = _layer(spec, batch, carry, (jax.tree.map(lambda a: a[0], layer), i), kind)
+        carry, _ = _layer(spec, batch, carry, (jax.tree.map(lambda a: a[0], layer), i), kind, plan)
     x, k_cache, v_cache = carry
     h = from_last_stage(rms_norm(x[logits_rows], params["final_norm"], spec.config.rms_norm_eps))
     if "lm_head" in params:

@@ -382,17 +382,9 @@ def _program(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem,
 
 
 # ------------------------------------------------------------------------------------------ the wrappers
-def _partitions(tile_tok, k_cache, meta, num_partitions: int | None) -> int:
-    """KV partitions of a launch over `tile_tok` (static): `num_partitions`, or enough programs to fill the GPU."""
-    if num_partitions is not None:
-        return num_partitions
-    nt, K, S, M = tile_tok.shape[0], k_cache.shape[3], k_cache.shape[2], meta.page_table.shape[1]
-    return max(1, min(_cdiv(M * S, BLOCK_K), _cdiv(TARGET_PROGRAMS, nt * K)))
-
-
-def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_parts: int, interpret: bool, out_dtype,
-                  into=None):
-    """One kernel launch over the tiles `tile_tok` (i32[nt, BQ], T = empty slot, one sequence per tile).
+def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interpret: bool, out_dtype, into=None):
+    """One kernel launch over the tiles of `launch` (`pa.Launch`: tokens i32[nt, BQ], T = empty slot, one sequence
+    per tile, with their metadata for 64-row programs and the number of KV partitions, `num_parts`).
 
     num_parts == 1: the kernel normalises and writes each token's rows in token order: returns out [T, N, H] in
     `out_dtype` and lse f32[T, N]. Only the rows of the tiles' tokens are written: into `into` = (out, lse) when
@@ -404,14 +396,19 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_parts: int,
     """
     T, N, H = q.shape
     K = k_cache.shape[3]
+    tile_tok = launch.tok
     nt, bq = tile_tok.shape
     G = N // K
     if bq * G > ROWS:
         raise ValueError(f"a tile of {bq} tokens x {G} heads exceeds the kernel's {ROWS} rows")
 
-    tile_seq, kv_full, kv_hi, lim_rows, qt = pa._tile_metadata(q, meta, tile_tok, K, ROWS)  # the Triton kernels'
-    info = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (nt,)), tile_seq, kv_full, kv_hi], axis=1)
-    NP = num_parts
+    if launch.lim_rows.shape[1] != ROWS or launch.work is not None:
+        raise ValueError(f"a Mosaic launch has {ROWS}-row programs on the static grid (plan_step)")
+    qt = pa._tile_rows(q, tile_tok, K, ROWS)  # the Triton kernels' layout
+    info = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (nt,)), launch.seq, launch.full, launch.hi],
+                     axis=1)
+    NP = launch.num_parts
+    lim_rows = launch.lim_rows
     f32 = jnp.float32
     operands = [info, lim_rows, meta.page_table.astype(jnp.int32), qt, k_cache, v_cache]
     if NP == 1:
@@ -452,15 +449,16 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, num_parts: int,
     return out, lse
 
 
-def _combine(q, k_cache, v_cache, layer, meta, parts, *, interpret: bool, covers_all: bool, out_dtype=None):
+def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret: bool, out_dtype=None):
     """(out [T, N, H] in `out_dtype` (default q's dtype, or float32), lse f32[T, N]) of a step whose tokens are
-    laid out in `parts`, a list of (tile_tok, num_partitions), one launch each, no token in two parts.
+    laid out in the launches of `tiles` (`plan_step`), no token in two.
 
     The one-partition launches write their tokens' rows in place, one after the other into the same buffers (the
     second takes the first's output as an aliased input), so no scatter: the first allocates them, uninitialised,
-    when `covers_all` (every token of the step is in some part), else they start as (0, NEG_INF), what a token in
-    no part gets. The launches with several partitions are merged after their kernel and scattered
-    (`pa._scatter_into`) into those buffers, or into (0, NEG_INF) ones when no launch has one partition."""
+    when the launches cover every token (a mixed step: every token is a decode or in a prefill tile), else they
+    start as (0, NEG_INF), what a token in no launch gets. The launches with several partitions are merged after
+    their kernel and scattered (`pa._scatter_into`) into those buffers, or into (0, NEG_INF) ones when no launch
+    has one partition."""
     T, N, H = q.shape
     out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
     if out_dtype not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float32)):
@@ -469,14 +467,16 @@ def _combine(q, k_cache, v_cache, layer, meta, parts, *, interpret: bool, covers
     def blank():  # what a token no tile holds gets: out 0, lse NEG_INF
         return jnp.zeros((T, N, H), out_dtype), jnp.full((T, N), NEG_INF, jnp.float32)
 
-    into = None if covers_all else blank()
+    into = None if tiles.kind == MIXED else blank()
     merged = []
-    for tile_tok, num_parts in parts:
-        kw = dict(num_parts=num_parts, interpret=interpret, out_dtype=out_dtype)
-        if num_parts == 1:
-            into = _attend_tiles(*args, tile_tok, into=into, **kw)
+    for launch in (tiles.decode, tiles.prefill):
+        if launch is None:
+            continue
+        kw = dict(interpret=interpret, out_dtype=out_dtype)
+        if launch.num_parts == 1:
+            into = _attend_tiles(*args, launch, into=into, **kw)
         else:
-            merged.append((tile_tok, *_attend_tiles(*args, tile_tok, **kw)))
+            merged.append((launch.tok, *_attend_tiles(*args, launch, **kw)))
     if not merged:
         return into
     if into is None:
@@ -497,6 +497,40 @@ def block_q_for(num_heads: int, num_kv_heads: int) -> int:
     return ROWS // (num_heads // num_kv_heads)
 
 
+def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, page_size: int,
+            num_partitions: int | None) -> pa.Launch:
+    """The `pa.Launch` of the tiles `tile_tok` for the Mosaic kernel: 64-row programs, key blocks of 64, KV
+    partitions `num_partitions` or enough programs to fill the GPU."""
+    if num_partitions is None:
+        nt, M = tile_tok.shape[0], meta.page_table.shape[1]
+        num_partitions = max(1, min(_cdiv(M * page_size, BLOCK_K), _cdiv(TARGET_PROGRAMS, nt * num_kv_heads)))
+    seq, full, hi, lim_rows = pa._tile_layout(meta, tile_tok, num_heads // num_kv_heads, ROWS)
+    return pa.Launch(tok=tile_tok, seq=seq, full=full, hi=hi, lim_rows=lim_rows, work=None, block_k=BLOCK_K,
+                     num_parts=num_partitions, programs=0)
+
+
+def plan_step(meta, *, num_heads: int, num_kv_heads: int, page_size: int, kind: str = MIXED,
+              num_partitions: int | None = None, decode_partitions: int | None = None) -> pa.StepTiles:
+    """A step's launches for `paged_attention_mosaic` (options as its own; heads and page size as the kernels see
+    them): the tilings and per-tile metadata from the step's layout alone, computed once per step by the model
+    and read by every layer's attention (`tiles=`)."""
+    if kind not in (MIXED, DECODE, PREFILL):
+        raise ValueError(f"kind must be one of {(MIXED, DECODE, PREFILL)}, got {kind!r}")
+    dec, pre = pa.step_tilings(meta, kind=kind, block_q=block_q_for(num_heads, num_kv_heads))
+    dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=page_size)
+    return pa.StepTiles(
+        decode=None if dec is None else _launch(meta, dec, num_partitions=decode_partitions, **dims),
+        prefill=None if pre is None else _launch(meta, pre, num_partitions=num_partitions, **dims), kind=kind)
+
+
+def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partitions, out_dtype):
+    """Attention of every token of the step through the one launch over `tile_tok`."""
+    launch = _launch(meta, tile_tok, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3],
+                     page_size=k_cache.shape[2], num_partitions=num_partitions)
+    tiles = pa.StepTiles(decode=None, prefill=launch, kind=MIXED)  # covers every token, as a mixed step's do
+    return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype)
+
+
 @pa._jit
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                       num_partitions: int | None = None, out_dtype=None):
@@ -508,9 +542,8 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     B = meta.page_table.shape[0]
     bq = block_q_for(N, k_cache.shape[3])
     tiles = pa._sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
-    parts = [(tiles, _partitions(tiles, k_cache, meta, num_partitions))]
-    return _combine(q, k_cache, v_cache, layer, meta, parts, interpret=interpret, covers_all=True,
-                    out_dtype=out_dtype)
+    return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
+                   out_dtype=out_dtype)
 
 
 @pa._jit
@@ -520,37 +553,29 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fals
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
     `prefill_attention`."""
     _check(q, k_cache, v_cache, meta, interpret)
-    T, N, H = q.shape
-    tiles = pa._token_tiles(jnp.ones(T, bool), T)
-    parts = [(tiles, _partitions(tiles, k_cache, meta, num_partitions))]
-    return _combine(q, k_cache, v_cache, layer, meta, parts, interpret=interpret, covers_all=True,
-                    out_dtype=out_dtype)
+    tiles = pa._token_tiles(jnp.ones(q.shape[0], bool), q.shape[0])
+    return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
+                   out_dtype=out_dtype)
 
 
-@pa._jit
-def paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
-                           num_partitions: int | None = None, decode_partitions: int | None = None,
-                           kind: str = MIXED, out_dtype=None):
+def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
+                            num_partitions: int | None = None, decode_partitions: int | None = None,
+                            kind: str = MIXED, out_dtype=None, tiles: pa.StepTiles | None = None):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
     NEG_INF). Results out [T, N, H] in `out_dtype` (default q's dtype; float32 for a KVP rank's partial, which
     the merge across ranks needs unrounded), lse f32[T, N]: with one partition per launch both kernels write
-    into the same token-order buffers, no scatter (`_combine`)."""
+    into the same token-order buffers, no scatter (`_combine`). `tiles`: the step's launches planned once
+    (`plan_step`, which takes the partitions and `kind` instead: giving them here too raises)."""
     _check(q, k_cache, v_cache, meta, interpret)
-    T, N, H = q.shape
-    B = meta.page_table.shape[0]
-    bq = block_q_for(N, k_cache.shape[3])
-    counts = jnp.zeros(B, jnp.int32).at[meta.seq_ids].add(1)
-    is_decode = counts[meta.seq_ids] == 1
-    parts = []
-    if kind != PREFILL:
-        dec = pa._token_tiles(is_decode, min(T, B))  # a decode token is its sequence's only one: <= min(T, B)
-        parts.append((dec, _partitions(dec, k_cache, meta, decode_partitions)))
-    num_prefill_tiles = T // bq + min(B, T // 2)  # a prefill sequence has >= 2 tokens: at most one partial tile each
-    if num_prefill_tiles and kind != DECODE:
-        pre = pa._sequence_tiles(meta.seq_ids, ~is_decode, B, bq, num_prefill_tiles)
-        parts.append((pre, _partitions(pre, k_cache, meta, num_partitions)))
-    # A mixed step's parts hold every token (tile counts above); a one-kind step's, only the tokens of its kind.
-    return _combine(q, k_cache, v_cache, layer, meta, parts, interpret=interpret, covers_all=kind == MIXED,
-                    out_dtype=out_dtype)
+    if tiles is None:
+        tiles = plan_step(meta, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3], page_size=k_cache.shape[2],
+                          kind=kind, num_partitions=num_partitions, decode_partitions=decode_partitions)
+    elif num_partitions is not None or decode_partitions is not None or kind != MIXED:
+        raise ValueError("tiles were planned with their own options (plan_step); got num_partitions, "
+                         "decode_partitions or kind too")
+    return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype)
+
+
+paged_attention_mosaic = pa._jit(_paged_attention_mosaic, dynamic=("tiles",))

@@ -32,9 +32,9 @@ read, each tile cut into partitions by the keys it reads (not by the page table'
 empty and no program only exits unless the whole step has fewer items than the grid has programs (the grid is
 static: sizing it from the device would need a host sync). It is the same arithmetic per item and is checked
 in Pallas' interpreter and lowered to Triton on the CPU, but has not run on a GPU: off by default until
-`scripts/bench_attention.py --persistent` measures it against the static grid. The per-tile metadata (which tokens, which sequence, how
-far each row sees) is computed on device with jnp, so the kernels need no host work and run inside jit and
-shard_map.
+`scripts/bench_attention.py --persistent` measures it against the static grid. The per-tile metadata (which
+tokens, which sequence, how far each row sees) is computed on device with jnp, so the kernels need no host work
+and run inside jit and shard_map.
 
 Masking: a key block all of whose keys every row of the tile sees runs without a mask; only the blocks at the
 causal edge (and the sequence end) compute one. Rows of padding and rows whose sequence has no visible key are
@@ -43,13 +43,15 @@ masked everywhere and come out with l = 0.
 Numerics: scores and the softmax in float32 whatever the input dtype; with bf16 inputs the probabilities are
 rounded to bf16 for the P @ V matmul (as FlashAttention does), bounding the output error by 2^-9 max|v|; with
 float32 inputs (and precision None or HIGHEST, as `ModelSpec` passes) every matmul is IEEE float32, no TF32, and
-results equal the reference to float32 rounding. The per-step metadata does not depend on the layer: inside the
-model's layer scan XLA hoists it out of the loop (seen in the compiled CPU step).
+results equal the reference to float32 rounding. The tilings and per-tile metadata do not depend on the layer:
+`plan_step` computes them once per step (the model calls it before its layer loop) and every layer's
+`paged_attention_pallas(..., tiles=...)` reads them; called without `tiles`, a call plans its own.
 
 `interpret=True` runs the same kernels in Pallas' interpreter (any backend, e.g. the CPU tests).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -295,53 +297,115 @@ def _work_items(kv_hi, num_kv_heads: int, num_parts: int, block_k: int):
     return parts, parts.sum(keepdims=True), item_tile, item_part
 
 
-def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, num_partitions: int | None,
-                  precision, interpret: bool, into: tuple, persistent: bool = False, programs: int | None = None):
-    """Attention of the tokens laid out in tiles; tile_tok i32[nt, BQ] holds token indices (T = empty slot),
-    all of one sequence per tile. `into` are the token-order buffers (out f32[T + 1, N, H], lse f32[T + 1, N],
-    row T a sink); returns them with these tiles' tokens written: by the kernel itself with one KV partition,
-    else merged and scattered after it.
+# ---------------------------------------------------------------------------------------------- the step's plan
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("tok", "seq", "full", "hi", "lim_rows", "work"),
+                   meta_fields=("block_k", "num_parts", "programs"))
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch's tiles and per-tile metadata: what depends on the step's layout (`AttentionMetadata`)
+    and static shapes only, never on the layer, so a step computes it once (`plan_step`) and every layer's
+    launch reads it.
 
-    The grid: (tiles, kv heads, partitions), every program one (tile, kv head, partition), those of empty tiles
-    and partitions exiting at once; or, `persistent`, (programs, kv heads) with programs = min(the work list's
-    bound, `programs` or TARGET_PROGRAMS / kv heads), each program looping over the step's work items
-    (`_work_items`: only tiles with keys to read, partitions sized by the step's contexts)."""
+    tok i32[nt, BQ]: the token of each tile slot (T = empty), all of one sequence per tile; seq i32[nt]: the
+    tile's sequence; full / hi i32[nt]: the keys every row / its furthest row sees; lim_rows i32[nt, R]: the keys
+    each row (token x head of the group, padded) sees; work: the persistent grid's work list (`_work_items`) or
+    None for the static grid. Static: block_k keys per block, num_parts KV partitions, programs the persistent
+    grid's programs per kv head (0: the static grid).
+    """
+
+    tok: jax.Array
+    seq: jax.Array
+    full: jax.Array
+    hi: jax.Array
+    lim_rows: jax.Array
+    work: tuple | None
+    block_k: int
+    num_parts: int
+    programs: int
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("decode", "prefill"), meta_fields=("kind",))
+@dataclasses.dataclass(frozen=True)
+class StepTiles:
+    """A step's launches (`Launch`, None for a kind the step does not launch), planned once per step by
+    `plan_step` and passed to every layer's `paged_attention_pallas(..., tiles=...)`."""
+
+    decode: Launch | None
+    prefill: Launch | None
+    kind: str
+
+
+def _rows_per_tile(block_q: int, group: int) -> int:
+    """Rows of a program: tokens x heads of the group, padded to a power of two >= 16 (Triton's smallest dot)."""
+    return _next_pow2(max(16, block_q * group))
+
+
+def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, rows: int,
+            block_k: int, num_partitions: int | None, persistent: bool = False, programs: int | None = None,
+            target_programs: int = TARGET_PROGRAMS) -> Launch:
+    """The `Launch` of the tiles `tile_tok` (i32[nt, BQ]) in programs of `rows` rows: per-tile metadata, KV
+    partitions (`num_partitions`, default enough for ~`target_programs` programs, capped by the partial
+    results' bytes) and, `persistent`, the work list and the grid's programs per kv head (`programs`, default
+    `target_programs` / kv heads)."""
     if programs is not None and (not persistent or programs < 1):
         raise ValueError(f"programs (the persistent grid's size) needs persistent=True and >= 1, got {programs}")
+    nt = tile_tok.shape[0]
+    K, H = num_kv_heads, head_dim
+    seq, full, hi, lim_rows = _tile_layout(meta, tile_tok, num_heads // num_kv_heads, rows)
+    NP = num_partitions
+    if NP is None:
+        max_blocks = _cdiv(meta.page_table.shape[1] * page_size, block_k)
+        NP = max(1, min(max_blocks, _cdiv(target_programs, nt * K), MAX_PARTIAL_BYTES // (nt * K * rows * (H + 2) * 4)))
+    work, grid = None, 0
+    if persistent:
+        work = _work_items(hi, K, NP, block_k)
+        grid = min(nt * NP, programs or _cdiv(target_programs, K))
+    return Launch(tok=tile_tok, seq=seq, full=full, hi=hi, lim_rows=lim_rows, work=work, block_k=block_k,
+                  num_parts=NP, programs=grid)
+
+
+def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: Launch, *, precision, interpret: bool, into: tuple):
+    """Attention of the tokens laid out in `launch`'s tiles. `into` are the token-order buffers (out f32[T + 1, N,
+    H], lse f32[T + 1, N], row T a sink); returns them with these tiles' tokens written: by the kernel itself with
+    one KV partition, else merged and scattered after it.
+
+    The grid: (tiles, kv heads, partitions), every program one (tile, kv head, partition), those of empty tiles
+    and partitions exiting at once; or, a persistent launch, (programs, kv heads), each program looping over the
+    step's work items (`_work_items`: only tiles with keys to read, partitions sized by the step's contexts)."""
     T, N, H = q.shape
     L, P, S, K, _ = k_cache.shape
     B, M = meta.page_table.shape
+    tile_tok = launch.tok
     nt, bq = tile_tok.shape
     G = N // K
-    R = _next_pow2(max(16, bq * G))
+    R = launch.lim_rows.shape[1]
+    block_k = launch.block_k
     if not interpret and (block_k < 16 or block_k & (block_k - 1)):
         raise ValueError(f"the compiled kernels need key blocks of a power of two >= 16 keys, got {block_k}")
     cdt = jnp.promote_types(q.dtype, k_cache.dtype)
     if precision is None:
         precision = lax.Precision.HIGHEST if cdt == jnp.float32 else lax.Precision.DEFAULT
 
-    tile_seq, kv_full, kv_hi, lim_rows, qt = _tile_metadata(q.astype(cdt), meta, tile_tok, K, R)
-
-    max_blocks = _cdiv(M * S, block_k)
-    if num_partitions is None:
-        num_partitions = max(1, min(max_blocks, _cdiv(TARGET_PROGRAMS, nt * K),
-                                    MAX_PARTIAL_BYTES // (nt * K * R * (H + 2) * 4)))
-    NP = num_partitions
+    qt = _tile_rows(q.astype(cdt), tile_tok, K, R)
+    NP = launch.num_parts
     direct = NP == 1
     scale = H ** -0.5 * LOG2E
+    layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    table = meta.page_table.astype(jnp.int32)
 
-    if persistent:
-        parts, count, item_tile, item_part = _work_items(kv_hi, K, NP, block_k)
-        programs = min(nt * NP, programs or _cdiv(TARGET_PROGRAMS, K))
+    if launch.work is not None:
+        programs = launch.programs
         grid = (programs, K)
         kernel = functools.partial(_persistent_kernel, block_k=block_k, programs=programs, scale=scale,
                                    precision=precision, group=G if direct else None)
         whole = lambda shape: pl.BlockSpec(shape, lambda p, k: (0,) * len(shape))  # noqa: E731
+        parts, count, item_tile, item_part = launch.work
         in_specs = [whole((1,)), whole((nt,)), whole((nt,)), whole((nt,)), whole((nt,)), whole((1,)),
                     whole(item_tile.shape), whole(item_part.shape), whole((nt, R)), whole((nt, K, R, H)),
                     whole((B, M)), whole(k_cache.shape), whole(v_cache.shape)]
-        operands = [jnp.reshape(layer, (1,)).astype(jnp.int32), tile_seq, kv_full, kv_hi, parts, count,
-                    item_tile, item_part, lim_rows, qt, meta.page_table.astype(jnp.int32), k_cache, v_cache]
+        operands = [layer, launch.seq, launch.full, launch.hi, parts, count, item_tile, item_part, launch.lim_rows,
+                    qt, table, k_cache, v_cache]
         row_tok_spec = whole((nt, R))
         partial_specs = [whole((nt, K, NP, R, H)), whole((nt, K, NP, R)), whole((nt, K, NP, R))]
     else:
@@ -357,8 +421,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, n
             whole((B, M)),  # page table
             whole(k_cache.shape), whole(v_cache.shape),
         ]
-        operands = [jnp.reshape(layer, (1,)).astype(jnp.int32), tile_seq, kv_full, kv_hi,
-                    lim_rows, qt, meta.page_table.astype(jnp.int32), k_cache, v_cache]
+        operands = [layer, launch.seq, launch.full, launch.hi, launch.lim_rows, qt, table, k_cache, v_cache]
         row_tok_spec = pl.BlockSpec((_SQ, R), lambda t, k, p: (t, 0))
         partial_specs = [pl.BlockSpec((_SQ, _SQ, _SQ, R, H), lambda t, k, p: (t, k, p, 0, 0)),
                          pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0)),
@@ -375,6 +438,8 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, n
         out_specs = partial_specs
         shapes = [((nt, K, NP, R, H), jnp.float32), ((nt, K, NP, R), jnp.float32), ((nt, K, NP, R), jnp.float32)]
         aliases = {}
+    name = (f"paged_attention_r{R}_k{block_k}" + ("_tokens" if direct else "")
+            + ("_persistent" if launch.work is not None else ""))
     call = lambda like: pl.pallas_call(  # noqa: E731  (out_shape varies over the mesh axes `like` varies over)
         kernel,
         grid=grid,
@@ -384,15 +449,15 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, tile_tok, *, block_k: int, n
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=_compiler_params(R),
-        name=f"paged_attention_r{R}_k{block_k}" + ("_tokens" if direct else "") + ("_persistent" if persistent else ""),
+        name=name,
     )
     outs = _interpret_call(call, operands) if interpret else call(_typed_like(operands))(*operands)
     if direct:
         return tuple(outs)
 
     acc, m, l = outs
-    if persistent:  # a tile's slots past its partitions were never written (uninitialised memory): dropped
-        written = (jnp.arange(NP) < parts[:, None])[:, None, :, None]  # [nt, 1, NP, 1]
+    if launch.work is not None:  # a tile's slots past its partitions were never written (uninitialised): dropped
+        written = (jnp.arange(NP) < launch.work[0][:, None])[:, None, :, None]  # [nt, 1, NP, 1]
         acc = jnp.where(written[..., None], acc, 0.0)
         m, l = jnp.where(written, m, NEG_INF), jnp.where(written, l, 0.0)
     out, lse = _merge(acc[..., :bq * G, :], m[..., :bq * G], l[..., :bq * G])  # [nt, K, BQ*G, (H)]
@@ -413,18 +478,12 @@ def _varying(x, axes: frozenset):
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _tile_metadata(q, meta, tile_tok, num_kv_heads: int, rows: int):
-    """Per-tile metadata and query rows of the tiles `tile_tok` (i32[nt, BQ], T = empty slot, one sequence per
-    tile), for a kernel of `rows` rows per (tile, kv head); row = token x head of the group, padded.
-
-    Returns tile_seq i32[nt] (the tile's sequence), kv_full i32[nt] (keys every token of it sees), kv_hi i32[nt]
-    (keys its furthest token sees), lim_rows i32[nt, rows] (keys each row sees; 0 for padding) and the query rows
-    qt [nt, K, rows, H] in q's dtype.
-    """
-    T, N, H = q.shape
-    nt, bq = tile_tok.shape
-    K = num_kv_heads
-    G = N // K
+def _tile_layout(meta, tile_tok, group: int, rows: int):
+    """Per-tile metadata of the tiles `tile_tok` (i32[nt, BQ], T = empty slot, one sequence per tile) for
+    programs of `rows` rows (row = token x head of a group of `group` query heads, padded): tile_seq i32[nt] (the
+    tile's sequence), kv_full i32[nt] (keys every token of it sees), kv_hi i32[nt] (keys its furthest token sees)
+    and lim_rows i32[nt, rows] (keys each row sees; 0 for padding). Depends on the step's layout only."""
+    T = meta.seq_ids.shape[0]
     valid = tile_tok < T  # [nt, BQ]
     tok = jnp.minimum(tile_tok, T - 1)
     tile_seq = jnp.where(valid[:, 0], meta.seq_ids[tok[:, 0]], 0).astype(jnp.int32)  # [nt]
@@ -432,12 +491,20 @@ def _tile_metadata(q, meta, tile_tok, num_kv_heads: int, rows: int):
     lim = jnp.where(valid, jnp.maximum(lim, 0), 0).astype(jnp.int32)  # [nt, BQ] keys each token sees
     kv_hi = lim.max(axis=1)
     kv_full = jnp.where(valid.any(axis=1), jnp.where(valid, lim, jnp.iinfo(jnp.int32).max).min(axis=1), 0)
-    lim_rows = jnp.pad(jnp.repeat(lim, G, axis=1), ((0, 0), (0, rows - bq * G)))  # [nt, R]: row = token x head
+    lim_rows = jnp.pad(jnp.repeat(lim, group, axis=1), ((0, 0), (0, rows - lim.shape[1] * group)))
+    return tile_seq, kv_full.astype(jnp.int32), kv_hi, lim_rows
 
+
+def _tile_rows(q, tile_tok, num_kv_heads: int, rows: int):
+    """The query rows of the tiles `tile_tok`: qt [nt, K, rows, H] in q's dtype (row = token x head of the group,
+    padding rows 0)."""
+    T, N, H = q.shape
+    nt, bq = tile_tok.shape
+    K = num_kv_heads
+    G = N // K
     qt = jnp.concatenate([q, jnp.zeros((1, N, H), q.dtype)])[tile_tok]  # [nt, BQ, N, H]
     qt = qt.reshape(nt, bq, K, G, H).transpose(0, 2, 1, 3, 4).reshape(nt, K, bq * G, H)
-    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, rows - bq * G), (0, 0)))  # [nt, K, R, H]
-    return tile_seq, kv_full.astype(jnp.int32), kv_hi, lim_rows, qt
+    return jnp.pad(qt, ((0, 0), (0, 0), (0, rows - bq * G), (0, 0)))  # [nt, K, R, H]
 
 
 def _merge(acc, m, l):
@@ -489,6 +556,23 @@ def _token_tiles(include, num_tiles: int):
     return jnp.full((num_tiles,), T, jnp.int32).at[dest].set(jnp.arange(T, dtype=jnp.int32), mode="drop")[:, None]
 
 
+def step_tilings(meta, *, kind: str, block_q: int):
+    """The token tilings of a step's launches, (decode i32[min(T, B), 1], prefill i32[nt, block_q]), None for a
+    kind `kind` does not launch: the tokens of one-token sequences (decodes) one per decode tile, the others by
+    sequence in prefill tiles of `block_q` tokens, at most T // block_q + min(B, T // 2) of them (a prefill
+    sequence has >= 2 tokens: at most one partial tile each). Static sizes given (T, B)."""
+    T = meta.seq_ids.shape[0]
+    B = meta.page_table.shape[0]
+    counts = jnp.zeros(B, jnp.int32).at[meta.seq_ids].add(1)
+    is_decode = counts[meta.seq_ids] == 1
+    dec = _token_tiles(is_decode, min(T, B)) if kind != PREFILL else None
+    num_prefill_tiles = T // block_q + min(B, T // 2)
+    pre = None
+    if num_prefill_tiles and kind != DECODE:
+        pre = _sequence_tiles(meta.seq_ids, ~is_decode, B, block_q, num_prefill_tiles)
+    return dec, pre
+
+
 def _default_block_q(num_heads: int, num_kv_heads: int) -> int:
     return max(1, ROWS_PER_TILE // (num_heads // num_kv_heads))
 
@@ -505,10 +589,45 @@ def _check(q, k_cache, v_cache, meta, interpret: bool):
         raise ValueError(f"page_table must be [B >= 1, M >= 1], got {meta.page_table.shape}")
 
 
-def _jit(fn):
-    """jax.jit with every keyword-only argument (the kernel's options) static."""
-    static = [n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY]
+def _jit(fn, dynamic: tuple = ()):
+    """jax.jit with every keyword-only argument (the kernel's options) static, but those named in `dynamic`."""
+    static = [n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY and n not in dynamic]
     return jax.jit(fn, static_argnames=static)
+
+
+def plan_step(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, kind: str = MIXED,
+              block_q: int | None = None, block_k: int = BLOCK_K, decode_block_k: int = DECODE_BLOCK_K,
+              num_partitions: int | None = None, decode_partitions: int | None = None, persistent: bool = False,
+              programs: int | None = None) -> StepTiles:
+    """A step's launches for `paged_attention_pallas` (options as its own; num_heads / num_kv_heads / head_dim /
+    page_size: q's heads and the cache's shape as the kernels see them, i.e. per device): the tilings and per-tile
+    metadata, from the step's layout `meta` alone. The model computes it once per step and every layer's
+    attention reads it (`tiles=`), so no layer recomputes it, whatever the compiler would merge."""
+    if kind not in (MIXED, DECODE, PREFILL):
+        raise ValueError(f"kind must be one of {(MIXED, DECODE, PREFILL)}, got {kind!r}")
+    G = num_heads // num_kv_heads
+    bq = block_q or _default_block_q(num_heads, num_kv_heads)
+    dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                persistent=persistent, programs=programs)
+    dec, pre = step_tilings(meta, kind=kind, block_q=bq)
+    return StepTiles(
+        decode=None if dec is None else _launch(meta, dec, rows=_rows_per_tile(1, G), block_k=decode_block_k,
+                                                num_partitions=decode_partitions, **dims),
+        prefill=None if pre is None else _launch(meta, pre, rows=_rows_per_tile(bq, G), block_k=block_k,
+                                                 num_partitions=num_partitions, **dims),
+        kind=kind)
+
+
+def _one_launch(q, k_cache, v_cache, layer, meta, tile_tok, *, precision, interpret, block_q: int, block_k: int,
+                num_partitions, persistent, programs):
+    T, N, H = q.shape
+    K = k_cache.shape[3]
+    launch = _launch(meta, tile_tok, num_heads=N, num_kv_heads=K, head_dim=H, page_size=k_cache.shape[2],
+                     rows=_rows_per_tile(block_q, N // K), block_k=block_k, num_partitions=num_partitions,
+                     persistent=persistent, programs=programs)
+    out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, launch, into=_token_order_buffers(T, N, H),
+                             precision=precision, interpret=interpret)
+    return out[:T], lse[:T]
 
 
 @_jit
@@ -524,14 +643,13 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, precision=None, inter
     kernel's key block is `block_k` keys.
     """
     _check(q, k_cache, v_cache, meta, interpret)
-    T, N, H = q.shape
+    T, N, _ = q.shape
     B = meta.page_table.shape[0]
     bq = block_q or _default_block_q(N, k_cache.shape[3])
     tiles = _sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
-    out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, tiles, block_k=block_k,
-                             into=_token_order_buffers(T, N, H), num_partitions=num_partitions,
-                             precision=precision, interpret=interpret, persistent=persistent, programs=programs)
-    return out[:T], lse[:T]
+    return _one_launch(q, k_cache, v_cache, layer, meta, tiles, precision=precision, interpret=interpret,
+                       block_q=bq, block_k=block_k, num_partitions=num_partitions, persistent=persistent,
+                       programs=programs)
 
 
 @_jit
@@ -545,41 +663,43 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, precision=None, interp
     Arguments and results as `models.attention.paged_attention` (but `block_pages`).
     """
     _check(q, k_cache, v_cache, meta, interpret)
-    T, N, H = q.shape
-    tiles = _token_tiles(jnp.ones(T, bool), T)
-    out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, tiles, block_k=block_k,
-                             into=_token_order_buffers(T, N, H), num_partitions=num_partitions,
-                             precision=precision, interpret=interpret, persistent=persistent, programs=programs)
-    return out[:T], lse[:T]
+    tiles = _token_tiles(jnp.ones(q.shape[0], bool), q.shape[0])
+    return _one_launch(q, k_cache, v_cache, layer, meta, tiles, precision=precision, interpret=interpret,
+                       block_q=1, block_k=block_k, num_partitions=num_partitions, persistent=persistent,
+                       programs=programs)
 
 
-@_jit
-def paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None, interpret: bool = False,
-                           block_q: int | None = None, block_k: int = BLOCK_K,
-                           decode_block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None,
-                           decode_partitions: int | None = None, kind: str = MIXED, persistent: bool = False,
-                           programs: int | None = None):
+_TILING_DEFAULTS = dict(block_q=None, block_k=BLOCK_K, decode_block_k=DECODE_BLOCK_K, num_partitions=None,
+                        decode_partitions=None, persistent=False, programs=None)
+
+
+def _paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None, interpret: bool = False,
+                            block_q: int | None = None, block_k: int = BLOCK_K,
+                            decode_block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None,
+                            decode_partitions: int | None = None, kind: str = MIXED, persistent: bool = False,
+                            programs: int | None = None, tiles: StepTiles | None = None):
     """A mixed step: tokens of one-token sequences (decodes) through decode tiles, the others through prefill
     tiles, both kernels launched with grids fixed by (T, B, M); `kind` DECODE or PREFILL (static: the step holds
     only those) launches only that kernel; `persistent` launches them as work-list grids of `programs`
-    programs per kv head (`prefill_attention`).
-    Arguments and results as `models.attention.paged_attention` (but `block_pages`)."""
+    programs per kv head (`prefill_attention`). `tiles`: the step's launches planned once (`plan_step`, which
+    takes the tiling options and `kind` instead: giving them here too raises). Arguments and results as
+    `models.attention.paged_attention` (but `block_pages`)."""
     _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
-    B = meta.page_table.shape[0]
-    bq = block_q or _default_block_q(N, k_cache.shape[3])
-    args = (q, k_cache, v_cache, layer, meta)
-    seq_ids = meta.seq_ids
-    counts = jnp.zeros(B, jnp.int32).at[seq_ids].add(1)
-    is_decode = counts[seq_ids] == 1
+    options = dict(block_q=block_q, block_k=block_k, decode_block_k=decode_block_k, num_partitions=num_partitions,
+                   decode_partitions=decode_partitions, persistent=persistent, programs=programs)
+    if tiles is None:
+        tiles = plan_step(meta, num_heads=N, num_kv_heads=k_cache.shape[3], head_dim=H,
+                          page_size=k_cache.shape[2], kind=kind, **options)
+    elif options != _TILING_DEFAULTS or kind != MIXED:
+        given = sorted(k for k, v in options.items() if v != _TILING_DEFAULTS[k]) + (["kind"] if kind != MIXED else [])
+        raise ValueError(f"tiles were planned with their own options (plan_step); got {', '.join(given)} too")
     out = _token_order_buffers(T, N, H)  # each kernel writes its tokens into these, in place
-    if kind != PREFILL:
-        dec = _token_tiles(is_decode, min(T, B))
-        out = _attend_tiles(*args, dec, block_k=decode_block_k, num_partitions=decode_partitions, into=out,
-                            precision=precision, interpret=interpret, persistent=persistent, programs=programs)
-    num_prefill_tiles = T // bq + min(B, T // 2)  # a prefill sequence has >= 2 tokens
-    if num_prefill_tiles and kind != DECODE:
-        pre = _sequence_tiles(seq_ids, ~is_decode, B, bq, num_prefill_tiles)
-        out = _attend_tiles(*args, pre, block_k=block_k, num_partitions=num_partitions, into=out,
-                            precision=precision, interpret=interpret, persistent=persistent, programs=programs)
+    for launch in (tiles.decode, tiles.prefill):
+        if launch is not None:
+            out = _attend_tiles(q, k_cache, v_cache, layer, meta, launch, into=out, precision=precision,
+                                interpret=interpret)
     return out[0][:T], out[1][:T]
+
+
+paged_attention_pallas = _jit(_paged_attention_pallas, dynamic=("tiles",))

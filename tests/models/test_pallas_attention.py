@@ -6,6 +6,8 @@ partitions. Also: the compiled kernels lower to Triton IR (checked on the CPU by
 `attention` switch refuses what it cannot run, the engine gives the same tokens with the interpreted kernels
 as with the reference, and (GPU only) the compiled kernels against the float32 reference.
 """
+import collections
+import dataclasses
 import functools
 
 import jax
@@ -474,3 +476,86 @@ def test_programs_needs_the_persistent_grid():
         run(pa.prefill_attention, step, interpret=True, programs=4)
     with pytest.raises(ValueError, match="programs .* needs persistent=True and >= 1, got 0"):
         run(pa.decode_attention, step, interpret=True, persistent=True, programs=0)
+
+
+def _step_primitives(impl: str, num_layers: int, dtype: str) -> collections.Counter:
+    """The primitives (outside kernels) of the model's step traced on the 1x1x1 mesh: a tiny model of
+    `num_layers` layers (head dim 64, which the Mosaic kernels support), 12 rows of 3 sequences, a mixed step."""
+    from jax.sharding import NamedSharding
+
+    from models.config import preset
+    from models.llama import ModelSpec, StepBatch, forward
+    from models.params import init_params, split_layers
+    from shardings.mesh import make_mesh
+    from shardings.specs import ShardingTable
+
+    c = dataclasses.replace(preset("tiny"), num_layers=num_layers, head_dim=64)
+    mesh, table = make_mesh(1, 1, 1), ShardingTable()
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    params = split_layers(init_params(c, dtype=jnp.dtype(dtype), shardings=jax.tree.map(
+        lambda s: NamedSharding(mesh, s), table.params(c.tie_word_embeddings))), 1)
+    T, B, M, S = 12, 3, 4, 16
+    cache = jax.ShapeDtypeStruct((num_layers, 1 + B * M, S, c.num_kv_heads, c.head_dim), jnp.dtype(dtype),
+                                 sharding=NamedSharding(mesh, table.kv_lpskh))
+    z = lambda *shape: jnp.zeros((1, 1, *shape), jnp.int32)  # noqa: E731
+    batch = StepBatch(token_ids=z(T), write_pages=z(T), write_slots=z(T), shared=jnp.zeros((1, 1, T), bool),
+                      attn=AttentionMetadata(seq_ids=z(T), positions=z(T), page_table=z(B, M), kv_lens=z(B),
+                                             kv_start=z(B)))
+    spec = ModelSpec(c, dtype, 8, impl)
+
+    def step(params, k, v, register, batch, rows):
+        logits, k, v, _ = forward(spec, params, k, v, register[0, 0], jax.tree.map(lambda a: a[0, 0], batch),
+                                  rows[0], "mixed")
+        return logits[None], k, v
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, out_specs=(table.rows_kr, table.kv_lpskh, table.kv_lpskh),
+                              in_specs=(jax.tree.map(lambda a: a.sharding.spec, params), table.kv_lpskh,
+                                        table.kv_lpskh, table.register_kstd, StepBatch.partition_specs(table),
+                                        table.rows_kr)))
+    jaxpr = jax.make_jaxpr(f)(params, cache, cache, put(jnp.zeros((1, 1, T, c.hidden_size), dtype),
+                                                        table.register_kstd),
+                              jax.tree.map(put, batch, StepBatch.partition_specs(table)),
+                              put(jnp.zeros((1, 1), jnp.int32), table.rows_kr))
+    return collections.Counter(_primitives(jaxpr.jaxpr))
+
+
+@pytest.mark.parametrize("impl,dtype", [("pallas_interpret", "float32"), ("mosaic_interpret", "bfloat16")])
+def test_the_step_plans_the_kernels_tiles_once_for_all_layers(impl, dtype):
+    """Issue 12 item 2 / issue 15 item 2, metadata once per step: the model's step traced with 1 and 3 layers
+    holds the tiling's sort, cumsums and scatter-adds once (the model plans the tiles before its layer loop and
+    every layer's attention reads them), whatever XLA would or would not merge; the launches are per layer."""
+    one, three = _step_primitives(impl, 1, dtype), _step_primitives(impl, 3, dtype)
+    for name in ("sort", "cumsum", "scatter-add"):
+        assert one[name] == three[name] >= 1, (name, one[name], three[name])
+    if impl == "pallas_interpret":
+        assert (one["pallas_call"], three["pallas_call"]) == (2, 6)
+
+
+def test_a_plan_gives_the_same_bits_and_owns_its_options():
+    """attention(..., plan=plan_attention(...)) equals attention(...) bit for bit (mixed and decode-only steps,
+    the persistent grid too); tiling options or another kind beside a plan, or a plan for the reference, raise;
+    the reference plans nothing."""
+    from models.attention import plan_attention
+
+    rng = np.random.default_rng(31)
+    step = make_step(rng, MIXED, num_heads=8, num_kv_heads=2, pad_rows=3, shuffle=True, **SMALL)
+    args = [step[k] for k in ("q", "k_cache", "v_cache", "layer")]
+    meta = AttentionMetadata(**{k: v for k, v in step.items() if k not in ("q", "k_cache", "v_cache", "layer")})
+    dims = dict(num_heads=8, num_kv_heads=2, head_dim=SMALL["head_dim"], page_size=SMALL["page"])
+    for kind, opts in (("mixed", dict(block_q=2, block_k=8, num_partitions=3)), ("decode", {}),
+                       ("mixed", dict(persistent=True, programs=3))):
+        plan = plan_attention("pallas_interpret", meta, kind=kind, **dims, **opts)
+        got = attention("pallas_interpret", *args, meta, block_pages=2, precision=HIGHEST, kind=kind, plan=plan)
+        want = attention("pallas_interpret", *args, meta, block_pages=2, precision=HIGHEST, kind=kind, **opts)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    plan = plan_attention("pallas_interpret", meta, **dims)
+    with pytest.raises(ValueError, match="tiles were planned with their own options .* got block_k"):
+        attention("pallas_interpret", *args, meta, block_pages=2, plan=plan, block_k=16)
+    with pytest.raises(ValueError, match="kind 'decode' differs from the plan's \\('mixed'\\)"):
+        attention("pallas_interpret", *args, meta, block_pages=2, plan=plan, kind="decode")
+    with pytest.raises(ValueError, match="the reference attention takes no plan"):
+        attention("reference", *args, meta, block_pages=2, plan=plan)
+    assert plan_attention("reference", meta, **dims) is None
+    with pytest.raises(TypeError, match="the reference attention takes no kernel options"):
+        plan_attention("reference", meta, block_k=16, **dims)
