@@ -18,7 +18,7 @@ from jax import lax
 from models import rope
 from models.attention import AttentionMetadata, attention, plan_attention
 from models.config import LlamaConfig
-from models.kernels import AUTO, MIXED, check_attention_impl
+from models.kernels import AUTO, MIXED, REFERENCE, check_attention_impl
 from shardings.collectives import from_last_stage, kvp_merge
 from shardings.mesh import KVP, SPP, TP
 from shardings.specs import ShardingTable
@@ -57,9 +57,14 @@ class ModelSpec:
     dtype: str = "float32"  # parameter, activation and KV-cache dtype
     block_pages: int = 8  # KV pages per block of the reference attention's online softmax
     attention: str = AUTO  # a name of models.kernels.ATTENTION_IMPLS (auto: the GPU kernels on an NVIDIA GPU)
+    # The kernels' tiling options as (name, value) pairs (hashable), e.g. (("persistent", True),): what
+    # `models.attention.plan_attention` takes; none for the reference attention.
+    attention_options: tuple = ()
 
     def __post_init__(self):
         check_attention_impl(self.attention)
+        if self.attention_options and self.attention == REFERENCE:
+            raise ValueError(f"attention_options: the reference attention takes none, got {self.attention_options}")
 
     @property
     def precision(self):
@@ -126,7 +131,7 @@ def forward(spec: ModelSpec, params: dict, k_cache, v_cache, register, batch: St
     # read by every layer (None for the reference attention).
     plan = plan_attention(spec.attention, batch.attn, num_heads=params["layers"][0]["wq"].shape[-2],
                           num_kv_heads=k_cache.shape[3], head_dim=k_cache.shape[4], page_size=k_cache.shape[2],
-                          kind=kind) if params["layers"] else None
+                          kind=kind, **dict(spec.attention_options)) if params["layers"] else None
     # One layer after another, each reading its own weight buffers ([1, ...] here: this stage's share of
     # `models.params.split_layers`' [spp, ...]); a scan over stacked weights would copy every layer's slice.
     for i, layer in enumerate(params["layers"]):

@@ -505,8 +505,8 @@ def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, page_size: int
         nt, M = tile_tok.shape[0], meta.page_table.shape[1]
         num_partitions = max(1, min(_cdiv(M * page_size, BLOCK_K), _cdiv(TARGET_PROGRAMS, nt * num_kv_heads)))
     seq, full, hi, lim_rows = pa._tile_layout(meta, tile_tok, num_heads // num_kv_heads, ROWS)
-    return pa.Launch(tok=tile_tok, seq=seq, full=full, hi=hi, lim_rows=lim_rows, work=None, block_k=BLOCK_K,
-                     num_parts=num_partitions, programs=0)
+    return pa.Launch(tok=tile_tok, seq=seq, full=full, hi=hi, lim_rows=lim_rows, row_tok=None, work=None,
+                     block_k=BLOCK_K, num_parts=num_partitions, programs=0)
 
 
 def plan_step(meta, *, num_heads: int, num_kv_heads: int, page_size: int, kind: str = MIXED,

@@ -299,7 +299,7 @@ def _work_items(kv_hi, num_kv_heads: int, num_parts: int, block_k: int):
 
 # ---------------------------------------------------------------------------------------------- the step's plan
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("tok", "seq", "full", "hi", "lim_rows", "work"),
+                   data_fields=("tok", "seq", "full", "hi", "lim_rows", "row_tok", "work"),
                    meta_fields=("block_k", "num_parts", "programs"))
 @dataclasses.dataclass(frozen=True)
 class Launch:
@@ -309,8 +309,9 @@ class Launch:
 
     tok i32[nt, BQ]: the token of each tile slot (T = empty), all of one sequence per tile; seq i32[nt]: the
     tile's sequence; full / hi i32[nt]: the keys every row / its furthest row sees; lim_rows i32[nt, R]: the keys
-    each row (token x head of the group, padded) sees; work: the persistent grid's work list (`_work_items`) or
-    None for the static grid. Static: block_k keys per block, num_parts KV partitions, programs the persistent
+    each row (token x head of the group, padded) sees; row_tok i32[nt, R]: with one partition, the token of each
+    row (T for padding rows and empty slots: the sink row), where the kernel writes it, else None; work: the
+    persistent grid's work list (`_work_items`) or None for the static grid. Static: block_k keys per block, num_parts KV partitions, programs the persistent
     grid's programs per kv head (0: the static grid).
     """
 
@@ -319,6 +320,7 @@ class Launch:
     full: jax.Array
     hi: jax.Array
     lim_rows: jax.Array
+    row_tok: jax.Array | None
     work: tuple | None
     block_k: int
     num_parts: int
@@ -361,8 +363,12 @@ def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, head_dim: int,
     if persistent:
         work = _work_items(hi, K, NP, block_k)
         grid = min(nt * NP, programs or _cdiv(target_programs, K))
-    return Launch(tok=tile_tok, seq=seq, full=full, hi=hi, lim_rows=lim_rows, work=work, block_k=block_k,
-                  num_parts=NP, programs=grid)
+    row_tok = None
+    if NP == 1:
+        T, G, bq = meta.seq_ids.shape[0], num_heads // num_kv_heads, tile_tok.shape[1]
+        row_tok = jnp.pad(jnp.repeat(tile_tok, G, axis=1), ((0, 0), (0, rows - bq * G)), constant_values=T)
+    return Launch(tok=tile_tok, seq=seq, full=full, hi=hi, lim_rows=lim_rows, row_tok=row_tok, work=work,
+                  block_k=block_k, num_parts=NP, programs=grid)
 
 
 def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: Launch, *, precision, interpret: bool, into: tuple):
@@ -427,10 +433,9 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: Launch, *, precision
                          pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0)),
                          pl.BlockSpec((_SQ, _SQ, _SQ, R), lambda t, k, p: (t, k, p, 0))]
     if direct:
-        row_tok = jnp.pad(jnp.repeat(tile_tok, G, axis=1), ((0, 0), (0, R - bq * G)), constant_values=T)
         axes = frozenset().union(*map(_varying_axes, operands))
         in_specs += [row_tok_spec, whole((T + 1, N, H)), whole((T + 1, N))]
-        operands += [row_tok, *(_varying(x, axes) for x in into)]
+        operands += [launch.row_tok, *(_varying(x, axes) for x in into)]
         out_specs = [whole((T + 1, N, H)), whole((T + 1, N))]
         shapes = [((T + 1, N, H), jnp.float32), ((T + 1, N), jnp.float32)]
         aliases = {len(operands) - 2: 0, len(operands) - 1: 1}

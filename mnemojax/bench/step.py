@@ -22,8 +22,9 @@ longest context (timing does not depend on the values), one sequence.
   `--long_chunk`, then `--long_decode` greedy tokens: TTFT = the whole prefill (first chunk to the first
   token's logits), TBT = median decode step. One warm-up chunk and decode step compile first.
 
-Each implementation of `--attention` (e.g. `pallas,mosaic`: the Triton kernels beside the Mosaic GPU ones) gets
-its own model and rows in the same run, with its time relative to the first implementation's on the same row.
+Each implementation of `--attention` (e.g. `pallas,mosaic`: the Triton kernels beside the Mosaic GPU ones;
+`pallas+persistent`: the Triton kernels on their persistent work-list grid) gets its own model and rows in the
+same run, with its time relative to the first implementation's on the same row.
 Median of `--repeats` after a warm-up, `block_until_ready` on every timed call. Prints the command, the
 hardware, and the table last.
 """
@@ -47,10 +48,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from mnemojax.bench import parse_with_small  # noqa: E402
-from mnemojax.bench.attention import copy_bandwidth, hardware, matmul_ceiling, median_time  # noqa: E402
+from mnemojax.bench.attention import (PERSISTENT, copy_bandwidth, hardware, matmul_ceiling, median_time,  # noqa: E402
+                                      split_label)
 from models.attention import AttentionMetadata  # noqa: E402
 from models.config import PRESETS, LlamaConfig, preset  # noqa: E402
-from models.kernels import ATTENTION_IMPLS  # noqa: E402
+from models.kernels import ATTENTION_IMPLS, PALLAS, PALLAS_INTERPRET  # noqa: E402
 from models.llama import ModelSpec, StepBatch, forward  # noqa: E402
 from models.params import init_params, split_layers  # noqa: E402
 from shardings.mesh import make_mesh  # noqa: E402
@@ -66,7 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--attention", default="pallas", help="comma-separated attention implementations, each timed "
-                                                          f"in the same run ({', '.join(ATTENTION_IMPLS)})")
+                                                          f"in the same run ({', '.join(ATTENTION_IMPLS)}; "
+                                                          f"pallas{PERSISTENT}: the Triton kernels' persistent grid)")
     p.add_argument("--page_size", type=int, default=16)
     p.add_argument("--block_pages", type=int, default=8, help="pages per block of the reference attention")
     p.add_argument("--prefill_context", type=int, default=32768, help="context after the timed prefill chunk")
@@ -85,8 +88,11 @@ def parse_args(argv=None):
     args = parse_with_small(p, argv, SMALL)
     args.impls = [a for a in args.attention.split(",") if a]
     for a in args.impls:
-        if a not in ATTENTION_IMPLS:
+        impl, persistent = split_label(a)
+        if impl not in ATTENTION_IMPLS:
             p.error(f"--attention: {a!r} is not one of {', '.join(ATTENTION_IMPLS)}")
+        if persistent and impl not in (PALLAS, PALLAS_INTERPRET):
+            p.error(f"--attention: {a!r}: the persistent grid is the Triton kernels' ({PALLAS}, {PALLAS_INTERPRET})")
     if args.small:
         args.long = True
     return args
@@ -124,7 +130,9 @@ class Model:
         self.mesh = make_mesh(1, 1, 1)
         self.page_size = args.page_size
         self.max_pages = -(-max_tokens // args.page_size)
-        self.spec = ModelSpec(c, args.dtype, args.block_pages, attention)
+        impl, persistent = split_label(attention)
+        self.spec = ModelSpec(c, args.dtype, args.block_pages, impl,
+                              attention_options=(("persistent", True),) if persistent else ())
         table = ShardingTable()
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)  # noqa: E731
         self.params = split_layers(init_params(c, dtype=jnp.dtype(args.dtype), seed=args.seed,

@@ -52,6 +52,26 @@ def test_bench_attention_times_the_persistent_grid_beside_the_static_one(capsys)
     assert "--persistent: the persistent grid is the Triton kernels'" in capsys.readouterr().err
 
 
+def test_bench_step_runs_the_persistent_grid(capsys):
+    """--attention pallas_interpret+persistent: the model's spec asks the kernels for the persistent grid, and a
+    prefill step on it gives the static grid's greedy token and cache; a persistent label on a kernel without
+    the grid is refused."""
+    import pytest
+
+    step = _script("bench_step")
+    args = step.parse_args(["--small", "--attention", "pallas_interpret,pallas_interpret+persistent"])
+    models = [step.Model("tiny", args, 64, impl) for impl in args.impls]
+    assert [m.spec.attention_options for m in models] == [(), (("persistent", True),)]
+    assert {m.spec.attention for m in models} == {"pallas_interpret"}
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, 256, 40)]
+    got = [int(m.run(m.batch(tokens, 0))[0, 0]) for m in models]
+    assert got[0] == got[1]
+    np.testing.assert_array_equal(np.asarray(models[0].k), np.asarray(models[1].k))
+    with pytest.raises(SystemExit):
+        step.parse_args(["--small", "--attention", "reference+persistent"])
+    assert "the persistent grid is the Triton kernels'" in capsys.readouterr().err
+
+
 def test_bench_step_small(capsys):
     """Two attention implementations in one run: rows of each, in the order given, then the exact long runs."""
     res = _script("bench_step").main(["--small", "--attention", "pallas_interpret,reference"])

@@ -534,7 +534,7 @@ def test_the_step_plans_the_kernels_tiles_once_for_all_layers(impl, dtype):
 def test_a_plan_gives_the_same_bits_and_owns_its_options():
     """attention(..., plan=plan_attention(...)) equals attention(...) bit for bit (mixed and decode-only steps,
     the persistent grid too); tiling options or another kind beside a plan, or a plan for the reference, raise;
-    the reference plans nothing."""
+    the reference plans nothing and a model spec gives it no kernel options."""
     from models.attention import plan_attention
 
     rng = np.random.default_rng(31)
@@ -559,3 +559,7 @@ def test_a_plan_gives_the_same_bits_and_owns_its_options():
     assert plan_attention("reference", meta, **dims) is None
     with pytest.raises(TypeError, match="the reference attention takes no kernel options"):
         plan_attention("reference", meta, block_k=16, **dims)
+    from models.config import preset
+    from models.llama import ModelSpec
+    with pytest.raises(ValueError, match="attention_options: the reference attention takes none"):
+        ModelSpec(preset("tiny"), attention="reference", attention_options=(("persistent", True),))
