@@ -90,9 +90,10 @@ def plan_attention(impl: str, meta: AttentionMetadata, *, num_heads: int, num_kv
 def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *, block_pages: int,
               precision=None, kind: str = MIXED, out_dtype=None, plan=None, **kernel_options):
     """Paged attention by the implementation `impl` (see `models.kernels.ATTENTION_IMPLS`); arguments and results
-    as `paged_attention`, but that the Mosaic kernels (`mosaic`, `mosaic_interpret`) give out in q's dtype
-    (bf16/f16, what their kernel writes straight in token order), the others float32; lse is always float32.
-    `out_dtype=float32` asks every implementation for float32 out (the Mosaic kernels then write float32): what a
+    as `paged_attention`, but that the kernels (pallas, mosaic and their interpreted forms) give out in q's dtype
+    (the model's: what they write straight in token order, rounded once from float32), the reference float32; lse
+    is always float32. `out_dtype=float32` asks every implementation for float32 out (the kernels then write
+    float32): what a
     KVP rank's partial must be, since the merge across ranks (`shardings.collectives.kvp_merge`) is exact only on
     unrounded partials. Any other `out_dtype` raises.
     `impl="pallas"` without an NVIDIA GPU, `impl="mosaic"` without a Hopper GPU, raise instead of running
@@ -131,7 +132,8 @@ def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *,
                                                        interpret=impl == MOSAIC_INTERPRET, out_dtype=out_dtype,
                                                        **kernel_options)
     return pallas_attention.paged_attention_pallas(q, k_cache, v_cache, layer, meta, precision=precision, kind=kind,
-                                                   interpret=impl == PALLAS_INTERPRET, **kernel_options)
+                                                   interpret=impl == PALLAS_INTERPRET, out_dtype=out_dtype,
+                                                   **kernel_options)
 
 
 ROW_BLOCK = 256  # query tokens per row block of the reference (each block loops over only the keys it can see)

@@ -200,13 +200,13 @@ def _partition(layer, b, kv_full, kv_hi, q, lim, table_ref, k_ref, v_ref, kvh, p
 
 def _write_rows(tok, kvh, group: int, m, l, acc, out_ref, lse_ref):
     """Normalises one (tile, kv head)'s rows and writes them in token order: row r to (tok[r], kvh x G + r % G)
-    of out [T + 1, N, H] and lse [T + 1, N] (natural log); a row with no visible key (l = 0) gets (0, NEG_INF);
-    padding rows and empty slots have tok = T, the sink row."""
+    of out [T + 1, N, H] (in its dtype: one rounding of the float32 result) and lse f32[T + 1, N] (natural log); a
+    row with no visible key (l = 0) gets (0, NEG_INF); padding rows and empty slots have tok = T, the sink row."""
     rows = tok.shape[0]
     head = kvh * group + lax.rem(lax.broadcasted_iota(jnp.int32, (rows,), 0), group)
     empty = l == 0.0
     safe = jnp.where(empty, 1.0, l)
-    out_ref[tok, head, :] = jnp.where(empty[:, None], 0.0, acc / safe[:, None])
+    out_ref[tok, head, :] = jnp.where(empty[:, None], 0.0, acc / safe[:, None]).astype(out_ref.dtype)
     lse_ref[tok, head] = jnp.where(empty, NEG_INF, (m + jnp.log2(safe)) * LN2)
 
 
@@ -437,7 +437,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: Launch, *, precision
         in_specs += [row_tok_spec, whole((T + 1, N, H)), whole((T + 1, N))]
         operands += [launch.row_tok, *(_varying(x, axes) for x in into)]
         out_specs = [whole((T + 1, N, H)), whole((T + 1, N))]
-        shapes = [((T + 1, N, H), jnp.float32), ((T + 1, N), jnp.float32)]
+        shapes = [((T + 1, N, H), into[0].dtype), ((T + 1, N), jnp.float32)]
         aliases = {len(operands) - 2: 0, len(operands) - 1: 1}
     else:
         out_specs = partial_specs
@@ -471,10 +471,20 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: Launch, *, precision
     return _scatter_into(into, [(tile_tok, out, lse)])  # empty slots (T) land in the sink row
 
 
-def _token_order_buffers(T: int, N: int, H: int):
-    """Token-order outputs before any tile writes them: out 0 and lse NEG_INF (a token no tile holds, e.g. a
-    padding row of a one-kind step, has no visible key), and a sink row T for padding rows and empty slots."""
-    return jnp.zeros((T + 1, N, H), jnp.float32), jnp.full((T + 1, N), NEG_INF, jnp.float32)
+def _token_order_buffers(T: int, N: int, H: int, dtype):
+    """Token-order outputs before any tile writes them: out 0 (in `dtype`) and lse NEG_INF (a token no tile holds,
+    e.g. a padding row of a one-kind step, has no visible key), and a sink row T for padding rows and empty
+    slots."""
+    return jnp.zeros((T + 1, N, H), dtype), jnp.full((T + 1, N), NEG_INF, jnp.float32)
+
+
+def _out_dtype(q, out_dtype):
+    """The dtype of out: q's (the model's: the kernels write it once, rounded from float32) unless float32 is asked
+    for (a KVP rank's partial, which the merge across ranks needs unrounded)."""
+    dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
+    if dtype not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be q's dtype ({q.dtype}) or float32, got {dtype}")
+    return dtype
 
 
 def _varying(x, axes: frozenset):
@@ -624,28 +634,29 @@ def plan_step(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_si
 
 
 def _one_launch(q, k_cache, v_cache, layer, meta, tile_tok, *, precision, interpret, block_q: int, block_k: int,
-                num_partitions, persistent, programs):
+                num_partitions, persistent, programs, out_dtype):
     T, N, H = q.shape
     K = k_cache.shape[3]
     launch = _launch(meta, tile_tok, num_heads=N, num_kv_heads=K, head_dim=H, page_size=k_cache.shape[2],
                      rows=_rows_per_tile(block_q, N // K), block_k=block_k, num_partitions=num_partitions,
                      persistent=persistent, programs=programs)
-    out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, launch, into=_token_order_buffers(T, N, H),
-                             precision=precision, interpret=interpret)
+    out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, launch, precision=precision, interpret=interpret,
+                             into=_token_order_buffers(T, N, H, _out_dtype(q, out_dtype)))
     return out[:T], lse[:T]
 
 
 @_jit
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, precision=None, interpret: bool = False,
                       block_q: int | None = None, block_k: int = BLOCK_K, num_partitions: int | None = None,
-                      persistent: bool = False, programs: int | None = None):
+                      persistent: bool = False, programs: int | None = None, out_dtype=None):
     """Chunked-prefill attention: every sequence's tokens in tiles of `block_q` (default 128 // G), split-K
     over `num_partitions` KV partitions (default: enough for ~TARGET_PROGRAMS programs). Any ragged batch.
     `persistent`: the work-list grid of `_attend_tiles`, `programs` programs per kv head (default
     TARGET_PROGRAMS / kv heads); unmeasured on a GPU, so off by default.
 
-    Arguments and results as `models.attention.paged_attention`, whose `block_pages` has no use here: the
-    kernel's key block is `block_k` keys.
+    Arguments and results as `models.attention.paged_attention`, whose `block_pages` has no use here (the
+    kernel's key block is `block_k` keys), but that out is in `out_dtype`: q's dtype by default (the kernel
+    rounds its float32 result once, as it writes it), or float32.
     """
     _check(q, k_cache, v_cache, meta, interpret)
     T, N, _ = q.shape
@@ -654,24 +665,24 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, precision=None, inter
     tiles = _sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
     return _one_launch(q, k_cache, v_cache, layer, meta, tiles, precision=precision, interpret=interpret,
                        block_q=bq, block_k=block_k, num_partitions=num_partitions, persistent=persistent,
-                       programs=programs)
+                       programs=programs, out_dtype=out_dtype)
 
 
 @_jit
 def decode_attention(q, k_cache, v_cache, layer, meta, *, precision=None, interpret: bool = False,
                      block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None, persistent: bool = False,
-                     programs: int | None = None):
+                     programs: int | None = None, out_dtype=None):
     """Decode attention (FlashDecoding): one tile per query token, its G heads as rows, the keys split over
     `num_partitions` partitions. Correct for any batch; efficient when each sequence has one query token.
     `persistent`, `programs` as `prefill_attention`'s.
 
-    Arguments and results as `models.attention.paged_attention` (but `block_pages`).
+    Arguments and results as `prefill_attention`'s.
     """
     _check(q, k_cache, v_cache, meta, interpret)
     tiles = _token_tiles(jnp.ones(q.shape[0], bool), q.shape[0])
     return _one_launch(q, k_cache, v_cache, layer, meta, tiles, precision=precision, interpret=interpret,
                        block_q=1, block_k=block_k, num_partitions=num_partitions, persistent=persistent,
-                       programs=programs)
+                       programs=programs, out_dtype=out_dtype)
 
 
 _TILING_DEFAULTS = dict(block_q=None, block_k=BLOCK_K, decode_block_k=DECODE_BLOCK_K, num_partitions=None,
@@ -682,13 +693,13 @@ def _paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None,
                             block_q: int | None = None, block_k: int = BLOCK_K,
                             decode_block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None,
                             decode_partitions: int | None = None, kind: str = MIXED, persistent: bool = False,
-                            programs: int | None = None, tiles: StepTiles | None = None):
+                            programs: int | None = None, tiles: StepTiles | None = None, out_dtype=None):
     """A mixed step: tokens of one-token sequences (decodes) through decode tiles, the others through prefill
     tiles, both kernels launched with grids fixed by (T, B, M); `kind` DECODE or PREFILL (static: the step holds
     only those) launches only that kernel; `persistent` launches them as work-list grids of `programs`
     programs per kv head (`prefill_attention`). `tiles`: the step's launches planned once (`plan_step`, which
     takes the tiling options and `kind` instead: giving them here too raises). Arguments and results as
-    `models.attention.paged_attention` (but `block_pages`)."""
+    `prefill_attention`'s: out in q's dtype or `out_dtype` float32, both kernels writing into the same buffers."""
     _check(q, k_cache, v_cache, meta, interpret)
     T, N, H = q.shape
     options = dict(block_q=block_q, block_k=block_k, decode_block_k=decode_block_k, num_partitions=num_partitions,
@@ -699,7 +710,7 @@ def _paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None,
     elif options != _TILING_DEFAULTS or kind != MIXED:
         given = sorted(k for k, v in options.items() if v != _TILING_DEFAULTS[k]) + (["kind"] if kind != MIXED else [])
         raise ValueError(f"tiles were planned with their own options (plan_step); got {', '.join(given)} too")
-    out = _token_order_buffers(T, N, H)  # each kernel writes its tokens into these, in place
+    out = _token_order_buffers(T, N, H, _out_dtype(q, out_dtype))  # each kernel writes its tokens here, in place
     for launch in (tiles.decode, tiles.prefill):
         if launch is not None:
             out = _attend_tiles(q, k_cache, v_cache, layer, meta, launch, into=out, precision=precision,

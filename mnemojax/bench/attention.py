@@ -154,10 +154,10 @@ def attn_flops(num_heads, head_dim, chunk, context) -> float:
 
 
 def attn_bytes(args, itemsize, chunk, context, batch=1, impl: str = "") -> float:
-    """K and V of the context read once, q read and out written once: out in q's dtype from the Mosaic kernels,
-    float32 from the others."""
+    """K and V of the context read once, q read and out written once: out in q's dtype from the kernels (Triton
+    and Mosaic), float32 from the reference."""
     kv = 2 * context * args.num_kv_heads * args.head_dim * itemsize * batch
-    out_itemsize = itemsize if impl.startswith("mosaic") else 4
+    out_itemsize = 4 if impl.startswith("reference") else itemsize
     return kv + chunk * batch * args.num_heads * args.head_dim * (itemsize + out_itemsize)
 
 

@@ -109,13 +109,15 @@ def test_baseline_split_is_bottom_right_causal():
 
 
 def test_bytes_count_out_in_the_dtype_each_kernel_writes():
-    """GB/s counts K/V once, q once and out once: bf16 out from the Mosaic kernels, float32 from the others."""
+    """GB/s counts K/V once, q once and out once: bf16 out from the kernels (Triton and Mosaic), float32 from the
+    reference."""
     from argparse import Namespace
 
     from mnemojax.bench.attention import attn_bytes
 
     args = Namespace(num_heads=32, num_kv_heads=8, head_dim=128)
     kv, q = 2 * 32768 * 8 * 128 * 2, 2048 * 32 * 128 * 2
-    assert attn_bytes(args, 2, 2048, 32768, impl="pallas") == kv + q + 2048 * 32 * 128 * 4
+    assert attn_bytes(args, 2, 2048, 32768, impl="pallas") == kv + q + 2048 * 32 * 128 * 2
+    assert attn_bytes(args, 2, 2048, 32768, impl="reference") == kv + q + 2048 * 32 * 128 * 4
     assert attn_bytes(args, 2, 2048, 32768, impl="mosaic") == kv + q + 2048 * 32 * 128 * 2
     assert attn_bytes(args, 2, 1, 32768, batch=4, impl="mosaic_interpret") == 4 * (kv + 32 * 128 * 4)

@@ -160,18 +160,28 @@ def test_mixed_step_through_the_switch():
 
 def test_bfloat16_inputs_against_float32_reference():
     """bf16 q and cache, float32 accumulation: the reference on the same values in float32. Scores and lse are
-    float32-exact; P is rounded to bf16 for P @ V, so out is within 2^-9 max|v| (asserted: 2^-8)."""
+    float32-exact; P is rounded to bf16 for P @ V, so out is within 2^-9 max|v| (asserted: 2^-8) when asked for in
+    float32 (`out_dtype`, a KVP rank's partial). By default out is bf16, the model's dtype: exactly the float32
+    out rounded once (the kernel rounds as it writes; launches of one partition and merged ones, both tilings)."""
     rng = np.random.default_rng(3)
     step = make_step(rng, MIXED, num_heads=8, num_kv_heads=2, dtype=jnp.bfloat16, **SMALL)
     ref = run(paged_attention, f32(step), block_pages=3, precision=HIGHEST)
     bound = 2.0 ** -8 * float(jnp.abs(step["v_cache"].astype(jnp.float32)).max())
     for fn, kw in ((pa.prefill_attention, dict(block_q=2, block_k=8, num_partitions=2)),
-                   (pa.decode_attention, dict(block_k=16, num_partitions=3))):
-        got = run(fn, step, interpret=True, **kw)
+                   (pa.decode_attention, dict(block_k=16, num_partitions=3)),
+                   (pa.paged_attention_pallas, dict(block_q=2, block_k=8, decode_block_k=16, num_partitions=1,
+                                                    decode_partitions=1))):
+        got = run(fn, step, interpret=True, out_dtype=jnp.float32, **kw)
         assert got[0].dtype == jnp.float32 and got[1].dtype == jnp.float32
         assert_close(got, ref, out_atol=bound)
         err = np.linalg.norm(np.asarray(got[0]) - np.asarray(ref[0])) / np.linalg.norm(np.asarray(ref[0]))
         assert err < 4e-3
+        out, lse = run(fn, step, interpret=True, **kw)
+        assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(got[0].astype(jnp.bfloat16)))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(got[1]))
+    with pytest.raises(ValueError, match="out_dtype must be q's dtype \\(bfloat16\\) or float32, got float16"):
+        run(pa.decode_attention, step, interpret=True, out_dtype=jnp.float16)
 
 
 def test_no_visible_key_gives_zero_weight():
@@ -319,7 +329,7 @@ def check_compiled(step, fns):
     lse within 1e-3."""
     ref_out, ref_lse = (np.asarray(x) for x in run(paged_attention, f32(step), block_pages=8, precision=HIGHEST))
     for fn in fns:
-        out, lse = (np.asarray(x, np.float32) for x in run(fn, step))  # the Mosaic kernels' out is bf16
+        out, lse = (np.asarray(x, np.float32) for x in run(fn, step))  # the kernels write out in bf16
         assert np.isfinite(out).all() and np.isfinite(lse).all()
         assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2
         np.testing.assert_allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
