@@ -225,8 +225,11 @@ def test_compiled_kernels_lower_to_triton(dtype):
     lowering or shard_map's varying-axes check rejects; compiling to PTX and running need a GPU)."""
     persistent = [(functools.partial(fn, persistent=True), n) for fn, n in
                   ((pa.paged_attention_pallas, 2), (pa.prefill_attention, 1), (pa.decode_attention, 1))]
+    one = dict(num_partitions=1, decode_partitions=1)  # the kernels write token order (and the model's dtype)
+    direct = [(functools.partial(pa.paged_attention_pallas, **one), 2),
+              (functools.partial(pa.paged_attention_pallas, persistent=True, **one), 2)]
     assert_lowers_for_cuda(dtype, ((pa.paged_attention_pallas, 2), (pa.prefill_attention, 1),
-                                   (pa.decode_attention, 1), *persistent), "@__gpu$xla.gpu.triton")
+                                   (pa.decode_attention, 1), *persistent, *direct), "@__gpu$xla.gpu.triton")
 
 
 def assert_lowers_for_cuda(dtype, cases, custom_call: str, *, num_heads: int = 32, page: int = 16):
@@ -311,16 +314,17 @@ def _has_gpu() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
 def test_compiled_kernels_on_gpu_match_float32_reference():
-    """The compiled kernels (static and persistent grids) at Llama-3-8B attention shapes (32 q heads, 8 kv heads,
-    head dim 128, page 16) on random bf16 inputs: a long prefill chunk, short chunks, decodes, an empty KVP
-    shard, padding rows."""
+    """The compiled kernels (static and persistent grids; split-K and one partition writing token order) at
+    Llama-3-8B attention shapes (32 q heads, 8 kv heads, head dim 128, page 16) on random bf16 inputs: a long
+    prefill chunk, short chunks, decodes, an empty KVP shard, padding rows."""
     gpu = jax.devices("gpu")[0]
     rng = np.random.default_rng(0)
     seqs = [(5000, 512, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (1, 1, 0), (0, 3, 0), (900, 17, 3000)]
     with jax.default_device(gpu):
         step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=128, page=16, dtype=jnp.bfloat16,
                          pad_rows=3)
-        fns = (pa.paged_attention_pallas, pa.prefill_attention, pa.decode_attention)
+        fns = (pa.paged_attention_pallas, pa.prefill_attention, pa.decode_attention,
+               functools.partial(pa.paged_attention_pallas, num_partitions=1, decode_partitions=1))
         check_compiled(step, fns + tuple(functools.partial(fn, persistent=True) for fn in fns))
 
 
