@@ -57,6 +57,8 @@ from shardings.mesh import KVP, SPP, TP
 from shardings.specs import ShardingTable
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+_I32_MAX = int(np.iinfo(np.int32).max)
 SAMPLED_TOKENS = "sampled_tokens"  # the named scope of the step's exchange of sampled tokens over the KVP ranks
 
 
@@ -349,8 +351,11 @@ class Executor:
             num_top = p.logprobs if is_sample else p.prompt_logprobs
             # the generated token's index keys its random stream (known before the tokens before it are)
             step = token_index - req.num_prompt_tokens if is_sample else len(req.output_token_ids)
-            samp[rank].append((0.0 if p.greedy else p.temperature, p.top_k, p.top_p, req.seed & 0xFFFFFFFF,
-                               step, target, bool(num_top)))
+            # Into the float32 / int32 columns: a top_k past the vocabulary keeps every token (the sampler clamps
+            # it to the vocabulary), a temperature past float32's range is its largest (a flat distribution);
+            # valid requests of either kind must not overflow the cast and fail the step.
+            samp[rank].append((0.0 if p.greedy else min(p.temperature, _F32_MAX), min(p.top_k, _I32_MAX), p.top_p,
+                               req.seed & 0xFFFFFFFF, step, target, bool(num_top)))
 
         def place(chunk_i, ch, rank, span_i, t0, is_shared, logits):
             req, s, n = ch.request, ch.start, ch.num_tokens

@@ -196,6 +196,22 @@ def test_bad_input_raises_and_engine_still_works(llm, prompt, params, match):
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
 
 
+def test_sampling_values_past_the_step_columns_range_serve(llm):
+    """A top_k past int32 (any top_k >= the vocabulary keeps every token) and a temperature past float32's range
+    (valid: finite, >= 0) are served, not a failed step (they overflowed the step's int32 / float32 columns):
+    the huge top_k draws what top_k=-1 draws with the same seed; the huge temperature, tokens of the vocabulary,
+    without an overflow warning."""
+    import warnings
+
+    prompt = _prompts([9], seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        huge, off, hot = (llm.generate(prompt, SamplingParams(max_tokens=6, seed=3, ignore_eos=True, **kw))[0]
+                          for kw in (dict(top_k=10 ** 12), dict(top_k=-1), dict(temperature=1e300)))
+    assert huge.outputs[0].token_ids == off.outputs[0].token_ids and len(off.outputs[0].token_ids) == 6
+    assert len(hot.outputs[0].token_ids) == 6 and all(0 <= t < 320 for t in hot.outputs[0].token_ids)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-1.0), "temperature"),
