@@ -436,8 +436,8 @@ def _pallas_grids(fn, step, **kw) -> list[tuple]:
     return grids
 
 
-@pytest.mark.parametrize("partitions", [(1, 1), (3, 4)], ids=["direct", "split-K"])
-@pytest.mark.parametrize("programs", [None, 3], ids=["default-grid", "3-programs"])
+@pytest.mark.parametrize("partitions,programs", [((1, 1), 3), ((3, 4), 3), ((3, 4), None)],
+                         ids=["direct-3-programs", "split-K-3-programs", "split-K-default-grid"])
 def test_persistent_grid_matches_reference(partitions, programs):
     """`persistent=True`: (programs, kv heads) programs loop over the step's work items (tiles with keys to read,
     cut into partitions by their keys). Shuffled rows, padding rows, an empty sequence, G = 4, NaN in unwritten
