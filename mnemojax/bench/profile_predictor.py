@@ -581,7 +581,7 @@ def resolve_defaults(args, source: dict | None = None) -> None:
         args.out = os.path.join(PROFILE_DIR, f"{args.hardware}.json")
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None,
                     help="a preset name (models.config.PRESETS); default: tiny on a CPU, llama3.2-1b on a GPU")
@@ -606,7 +606,11 @@ def main(argv=None):
     ap.add_argument("--wait_quiet", type=float, default=0.0, metavar="SECONDS",
                     help="for up to this long, wait for other processes to leave the CPUs (mostly) idle before "
                          "timing, and time again when they did not stay so")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/profile_predictor.py"] +
                                    (sys.argv[1:] if argv is None else list(argv)))
     source = Predictor.load_profile(args.samples) if args.samples else None

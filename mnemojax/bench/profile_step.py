@@ -182,7 +182,7 @@ def build_engine(args):
     return engine
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -195,7 +195,11 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=25, help="kernels listed")
     p.add_argument("--trace_dir", default=None, help="keep the trace here (default: a temporary folder)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     import jax
 
     from mnemojax.bench.attention import hardware

@@ -1,0 +1,156 @@
+"""The open GPU measurements in one command, for a device session's few calls of at most 10 minutes each.
+
+    python scripts/gpu_checklist.py                       # every stage, in order, within --budget_s
+    python scripts/gpu_checklist.py --stages correctness,attention --budget_s 560 --out $OUT
+    python scripts/gpu_checklist.py --dry_run             # the commands only
+
+Runs the README's "On a GPU: what is left to measure" commands stage by stage, each in its own process (a
+stage's GPU memory is freed before the next), in the order of `STAGES`, stopping a command at its stage's time
+limit or at what is left of `--budget_s` (keep it under the device's 10 minutes a call, with room for the start),
+whichever comes first. Each stage's output goes, as it is printed, to `<out>/<stage>.log` (default out: $OUT
+where it is set, else ./gpu_logs): a stopped command's log keeps what it printed. Prints a table last: each stage,
+its exit (or "timeout", or "skipped: budget"), seconds, and the last lines of its log. Stages that do not fit
+what is left of the budget are skipped, not started, so a later call can run them (`--stages`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str
+    commands: tuple  # argument lists, each run as `python <args>` from the repository root ({out}: the logs')
+    timeout_s: int  # the stage's time limit (all its commands)
+    min_s: int  # not started with less than this left of the budget
+    env: tuple = ()  # (name, value) pairs set for its commands
+    why: str = ""
+
+
+STAGES = (
+    Stage("correctness", (("-m", "pytest", "-q", "-m", "gpu", "tests/models"),), 420, 120,
+          env=(("JAX_PLATFORMS", "cuda,cpu"),),
+          why="the Triton (static and persistent grids) and Mosaic kernels compiled, against the float32 reference"),
+    Stage("attention", (("scripts/bench_attention.py", "--impl", "pallas,mosaic", "--persistent"),), 540, 240,
+          why="issue 15: Llama-3-8B chunk-size curves at 256K and 1M, decode, against cuDNN and torch SDPA"),
+    Stage("attention-70b", (("scripts/bench_attention.py", "--impl", "pallas,mosaic", "--persistent",
+                             "--model_shape", "llama3-70b", "--decode_batches", "1"),), 540, 240,
+          why="issue 15: the 70B shape (64 q heads) at 256K and 1M"),
+    Stage("step", (("scripts/bench_step.py", "--attention", "pallas,pallas+persistent,mosaic"),), 540, 240,
+          why="issues 12 and 15: prefill MFU at 32K, decode MBU at 32K-512K, each attention side by side"),
+    Stage("long", (("scripts/bench_step.py", "--long", "--decode_contexts", "32768"),), 590, 450,
+          why="issue 15: the llama3.2-1b exact 1M-token prefill (TTFT) and its decode"),
+    Stage("profile", (("scripts/profile_step.py", "--model", "llama3-8b", "--dtype", "bfloat16", "--batch", "1",
+                       "--context", "4096"),
+                      ("scripts/profile_step.py", "--model", "llama3.2-1b", "--dtype", "bfloat16", "--batch", "32",
+                       "--context", "4096", "--steps", "20")), 540, 180,
+          why="issue 12: kernels and launches per step, device busy against wall time"),
+    Stage("predictor", (("scripts/profile_predictor.py", "--out", "{out}/predictor-profile.json"),), 540, 300,
+          why="issue 14: the GPU predictor profile, written to the logs' folder (commit it as "
+              "mnemojax/scheduling/profiles/<hardware>.json)"),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages", default=",".join(STAGE_NAMES),
+                   help=f"comma-separated stages to run, in this order: {', '.join(STAGE_NAMES)}")
+    p.add_argument("--budget_s", type=float, default=540.0, help="seconds for all the stages of this call")
+    p.add_argument("--out", default=None, help="folder of the logs (default: $OUT where set, else ./gpu_logs)")
+    p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+    return p
+
+
+def parse_args(argv=None):
+    p = parser()
+    args = p.parse_args(argv)
+    names = [x for x in args.stages.split(",") if x]
+    unknown = [x for x in names if x not in STAGE_NAMES]
+    if unknown or not names:
+        p.error(f"--stages: unknown {unknown or 'none given'}; known: {', '.join(STAGE_NAMES)}")
+    args.stages = [s for s in STAGES if s.name in names]
+    args.out = args.out or os.environ.get("OUT") or os.path.join(os.getcwd(), "gpu_logs")
+    return args
+
+
+def command_args(args: tuple, out: str) -> list[str]:
+    return [a.replace("{out}", out) for a in args]
+
+
+def command_line(stage: Stage, args: tuple, out: str) -> str:
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in stage.env)
+    return (env + " " if env else "") + shlex.join(["python", *command_args(args, out)])
+
+
+def tail(path: str, n: int = 3) -> list[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return [line.rstrip() for line in f.readlines()[-n:]]
+    except OSError:
+        return []
+
+
+def run_stage(stage: Stage, out: str, seconds: float) -> str:
+    """Runs the stage's commands one after the other, output to <out>/<stage>.log, within `seconds`; returns
+    the exit: "0", the first failing command's code, or "timeout"."""
+    log = os.path.join(out, f"{stage.name}.log")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **dict(stage.env))
+    end = time.monotonic() + seconds
+    with open(log, "w", encoding="utf-8") as f:
+        for args in stage.commands:
+            f.write(f"$ {command_line(stage, args, out)}\n")
+            f.flush()
+            left = end - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            try:
+                rc = subprocess.run([sys.executable, *command_args(args, out)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    timeout=left).returncode
+            except subprocess.TimeoutExpired:
+                f.write(f"\n[stopped after {seconds:.0f} s: the stage's time limit or the budget]\n")
+                return "timeout"
+            if rc:
+                return str(rc)
+    return "0"
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    start = time.monotonic()
+    print("command:", shlex.join(["python", "scripts/gpu_checklist.py", *(sys.argv[1:] if argv is None else argv)]))
+    if args.dry_run:
+        for stage in args.stages:
+            print(f"# {stage.name} (up to {stage.timeout_s} s): {stage.why}")
+            for a in stage.commands:
+                print(command_line(stage, a, args.out))
+        return []
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for stage in args.stages:
+        left = args.budget_s - (time.monotonic() - start)
+        if left < stage.min_s:
+            rows.append(dict(stage=stage.name, exit=f"skipped: budget ({left:.0f} s left, needs {stage.min_s})",
+                             seconds=0.0, tail=[]))
+            continue
+        t0 = time.monotonic()
+        print(f"{stage.name}: {stage.why}", flush=True)
+        exit_ = run_stage(stage, args.out, min(stage.timeout_s, left))
+        rows.append(dict(stage=stage.name, exit=exit_, seconds=time.monotonic() - t0,
+                         tail=tail(os.path.join(args.out, f"{stage.name}.log"))))
+    print(f"\nlogs in {args.out}")
+    print(f"{'stage':<14} {'exit':<40} {'s':>6}  last lines of the log")
+    for r in rows:
+        lines = r["tail"] or [""]
+        print(f"{r['stage']:<14} {r['exit']:<40} {r['seconds']:>6.0f}  {lines[0]}")
+        for line in lines[1:]:
+            print(f"{'':<14} {'':<40} {'':>6}  {line}")
+    return rows

@@ -1,0 +1,53 @@
+"""scripts/gpu_checklist.py: every stage's command parses with its own script's arguments (a typo would cost a
+GPU session's minutes), and the runner's mechanics on the CPU with stand-in stages: logs as printed, a failing
+command's code, a command stopped at its time limit keeping what it printed, stages past the budget skipped."""
+import pytest
+
+from mnemojax.bench import attention, gpu_checklist, profile_predictor, profile_step, step
+
+
+def test_every_stage_command_parses_with_its_script():
+    parsers = {"scripts/bench_attention.py": attention.parse_args, "scripts/bench_step.py": step.parse_args,
+               "scripts/profile_step.py": profile_step.parser().parse_args,
+               "scripts/profile_predictor.py": profile_predictor.parser().parse_args}
+    seen = set()
+    for stage in gpu_checklist.STAGES:
+        for args in stage.commands:
+            args = gpu_checklist.command_args(args, "/tmp/out")
+            if args[0] == "-m":  # pytest: the marker it selects exists
+                assert args[:5] == ["-m", "pytest", "-q", "-m", "gpu"] and dict(stage.env)["JAX_PLATFORMS"] == "cuda,cpu"
+                continue
+            parsers[args[0]](args[1:])
+            seen.add(args[0])
+    assert seen == set(parsers)
+    assert gpu_checklist.command_args(("--out", "{out}/p.json"), "/x") == ["--out", "/x/p.json"]
+
+
+def _stage(name, code, timeout_s=30, min_s=0):
+    return gpu_checklist.Stage(name, (("-c", code),), timeout_s, min_s, env=(("CHECKLIST_TEST", "yes"),), why=name)
+
+
+def test_runner_logs_exits_timeouts_and_budget(tmp_path, monkeypatch, capsys):
+    stages = (_stage("ok", "import os; print('hello', os.environ['CHECKLIST_TEST'])"),
+              _stage("fails", "import sys; print('bad'); sys.exit(3)"),
+              _stage("slow", "import time; print('started', flush=True); time.sleep(60)", timeout_s=2),
+              _stage("late", "print('never')", min_s=10 ** 6))
+    monkeypatch.setattr(gpu_checklist, "STAGES", stages)
+    monkeypatch.setattr(gpu_checklist, "STAGE_NAMES", tuple(s.name for s in stages))
+    rows = gpu_checklist.main(["--out", str(tmp_path), "--budget_s", "100"])
+    assert [(r["stage"], r["exit"].split(":")[0]) for r in rows] == [
+        ("ok", "0"), ("fails", "3"), ("slow", "timeout"), ("late", "skipped")]
+    assert rows[0]["tail"][-1] == "hello yes" and rows[1]["tail"][-1] == "bad"
+    log = (tmp_path / "slow.log").read_text()
+    assert "started" in log and "[stopped after 2 s" in log and 1.5 < rows[2]["seconds"] < 30
+    assert not (tmp_path / "late.log").exists()
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("late") and "skipped: budget" in out
+
+
+def test_unknown_stage_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu_checklist.parse_args(["--stages", "correctness,speed"])
+    assert "--stages: unknown ['speed']" in capsys.readouterr().err
+    assert [s.name for s in gpu_checklist.parse_args(["--stages", "step,correctness"]).stages] == [
+        "correctness", "step"]  # run in the checklist's order
