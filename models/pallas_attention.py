@@ -311,8 +311,8 @@ class Launch:
     tile's sequence; full / hi i32[nt]: the keys every row / its furthest row sees; lim_rows i32[nt, R]: the keys
     each row (token x head of the group, padded) sees; row_tok i32[nt, R]: with one partition, the token of each
     row (T for padding rows and empty slots: the sink row), where the kernel writes it, else None; work: the
-    persistent grid's work list (`_work_items`) or None for the static grid. Static: block_k keys per block, num_parts KV partitions, programs the persistent
-    grid's programs per kv head (0: the static grid).
+    persistent grid's work list (`_work_items`) or None for the static grid. Static: block_k keys per block,
+    num_parts KV partitions, programs the persistent grid's programs per kv head (0: the static grid).
     """
 
     tok: jax.Array
@@ -344,12 +344,12 @@ def _rows_per_tile(block_q: int, group: int) -> int:
 
 
 def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, rows: int,
-            block_k: int, num_partitions: int | None, persistent: bool = False, programs: int | None = None,
-            target_programs: int = TARGET_PROGRAMS) -> Launch:
+            block_k: int, num_partitions: int | None, persistent: bool = False,
+            programs: int | None = None) -> Launch:
     """The `Launch` of the tiles `tile_tok` (i32[nt, BQ]) in programs of `rows` rows: per-tile metadata, KV
-    partitions (`num_partitions`, default enough for ~`target_programs` programs, capped by the partial
-    results' bytes) and, `persistent`, the work list and the grid's programs per kv head (`programs`, default
-    `target_programs` / kv heads)."""
+    partitions (`num_partitions`, default enough for ~TARGET_PROGRAMS programs, capped by the partial results'
+    bytes) and, `persistent`, the work list and the grid's programs per kv head (`programs`, default
+    TARGET_PROGRAMS / kv heads)."""
     if programs is not None and (not persistent or programs < 1):
         raise ValueError(f"programs (the persistent grid's size) needs persistent=True and >= 1, got {programs}")
     nt = tile_tok.shape[0]
@@ -358,11 +358,12 @@ def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, head_dim: int,
     NP = num_partitions
     if NP is None:
         max_blocks = _cdiv(meta.page_table.shape[1] * page_size, block_k)
-        NP = max(1, min(max_blocks, _cdiv(target_programs, nt * K), MAX_PARTIAL_BYTES // (nt * K * rows * (H + 2) * 4)))
+        NP = max(1, min(max_blocks, _cdiv(TARGET_PROGRAMS, nt * K),
+                        MAX_PARTIAL_BYTES // (nt * K * rows * (H + 2) * 4)))
     work, grid = None, 0
     if persistent:
         work = _work_items(hi, K, NP, block_k)
-        grid = min(nt * NP, programs or _cdiv(target_programs, K))
+        grid = min(nt * NP, programs or _cdiv(TARGET_PROGRAMS, K))
     row_tok = None
     if NP == 1:
         T, G, bq = meta.seq_ids.shape[0], num_heads // num_kv_heads, tile_tok.shape[1]

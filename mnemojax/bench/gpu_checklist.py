@@ -113,8 +113,8 @@ def run_stage(stage: Stage, out: str, seconds: float) -> str:
             if left <= 0:
                 return "timeout"
             try:
-                rc = subprocess.run([sys.executable, *command_args(args, out)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    timeout=left).returncode
+                rc = subprocess.run([sys.executable, *command_args(args, out)], cwd=REPO, env=env, stdout=f,
+                                    stderr=subprocess.STDOUT, timeout=left).returncode
             except subprocess.TimeoutExpired:
                 f.write(f"\n[stopped after {seconds:.0f} s: the stage's time limit or the budget]\n")
                 return "timeout"

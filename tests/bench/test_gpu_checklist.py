@@ -15,7 +15,8 @@ def test_every_stage_command_parses_with_its_script():
         for args in stage.commands:
             args = gpu_checklist.command_args(args, "/tmp/out")
             if args[0] == "-m":  # pytest: the marker it selects exists
-                assert args[:5] == ["-m", "pytest", "-q", "-m", "gpu"] and dict(stage.env)["JAX_PLATFORMS"] == "cuda,cpu"
+                assert args[:5] == ["-m", "pytest", "-q", "-m", "gpu"]
+                assert dict(stage.env)["JAX_PLATFORMS"] == "cuda,cpu"
                 continue
             parsers[args[0]](args[1:])
             seen.add(args[0])
