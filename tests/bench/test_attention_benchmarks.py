@@ -6,6 +6,7 @@ import math
 
 import jax
 import numpy as np
+import pytest
 
 from models.attention import dense_attention_reference
 from tests import REPO
@@ -33,11 +34,10 @@ def test_bench_attention_small(capsys):
     assert lines[-1].split()[:2] == ["256", "3"]  # the decode table is last
 
 
+@pytest.mark.slow  # ~15 s (interpreted kernels, twice): keeps the default suite under 10 minutes
 def test_bench_attention_times_the_persistent_grid_beside_the_static_one(capsys):
     """--persistent: each Triton implementation named gets a second set of rows on its work-list grid, in the
     same run; naming no Triton implementation is refused."""
-    import pytest
-
     res = _script("bench_attention").main(["--small", "--persistent", "--chunks", "4,64", "--decode_batches", "1"])
     out = capsys.readouterr().out
     impls = ["pallas_interpret", "pallas_interpret+persistent"]
@@ -52,12 +52,11 @@ def test_bench_attention_times_the_persistent_grid_beside_the_static_one(capsys)
     assert "--persistent: the persistent grid is the Triton kernels'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~15 s (interpreted kernels, twice): keeps the default suite under 10 minutes
 def test_bench_step_runs_the_persistent_grid(capsys):
     """--attention pallas_interpret+persistent: the model's spec asks the kernels for the persistent grid, and a
     prefill step on it gives the static grid's greedy token and cache; a persistent label on a kernel without
     the grid is refused."""
-    import pytest
-
     step = _script("bench_step")
     args = step.parse_args(["--small", "--attention", "pallas_interpret,pallas_interpret+persistent"])
     models = [step.Model("tiny", args, 64, impl) for impl in args.impls]
