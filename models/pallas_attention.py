@@ -381,7 +381,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: Launch, *, precision
     and partitions exiting at once; or, a persistent launch, (programs, kv heads), each program looping over the
     step's work items (`_work_items`: only tiles with keys to read, partitions sized by the step's contexts)."""
     T, N, H = q.shape
-    L, P, S, K, _ = k_cache.shape
+    K = k_cache.shape[3]
     B, M = meta.page_table.shape
     tile_tok = launch.tok
     nt, bq = tile_tok.shape
@@ -686,10 +686,6 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, precision=None, interp
                        programs=programs, out_dtype=out_dtype)
 
 
-_TILING_DEFAULTS = dict(block_q=None, block_k=BLOCK_K, decode_block_k=DECODE_BLOCK_K, num_partitions=None,
-                        decode_partitions=None, persistent=False, programs=None)
-
-
 def _paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None, interpret: bool = False,
                             block_q: int | None = None, block_k: int = BLOCK_K,
                             decode_block_k: int = DECODE_BLOCK_K, num_partitions: int | None = None,
@@ -719,4 +715,7 @@ def _paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None,
     return out[0][:T], out[1][:T]
 
 
+_TILING = ("block_q", "block_k", "decode_block_k", "num_partitions", "decode_partitions", "persistent", "programs")
+_TILING_DEFAULTS = {name: p.default for name, p in inspect.signature(_paged_attention_pallas).parameters.items()
+                    if name in _TILING}  # what `plan_step` takes instead when the call is given `tiles`
 paged_attention_pallas = _jit(_paged_attention_pallas, dynamic=("tiles",))

@@ -143,7 +143,8 @@ class Profile:
     wake_factor: float = 1.0
     """A step the engine launches after idling (nothing in flight, waiting for a request) takes this many times its
     steady-state time: caches gone cold, worker threads parked, clocks lowered. Measured by
-    `scripts/profile_predictor.py` (each plan timed again after a second of sleep); the simulator applies it,
+    `scripts/profile_predictor.py` (with `wake_overhead_s`: new requests' first tokens through the engine's loop
+    after a second of sleep and at once, against their steps' steady-state time); the simulator applies it,
     the scheduler's step costs do not (it plans steady-state steps). 1: no such cost."""
     wake_overhead_s: float = 0.0
     """Seconds such a step takes on top of `wake_factor` x its time: the host's own wake-up (a request's admission,
