@@ -83,7 +83,6 @@ BLOCK_K = 64  # keys per block of the online softmax
 STAGES = 2  # K/V SMEM slots in flight between the producer and the consumer
 HEAD_DIMS = (64, 128, 256)
 TARGET_PROGRAMS = 264  # grid size the KV partitions aim for (2 programs per SM of an H100 SXM, 132 SMs)
-_TILE_INFO = 4  # i32 per tile: layer, sequence, keys every row sees, keys its furthest row sees
 
 
 def _cdiv(a, b):
@@ -203,12 +202,13 @@ class _Ops:
 
 
 # ------------------------------------------------------------------------------------------ the kernel
-def _kernel(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_parts: int, group: int, scale: float,
-            ops: _Ops, out_dtype):
+def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_parts: int,
+            group: int, scale: float, ops: _Ops, out_dtype):
     """One (tile, kv head, partition) program: warpgroup 0 consumes, warpgroup 1 produces (TMA).
 
-    info_ref i32[nt, 4] (layer, sequence, keys all rows see, keys the furthest row sees); lim_ref i32[nt, 64]
-    keys each row sees; table_ref i32[B, M]; q_ref [nt, K, 64, H]; k_ref / v_ref the cache [L, P, S, K, H].
+    layer_ref i32[1]; seq_ref / full_ref / hi_ref i32[nt]: the tile's sequence, the keys all its rows see, the keys
+    its furthest row sees (the step's plan, shared by every layer); lim_ref i32[nt, 64] keys each row sees;
+    table_ref i32[B, M]; q_ref [nt, K, 64, H]; k_ref / v_ref the cache [L, P, S, K, H].
     When num_parts == 1, io_refs = (tok_ref i32[nt, BQ]: the tile's tokens, T = empty slot; out [T, N, H] in
     `out_dtype`; lse f32[T, N]): the program writes its rows normalised, in token order, each token's G heads
     straight to their place (token i of the tile is rows i*G .. i*G+G-1); empty slots write nothing. Otherwise
@@ -236,18 +236,20 @@ def _kernel(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_par
         plgpu.Barrier(num_arrivals=copies, num_barriers=STAGES),  # v slot full
         plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # slot consumed
     ]
-    pl.run_scoped(functools.partial(_program, info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
+    tile = (layer_ref, seq_ref, full_ref, hi_ref)
+    pl.run_scoped(functools.partial(_program, tile, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
                                     num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
                                     max_pages=max_pages),
                   *scratch, *barriers, collective_axes="wg")
 
 
-def _program(info_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem, k_smem, v_smem, p_smem, lim_smem,
+def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem, k_smem, v_smem, p_smem, lim_smem,
              o_smem, m_smem, l_smem, q_bar, k_bar, v_bar, consumed, *, num_parts, group, scale, ops, page_size,
              max_pages):
     t, kvh, part = lax.axis_index("tile"), lax.axis_index("kvh"), lax.axis_index("part")
     wg = lax.axis_index("wg")
-    layer, seq, kv_full, kv_hi = (info_ref[t, i] for i in range(_TILE_INFO))
+    layer_ref, seq_ref, full_ref, hi_ref = tile_refs
+    layer, seq, kv_full, kv_hi = layer_ref[0], seq_ref[t], full_ref[t], hi_ref[t]
     head_dim = q_smem.shape[-1]
     cdt = q_smem.dtype
 
@@ -405,12 +407,12 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     if launch.lim_rows.shape[1] != ROWS or launch.work is not None:
         raise ValueError(f"a Mosaic launch has {ROWS}-row programs on the static grid (plan_step)")
     qt = pa._tile_rows(q, tile_tok, K, ROWS)  # the Triton kernels' layout
-    info = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (nt,)), launch.seq, launch.full, launch.hi],
-                     axis=1)
+    layer = jnp.reshape(layer, (1,)).astype(jnp.int32)  # a constant when the layer loop is unrolled: no kernel
     NP = launch.num_parts
     lim_rows = launch.lim_rows
     f32 = jnp.float32
-    operands = [info, lim_rows, meta.page_table.astype(jnp.int32), qt, k_cache, v_cache]
+    operands = [layer, launch.seq, launch.full, launch.hi, lim_rows, meta.page_table.astype(jnp.int32), qt, k_cache,
+                v_cache]
     if NP == 1:
         operands.append(tile_tok.astype(jnp.int32))
         if into is None:

@@ -537,10 +537,13 @@ def _step_primitives(impl: str, num_layers: int, dtype: str) -> collections.Coun
 def test_the_step_plans_the_kernels_tiles_once_for_all_layers(impl, dtype):
     """Issue 12 item 2 / issue 15 item 2, metadata once per step: the model's step traced with 1 and 3 layers
     holds the tiling's sort, cumsums and scatter-adds once (the model plans the tiles before its layer loop and
-    every layer's attention reads them), whatever XLA would or would not merge; the launches are per layer."""
+    every layer's attention reads them, as the kernels take them), whatever XLA would or would not merge; the launches
+    are per layer."""
     one, three = _step_primitives(impl, 1, dtype), _step_primitives(impl, 3, dtype)
     for name in ("sort", "cumsum", "scatter-add"):
         assert one[name] == three[name] >= 1, (name, one[name], three[name])
+    # No per-layer gathering of the plan's per-tile arrays (the Mosaic launches once stacked them with the layer).
+    assert one["stack"] == three["stack"], (one["stack"], three["stack"])
     if impl == "pallas_interpret":
         assert (one["pallas_call"], three["pallas_call"]) == (2, 6)
 
