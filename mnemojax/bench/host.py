@@ -2,7 +2,9 @@
 
 The engine's step is: `Scheduler.schedule()` (plan), `Executor._host_args` (the plan as numpy arrays, the
 pipeline stacked), `Executor.put` (arrays onto the mesh), `Executor.run` (dispatching the jitted step),
-`Executor.fetch` (waiting for its results) and `Scheduler.update_from_output` plus detokenizing and outputs.
+`Executor.fetch` (waiting for its results), `Scheduler.update_from_output`, then `outputs`: the rest of the engine's
+collect (the results gathered per chunk, detokenizing, the step's `RequestOutput`s; timed as `LLMEngine._collect`
+less its wait and update).
 Synchronous (`async_scheduling=False`), `run` waits for its own step: all the other parts are host work the device
 waits for. With async scheduling the engine launches step N+1 before it waits for step N, so the host's parts of
 N+1 run while the device runs N: they are hidden as long as they take less than the device's step.
@@ -10,9 +12,12 @@ N+1 run while the device runs N: they are hidden as long as they take less than 
 The workload: the tiny model, `--requests` requests (default 256) decoding together after short prompts, with a
 page table as wide as `--max_model_len` tokens (default 1,048,576: 65,536 columns of 16-token pages per
 sequence, as a 1M-context deployment has whatever the requests' actual lengths), and the same at 8,192 for
-comparison. Each part is timed by wrapping the engine's own methods; `--steps` decode steps after a warm-up.
+comparison. Each part is timed by wrapping the engine's own methods; `--steps` decode steps after a warm-up. The
+requests' `--output_kind` (default delta, what the server streams; final_only is what `LLM.generate` asks for;
+cumulative copies each request's lists in every step's output).
 
     python scripts/bench_host.py [--requests 256] [--steps 20] [--max_model_len 1048576] [--freeze_gc]
+                                 [--output_kind delta|cumulative|final_only]
 
 Prints, per page-table width and mode: ms per step of each part, the host parts' total, the step's wall time, and
 how much of the host work is hidden behind the device: (host + device - step) / host, with the device's time
@@ -34,29 +39,44 @@ import numpy as np
 
 from mnemojax.bench import print_header
 
-PARTS = ("schedule", "arrays", "put", "run", "wait", "update")
-HOST_PARTS = ("schedule", "arrays", "put", "update")  # besides dispatching the step (`run` when async)
+PARTS = ("schedule", "arrays", "put", "run", "wait", "update", "outputs")
+HOST_PARTS = ("schedule", "arrays", "put", "update", "outputs")  # besides dispatching the step (`run` when async)
 
 
-def _timed(log: dict, name: str, fn):
+def _timed(log: dict, name: str, fn, inner: list | None = None):
+    """`fn`, each call's seconds appended to `log[name]` (and added to `inner[0]` when given)."""
     def wrapper(*args, **kwargs):
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             log[name].append(time.perf_counter() - t)
+            if inner is not None:
+                inner[0] += log[name][-1]
+    return wrapper
+
+
+def _timed_less(log: dict, name: str, fn, inner: list):
+    """`fn`, each call's seconds less what the `inner`-timed calls inside it took appended to `log[name]`."""
+    def wrapper(*args, **kwargs):
+        inner[0] = 0.0
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            log[name].append(time.perf_counter() - t - inner[0])
     return wrapper
 
 
 def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16,
-            async_scheduling: bool = False, freeze_gc: bool = False) -> dict[str, float]:
+            async_scheduling: bool = False, freeze_gc: bool = False, output_kind: str = "delta") -> dict[str, float]:
     """Median ms per decode step of each part and of `step` (the whole `LLMEngine.step`); `host`: the host parts
     (with the dispatch in `run` when async, whose `run` does not wait); `full_gc`: ms in full (generation 2)
     garbage collections during all the measured steps together. `freeze_gc`: the server's
-    `freeze_startup_objects()` after the warm-up."""
+    `freeze_startup_objects()` after the warm-up. `output_kind`: a `RequestOutputKind` value, the requests'."""
     from mnemojax.engine.llm_engine import EngineConfig, LLMEngine, freeze_startup_objects
     from mnemojax.engine.loader import load
-    from mnemojax.scheduling.sampling_params import SamplingParams
+    from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
 
     prompt_len = 8
     config = EngineConfig(model="tiny", page_size=page_size, max_num_seqs=requests,
@@ -71,13 +91,16 @@ def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16,
     log: dict[str, list[float]] = defaultdict(list)
     ex, sched = engine.executor, engine.scheduler
     sched.schedule = _timed(log, "schedule", sched.schedule)
-    sched.update_from_output = _timed(log, "update", sched.update_from_output)
+    inside_collect = [0.0]  # what a collect spent waiting and in the scheduler's update
+    sched.update_from_output = _timed(log, "update", sched.update_from_output, inside_collect)
     ex._host_args = _timed(log, "arrays", ex._host_args)
     ex.put = _timed(log, "put", ex.put)
     ex.run = _timed(log, "run", ex.run)
-    ex.fetch = _timed(log, "wait", ex.fetch)
+    ex.fetch = _timed(log, "wait", ex.fetch, inside_collect)  # inside `run` when synchronous, else in the collect
+    engine._collect = _timed_less(log, "outputs", engine._collect, inside_collect)
     rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True,
+                            output_kind=RequestOutputKind(output_kind))
     for _ in range(requests):
         engine.add_request(rng.integers(0, 256, prompt_len).tolist(), params)
     for _ in range(4):  # prefill, first decodes, compiles
@@ -126,11 +149,11 @@ def hidden_fraction(m: dict[str, float], device_ms: float) -> float:
     return min(1.0, max(0.0, m["host"] + device_ms - m["step"]) / m["host"]) if m["host"] > 0 else 0.0
 
 
-def table(rows: dict[tuple[int, bool], dict[str, float]], requests: int) -> str:
+def table(rows: dict[tuple[int, bool], dict[str, float]], requests: int, output_kind: str = "delta") -> str:
     head = (f"{'table width':>22} {'mode':>6} " + " ".join(f"{p:>8}" for p in PARTS)
             + f" {'host':>8} {'step':>8} {'hidden':>7} {'full_gc':>8}")
-    lines = [f"ms per decode step, {requests} requests decoding (median); device time per step = the sync run's "
-             "'run'", head]
+    lines = [f"ms per decode step, {requests} requests decoding ({output_kind} outputs; median); device time per "
+             "step = the sync run's 'run'", head]
     for (width, async_), m in rows.items():
         hidden = hidden_fraction(m, rows[(width, False)]["run"])
         lines.append(f"{width:>15,} tokens {'async' if async_ else 'sync':>6} "
@@ -146,12 +169,14 @@ def main(argv=None) -> None:
     p.add_argument("--max_model_len", type=int, default=1 << 20)
     p.add_argument("--freeze_gc", action="store_true",
                    help="freeze the start-up objects out of the garbage collector's reach, as the server does")
+    p.add_argument("--output_kind", default="delta", choices=("delta", "cumulative", "final_only"),
+                   help="the requests' output kind (delta: the server's; final_only: LLM.generate's)")
     args = p.parse_args(argv)
     print_header(argv)
     widths = sorted({8192, args.max_model_len})
-    rows = {(w, a): measure(args.requests, args.steps, w, async_scheduling=a, freeze_gc=args.freeze_gc)
-            for w in widths for a in (False, True)}
-    print(table(rows, args.requests))
+    rows = {(w, a): measure(args.requests, args.steps, w, async_scheduling=a, freeze_gc=args.freeze_gc,
+                            output_kind=args.output_kind) for w in widths for a in (False, True)}
+    print(table(rows, args.requests, args.output_kind))
     print("sync: 'run' dispatches the step and waits for it (its 'wait' inside), the device's time as the host sees "
           "it, and the host parts run while the device idles. async: 'run' only dispatches, 'wait' is what is left "
           "of the device's step after the host's work for the next one; the step is max(host, device) when hidden.")

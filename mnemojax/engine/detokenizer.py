@@ -8,7 +8,9 @@ is held back here, nowhere else:
 - the longest tail of the text that is the start of a stop string is held back, since a stop string that
   completes later is cut from the output.
 `text` is everything decoded so far; `stable_text` is what may be shown while the request runs (all of it once
-finished). The stable text only ever grows, so streaming its deltas gives exactly the final text.
+finished). The stable text only ever grows, so streaming its deltas gives exactly the final text. A request that
+shows nothing before it ends (`RequestOutputKind.FINAL_ONLY`) and has no stop string to find decodes nothing
+while it runs: its text is decoded once, when it is flushed.
 
 For byte-level tokenizers (the built-in byte tokenizer, Llama-3's byte-level BPE) the text equals
 `tokenizer.decode(all output ids)`: the window is cut only after a complete character, where UTF-8 decoding
@@ -16,7 +18,7 @@ starts afresh.
 """
 from __future__ import annotations
 
-from mnemojax.scheduling.sampling_params import SamplingParams
+from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
 
 _REPLACEMENT = "\ufffd"
 
@@ -59,6 +61,8 @@ class Detokenizer:
         self._skip_special = params.skip_special_tokens
         self._stops = [_StopMatcher(s) for s in params.stop]
         self._include_stop = params.include_stop_str_in_output
+        # nobody reads the text before the end and no stop string needs it: decode it all at once then
+        self._at_end = params.output_kind is RequestOutputKind.FINAL_ONLY and not self._stops
         self._ids: list[int] = []
         self._start = 0  # the undecoded window starts at this token (a character boundary)
         self.text = ""  # the decoded text of ids[:_start]
@@ -73,6 +77,8 @@ class Detokenizer:
         if self.finished:
             raise RuntimeError("tokens added to a finished detokenizer")
         self._ids.extend(token_ids)
+        if self._at_end:
+            return None
         window = self._decode(self._ids[self._start:])
         if window.endswith(_REPLACEMENT):
             return None  # an incomplete character, or invalid bytes: decided when a complete character follows

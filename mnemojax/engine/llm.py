@@ -1,11 +1,12 @@
 """`LLM`: the offline library API, shaped like vLLM's."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 from mnemojax.scheduling.outputs import RequestOutput
-from mnemojax.scheduling.sampling_params import SamplingParams
+from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -54,6 +55,9 @@ class LLM:
                 engine.validate(token_ids[-1], p)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
+        # Only the final outputs are returned: the engine builds no output in the steps before (vLLM does the same).
+        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final[id(p)] for p in params]
         ids = [engine.add_request(prompt, p, prompt_token_ids=t)
                for prompt, p, t in zip(prompts, params, token_ids)]
         pending = set(ids)

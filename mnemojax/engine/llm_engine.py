@@ -270,7 +270,8 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update. Returns the outputs of requests that made progress.
+        """Schedule, execute, update. Returns the outputs of requests that made progress (of a FINAL_ONLY request,
+        only the one when it ends).
 
         With async scheduling the step launched here is collected (its tokens appended, its outputs returned) in
         the next call, after that call has launched its own: the outputs returned are the previous launch's."""
@@ -307,7 +308,8 @@ class LLMEngine:
         gone = {id(ch.request) for ch in done.chunks if ch.request.is_finished}  # finished while in flight
         for req in self.scheduler.update_from_output(done, outputs):
             self._detokenize(req)
-        return [self.output(ch.request) for ch in done.chunks if id(ch.request) not in gone]
+        return [self.output(ch.request) for ch in done.chunks if id(ch.request) not in gone
+                and (ch.request.is_finished or ch.request.params.output_kind is not RequestOutputKind.FINAL_ONLY)]
 
     # ---------------------------------------------------------------- online calibration
     def _step_shapes(self, plan):
@@ -382,7 +384,8 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- outputs out
     def output(self, req: Request, kind: RequestOutputKind | None = None) -> RequestOutput:
-        """What `req` has produced (`kind` defaults to its `params.output_kind`). CUMULATIVE: everything so far.
+        """What `req` has produced (`kind` defaults to its `params.output_kind`). CUMULATIVE (and FINAL_ONLY, whose
+        one output is the last): everything so far.
         DELTA: only what is new since its previous output (the prompt's ids in the first one only), so a step's
         outputs cost what the step added, not copies of whole lists."""
         if (kind or req.params.output_kind) is RequestOutputKind.DELTA:

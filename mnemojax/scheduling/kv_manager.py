@@ -254,8 +254,9 @@ class KVCacheManager:
         return self.prefix_caching and req.params.prompt_logprobs is None
 
     def page_hashes(self, req, num_pages: int) -> list[bytes]:
-        """The chained hashes of `req`'s first `num_pages` pages (each: sha256 of the previous page's hash and of
-        the page's tokens), computed once per page and kept on the request."""
+        """The chained hashes of `req`'s pages, at least its first `num_pages` (each: sha256 of the previous page's
+        hash and of the page's tokens), computed once per page: the request's own list (`req.page_hashes`), not a
+        copy, as a decode reads one page's hash per step of a context that may hold 65,536 pages."""
         hashes, S = req.page_hashes, self.page_size
         while len(hashes) < num_pages:
             j = len(hashes)
@@ -264,7 +265,7 @@ class KVCacheManager:
             else:
                 tokens = array("q", (req.token_at(i) for i in range(j * S, (j + 1) * S)))
             hashes.append(hashlib.sha256((hashes[-1] if hashes else b"") + tokens.tobytes()).digest())
-        return hashes[:num_pages]
+        return hashes
 
     def _where(self, j: int) -> tuple[int, int]:
         """(index in the request's rank list, index in that rank's page list) of a request's page j."""
@@ -277,7 +278,8 @@ class KVCacheManager:
         last token). Span by span, the rank (not yet in the list) holding the longest cached run of that span's
         pages, ties to the most free pages then the lowest index (ranks join a request by load, not in a fixed
         order, so each span is looked up on every rank). Reads only."""
-        hashes = self.page_hashes(req, (req.num_tokens - 1) // self.page_size)
+        n = (req.num_tokens - 1) // self.page_size
+        hashes = self.page_hashes(req, n)[:n]
         per_span = len(hashes) if self.max_tokens_per_rank is None else self.max_tokens_per_rank // self.page_size
         ranks: list[int] = []
         pages: list[int] = []
@@ -310,7 +312,9 @@ class KVCacheManager:
         if not self.prefix_caching:
             return
         end = req.num_prompt_tokens // self.page_size
-        for h in self.page_hashes(req, end)[req.num_registered_pages:]:
+        hashes = self.page_hashes(req, end)
+        for j in range(req.num_registered_pages, end):
+            h = hashes[j]
             self._pending[h] = self._pending.get(h, 0) + 1
         req.pending_pages = (req.num_registered_pages, end)
 
@@ -347,9 +351,10 @@ class KVCacheManager:
         if not self.prefix_caching:
             return
         full = num_tokens // self.page_size
-        for j, h in enumerate(self.page_hashes(req, full)[req.num_registered_pages:], req.num_registered_pages):
+        hashes = self.page_hashes(req, full)
+        for j in range(req.num_registered_pages, full):
             i, k = self._where(j)
-            self.ranks[req.kv_ranks[i]].register(req.pages[i][k], h)
+            self.ranks[req.kv_ranks[i]].register(req.pages[i][k], hashes[j])
         req.num_registered_pages = max(req.num_registered_pages, full)
         self._unmark_pending(req, full)
 

@@ -23,9 +23,12 @@ class RequestOutputKind(enum.Enum):
     """What each of a request's per-step outputs holds (vLLM's `RequestOutputKind`)."""
 
     CUMULATIVE = "cumulative"
-    """Everything so far: each output copies the request's lists (the offline `LLM.generate` default)."""
+    """Everything so far: each output copies the request's lists (the default, as vLLM's)."""
     DELTA = "delta"
     """Only what is new since the previous output (the server streams these): a step costs what it added."""
+    FINAL_ONLY = "final_only"
+    """One output, when the request ends, holding everything (what `LLM.generate` asks for, as vLLM's): no output
+    is built in the steps before, and without stop strings the text is decoded once, at the end."""
 
 
 class ParamError(ValueError):

@@ -80,7 +80,7 @@ async def _wait_until_done(llm):
     await asyncio.sleep(0.05)  # let the engine thread's last hand-offs reach this loop
 
 
-@pytest.mark.parametrize("kind", list(RequestOutputKind))
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
 def test_a_caller_that_does_not_read_holds_one_merged_output(async_llm, kind):
     """While its caller reads nothing, a request's outputs are merged (deltas added up, a cumulative one replaced
     by the newer), not queued one per step: memory per request stays bounded by its own output."""
@@ -102,6 +102,18 @@ def test_a_caller_that_does_not_read_holds_one_merged_output(async_llm, kind):
         last = first.outputs[0]
     assert last.token_ids == ref.token_ids and last.text == ref.text and len(last.logprobs) == 24
     assert last.logprobs == ref.logprobs
+
+
+def test_a_final_only_request_yields_one_output_when_it_ends(async_llm):
+    """FINAL_ONLY (vLLM's): the caller gets one output, finished, holding everything, as the cumulative one; the
+    engine built none before (its steps return outputs of finished FINAL_ONLY requests only)."""
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True, logprobs=1,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    got = asyncio.run(_collect(async_llm, [9, 8, 7], params))
+    ref = LLM("tiny", **KW).generate([[9, 8, 7]], dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE))
+    assert len(got) == 1 and got[0].finished
+    assert got[0].outputs[0] == ref[0].outputs[0] and got[0].prompt_token_ids == [9, 8, 7]
+    assert len(got[0].outputs[0].token_ids) == 12 and got[0].outputs[0].text
 
 
 def test_prefix_cache_stats_and_reset():

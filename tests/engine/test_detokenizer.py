@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mnemojax.engine.detokenizer import Detokenizer
-from mnemojax.scheduling.sampling_params import SamplingParams
+from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
 from models.tokenizer import ByteTokenizer
 from tests.hf_utils import make_hf_tokenizer
 
@@ -41,6 +41,30 @@ def test_text_equals_whole_decode_and_stable_text_only_grows(tok, skip_special_t
         for a, b in zip(stables, stables[1:]):
             assert b.startswith(a)  # nothing shown is ever taken back
         assert stables[-1] == d.text
+
+
+@pytest.mark.parametrize("tok", [BYTES, make_hf_tokenizer()], ids=["byte", "hf-byte-level-bpe"])
+def test_final_only_decodes_once_at_the_end_unless_it_has_stop_strings(tok):
+    """A FINAL_ONLY request shows nothing while it runs: without stop strings nothing is decoded before the flush
+    (the tokenizer is not called), and the text then equals the token-by-token one; with stop strings it is
+    decoded token by token, to find them."""
+    rng = np.random.default_rng(1)
+    ids = list("héllo wörld ✓ 😀".encode()) + [int(t) for t in rng.integers(0, 320, 40)]
+
+    class Counting:
+        calls = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.calls += 1
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    final = dict(output_kind=RequestOutputKind.FINAL_ONLY)
+    d, stop, stables = _run(Counting(), ids, **final)
+    assert stop is None and Counting.calls == 1 and set(stables[:-1]) == {""}
+    assert d.text == _run(tok, ids)[0].text == tok.decode(ids, skip_special_tokens=True)
+    Counting.calls = 0
+    d, stop, _ = _run(Counting(), ids, stop=["ö"], **final)
+    assert stop == "ö" and d.text == "héllo w" and Counting.calls > 1
 
 
 def test_incomplete_character_is_not_text_until_its_last_byte():

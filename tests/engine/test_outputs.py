@@ -1,5 +1,6 @@
 """Per-step outputs as deltas (`output_kind=DELTA`): each carries only what its step added, and they add up to
-the cumulative output exactly; the offline `LLM.generate` (cumulative) is unchanged."""
+the cumulative output exactly; FINAL_ONLY: one output, the last, equal to the cumulative one; the offline
+`LLM.generate` (which asks for FINAL_ONLY) returns the cumulative output, unchanged."""
 import dataclasses
 
 import pytest
@@ -49,6 +50,41 @@ def test_deltas_add_up_to_the_cumulative_output(engine):
         assert len(first.metrics.token_times) == len(ref.token_ids) and first.finished
         # pop_finished gives the whole output (metrics read it), whatever the kind
         assert final.outputs[0].token_ids == ref.token_ids and len(final.metrics.token_times) == len(ref.token_ids)
+
+
+def test_final_only_gives_one_output_equal_to_the_cumulative_last(engine):
+    """The engine's steps give a FINAL_ONLY request nothing until it ends, then everything: the same text (decoded
+    once at the end without stop strings, token by token with them), tokens, log-probs, reasons and metrics as
+    the cumulative run's last output."""
+    prompts = ["a prompt longer than one chunk of sixteen tokens", [7, 8, 9], "stop here: xyz"]
+    base = [SamplingParams(max_tokens=12, temperature=0.9, seed=3, logprobs=2, prompt_logprobs=1, ignore_eos=True),
+            SamplingParams(max_tokens=9, temperature=0, logprobs=0),
+            SamplingParams(max_tokens=20, temperature=1.0, seed=5, stop=["e", "ab"], ignore_eos=True)]
+    cumulative, _ = _run(engine, prompts, base)
+    finals, popped = _run(engine, prompts, [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                                            for p in base])
+    for c_outs, f_outs, whole in zip(cumulative.values(), finals.values(), popped.values()):
+        assert len(c_outs) > 1 and len(f_outs) == 1 and f_outs[0].finished
+        got, ref = f_outs[0], c_outs[-1]
+        assert got.outputs[0] == ref.outputs[0] and got.outputs[0].text == ref.outputs[0].text
+        assert got.prompt_token_ids == ref.prompt_token_ids and got.prompt_logprobs == ref.prompt_logprobs
+        assert got.metrics.token_times and len(got.metrics.token_times) == len(ref.metrics.token_times)
+        assert whole.outputs[0] == ref.outputs[0]
+
+
+def test_offline_generate_builds_only_the_final_outputs(monkeypatch):
+    """`LLM.generate` asks for FINAL_ONLY, as vLLM's does: outputs are built for a request only when it ends (by the
+    step that ends it, and its result), none in the steps before (they used to copy every request's lists in every
+    step: 7 tokens, 8 or more outputs each)."""
+    llm = LLM("tiny", **KW)
+    built = []
+    output = llm.engine.output
+    monkeypatch.setattr(llm.engine, "output", lambda req, kind=None: built.append(req.request_id) or output(req, kind))
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    outs = llm.generate(["abc", [1, 2, 3, 4]], params)
+    assert sorted(set(built)) == sorted(o.request_id for o in outs)
+    assert all(built.count(o.request_id) <= 2 for o in outs), built
+    assert [len(o.outputs[0].token_ids) for o in outs] == [7, 7] and params.output_kind is RequestOutputKind.CUMULATIVE
 
 
 def test_offline_generate_is_unchanged_and_cumulative():
