@@ -24,7 +24,8 @@ how much of the host work is hidden behind the device: (host + device - step) / 
 per step taken from the synchronous run of the same width (its `run`, which waits for the step); then the ms
 spent in full garbage collections during all the measured steps (`--freeze_gc`: after the warm-up,
 `gc.freeze()` the start-up objects as `python -m mnemojax.serve` does, so a full collection walks only what
-serving created since).
+serving created since). Last, the ms one step's output of one request takes with a prompt as long as the table
+(cumulative copies the prompt's ids each time; delta holds what the step added; final_only builds none).
 """
 from __future__ import annotations
 
@@ -68,26 +69,61 @@ def _timed_less(log: dict, name: str, fn, inner: list):
     return wrapper
 
 
-def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16,
-            async_scheduling: bool = False, freeze_gc: bool = False, output_kind: str = "delta") -> dict[str, float]:
-    """Median ms per decode step of each part and of `step` (the whole `LLMEngine.step`); `host`: the host parts
-    (with the dispatch in `run` when async, whose `run` does not wait); `full_gc`: ms in full (generation 2)
-    garbage collections during all the measured steps together. `freeze_gc`: the server's
-    `freeze_startup_objects()` after the warm-up. `output_kind`: a `RequestOutputKind` value, the requests'."""
-    from mnemojax.engine.llm_engine import EngineConfig, LLMEngine, freeze_startup_objects
+def _engine(requests: int, max_model_len: int, page_size: int, prompt_len: int, async_scheduling: bool = False):
+    """The tiny model's engine for `requests` requests of `prompt_len`-token prompts (one prefill step), its page
+    table `max_model_len` tokens wide (past the preset's 8K positions: only the table grows)."""
+    from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
     from mnemojax.engine.loader import load
-    from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
 
-    prompt_len = 8
     config = EngineConfig(model="tiny", page_size=page_size, max_num_seqs=requests,
-                          max_num_batched_tokens=max(requests * prompt_len, 16), chunk_size=prompt_len,
+                          max_num_batched_tokens=max(requests * min(prompt_len, 8), 16), chunk_size=prompt_len,
                           num_pages=requests * 4 + 2, max_model_len=min(max_model_len, 8192), precompile=False,
                           async_scheduling=async_scheduling)
     loaded = load(config)
     if max_model_len > loaded.max_model_len:  # the tiny preset stops at 8K positions; only the table's width grows
         mc = dataclasses.replace(loaded.model_config, max_position_embeddings=max_model_len)
         loaded = dataclasses.replace(loaded, model_config=mc, max_model_len=max_model_len)
-    engine = LLMEngine(config, loaded)
+    return LLMEngine(config, loaded)
+
+
+def long_prompt_output_ms(prompt_len: int, generated: int = 64, repeats: int = 20) -> dict[str, float]:
+    """Ms to build one step's output (`LLMEngine.output`) of a request with a `prompt_len`-token prompt and
+    `generated` tokens so far, per output kind that builds one in every step (a FINAL_ONLY request gets none before
+    its end). The request is made by hand, never scheduled: an output reads the request's lists, not the device."""
+    from mnemojax.scheduling.request import Request
+    from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
+
+    engine = _engine(1, 8192, 16, 8)
+    prompt = (np.arange(prompt_len) % 256).tolist()
+    out = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        req = Request(f"long-{kind.value}", prompt, SamplingParams(max_tokens=generated + repeats, output_kind=kind),
+                      arrival_time=0.0, seed=0)
+        req.output_token_ids.extend(range(generated))
+        req.token_times.extend([0.0] * generated)
+        engine.output(req)  # a DELTA request's first output holds the prompt; the later ones what a step added
+        times = []
+        for i in range(repeats):
+            req.output_token_ids.append(i % 256)
+            req.token_times.append(0.0)
+            t = time.perf_counter()
+            engine.output(req)
+            times.append(time.perf_counter() - t)
+        out[kind.value] = statistics.median(times) * 1e3
+    return out
+
+
+def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16,
+            async_scheduling: bool = False, freeze_gc: bool = False, output_kind: str = "delta") -> dict[str, float]:
+    """Median ms per decode step of each part and of `step` (the whole `LLMEngine.step`); `host`: the host parts
+    (with the dispatch in `run` when async, whose `run` does not wait); `full_gc`: ms in full (generation 2)
+    garbage collections during all the measured steps together. `freeze_gc`: the server's
+    `freeze_startup_objects()` after the warm-up. `output_kind`: a `RequestOutputKind` value, the requests'."""
+    from mnemojax.engine.llm_engine import freeze_startup_objects
+    from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
+
+    prompt_len = 8
+    engine = _engine(requests, max_model_len, page_size, prompt_len, async_scheduling)
     log: dict[str, list[float]] = defaultdict(list)
     ex, sched = engine.executor, engine.scheduler
     sched.schedule = _timed(log, "schedule", sched.schedule)
@@ -177,6 +213,10 @@ def main(argv=None) -> None:
     rows = {(w, a): measure(args.requests, args.steps, w, async_scheduling=a, freeze_gc=args.freeze_gc,
                             output_kind=args.output_kind) for w in widths for a in (False, True)}
     print(table(rows, args.requests, args.output_kind))
+    n = args.max_model_len - 128
+    lp = long_prompt_output_ms(n)
+    print(f"one request's output per step with a {n:,}-token prompt (ms, median of 20): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in lp.items()) + ", final_only: none before the end (LLM.generate's)")
     print("sync: 'run' dispatches the step and waits for it (its 'wait' inside), the device's time as the host sees "
           "it, and the host parts run while the device idles. async: 'run' only dispatches, 'wait' is what is left "
           "of the device's step after the host's work for the next one; the step is max(host, device) when hidden.")

@@ -18,6 +18,25 @@ def test_measure_times_every_part_of_a_decode_step(async_scheduling):
     assert "65,536 tokens" in text and "8 requests decoding" in text and " async " in text
 
 
+@pytest.mark.parametrize("kind", ["cumulative", "final_only"])
+def test_the_output_kind_reaches_the_requests_and_outputs_are_timed(kind, monkeypatch):
+    from mnemojax.engine.llm_engine import LLMEngine
+
+    built = []
+    output = LLMEngine.output
+    monkeypatch.setattr(LLMEngine, "output", lambda self, req, k=None: built.append(req.params.output_kind.value)
+                        or output(self, req, k))
+    m = host.measure(requests=4, steps=3, max_model_len=8192, output_kind=kind)
+    assert m["outputs"] > 0
+    # cumulative: an output per request per step; final_only: none before a request's end (its last step is later)
+    assert set(built) == {kind} if kind == "cumulative" else built.count(kind) <= 2 * 4
+
+
+def test_long_prompt_output_is_timed_for_the_kinds_that_build_one_per_step():
+    ms = host.long_prompt_output_ms(4096, generated=8, repeats=3)
+    assert set(ms) == {"cumulative", "delta"} and all(v > 0 for v in ms.values())
+
+
 def test_hidden_fraction_by_hand():
     # 7 ms of host work and a 10 ms device step in a 12 ms step: 5 of the 7 ms overlapped the device
     assert host.hidden_fraction({"host": 7, "step": 12}, 10) == 5 / 7
