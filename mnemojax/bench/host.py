@@ -2,9 +2,9 @@
 
 The engine's step is: `Scheduler.schedule()` (plan), `Executor._host_args` (the plan as numpy arrays, the
 pipeline stacked), `Executor.put` (arrays onto the mesh), `Executor.run` (dispatching the jitted step),
-`Executor.fetch` (waiting for its results), `Scheduler.update_from_output`, then `outputs`: the rest of the engine's
-collect (the results gathered per chunk, detokenizing, the step's `RequestOutput`s; timed as `LLMEngine._collect`
-less its wait and update).
+`Executor.fetch` (`wait`: until its results are ready; `fetch`: their transfer to the host),
+`Scheduler.update_from_output`, then `outputs`: the rest of the engine's collect (the results gathered per chunk,
+detokenizing, the step's `RequestOutput`s; timed as `LLMEngine._collect` less its wait, fetch and update).
 Synchronous (`async_scheduling=False`), `run` waits for its own step: all the other parts are host work the device
 waits for. With async scheduling the engine launches step N+1 before it waits for step N, so the host's parts of
 N+1 run while the device runs N: they are hidden as long as they take less than the device's step.
@@ -40,8 +40,8 @@ import numpy as np
 
 from mnemojax.bench import print_header
 
-PARTS = ("schedule", "arrays", "put", "run", "wait", "update", "outputs")
-HOST_PARTS = ("schedule", "arrays", "put", "update", "outputs")  # besides dispatching the step (`run` when async)
+PARTS = ("schedule", "arrays", "put", "run", "wait", "fetch", "update", "outputs")
+HOST_PARTS = ("schedule", "arrays", "put", "fetch", "update", "outputs")  # besides dispatching the step (`run` when async)
 
 
 def _timed(log: dict, name: str, fn, inner: list | None = None):
@@ -113,6 +113,25 @@ def long_prompt_output_ms(prompt_len: int, generated: int = 64, repeats: int = 2
     return out
 
 
+def _waited_fetch(log: dict, fetch, inner: list):
+    """`Executor.fetch` timed in two parts: `wait` for the step's results to be ready, then `fetch` them to the host
+    (the transfers); both added to `inner[0]`."""
+    import jax
+
+    def wrapper(out):
+        t0 = time.perf_counter()
+        jax.block_until_ready(out)
+        t1 = time.perf_counter()
+        try:
+            return fetch(out)
+        finally:
+            t2 = time.perf_counter()
+            log["wait"].append(t1 - t0)
+            log["fetch"].append(t2 - t1)
+            inner[0] += t2 - t0
+    return wrapper
+
+
 def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16,
             async_scheduling: bool = False, freeze_gc: bool = False, output_kind: str = "delta") -> dict[str, float]:
     """Median ms per decode step of each part and of `step` (the whole `LLMEngine.step`); `host`: the host parts
@@ -132,7 +151,7 @@ def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16,
     ex._host_args = _timed(log, "arrays", ex._host_args)
     ex.put = _timed(log, "put", ex.put)
     ex.run = _timed(log, "run", ex.run)
-    ex.fetch = _timed(log, "wait", ex.fetch, inside_collect)  # inside `run` when synchronous, else in the collect
+    ex.fetch = _waited_fetch(log, ex.fetch, inside_collect)  # inside `run` when synchronous, else in the collect
     engine._collect = _timed_less(log, "outputs", engine._collect, inside_collect)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True,

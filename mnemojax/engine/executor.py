@@ -506,8 +506,9 @@ class Executor:
         return (self.params, self.k_cache, self.v_cache, self.register, self.sampled, self.page_table, stages, rows,
                 samp, src)
 
-    def _launch(self, T: int, host, fetch: bool, kind: str):
-        """Runs the step on `host` arrays (on every process: multi-host followers get them first)."""
+    def _launch(self, T: int, host, fetch: bool, kind: str, logprobs: bool = True):
+        """Runs the step on `host` arrays (on every process: multi-host followers get them first); `logprobs`:
+        whether its results include the log-probs (else only the tokens are fetched)."""
         self._flush_table_updates()  # before the step, on every process (followers get them first too)
         if self.channel is not None:
             self.channel.step(T, host[1].shape[1], host, fetch, kind)
@@ -516,12 +517,15 @@ class Executor:
         # time (it compiled, or loaded from the compilation cache).
         self.last_step_first_of_shape = key not in self._shapes_run
         self._shapes_run.add(key)
-        return self.run(self.put(T, host), fetch, kind)
+        return self.run(self.put(T, host), fetch, kind, logprobs)
 
-    def run(self, args, fetch: bool, kind: str = MIXED):
+    def run(self, args, fetch: bool, kind: str = MIXED, logprobs: bool = True):
         """Runs the step of `kind`; returns its sampled tokens and log-probs as numpy when `fetch`, else their
-        device arrays (dispatched, not waited for)."""
+        device arrays (dispatched, not waited for). Without `logprobs` the log-prob entries are None: only the
+        tokens are fetched (one transfer, not five), for steps where no row's request asked for log-probs."""
         self.k_cache, self.v_cache, self.register, self.sampled, out = self._step(kind)(*args)
+        if not logprobs:
+            out = (out[0],) + (None,) * (len(out) - 1)
         return self.fetch(out) if fetch else out
 
     @staticmethod
@@ -563,7 +567,10 @@ class Executor:
         (multi-host followers fetch in every step, so the leader does too)."""
         T, host, leaving = self._host_args(plan)
         has_rows = bool(leaving.refs)
-        out = self._launch(T, host, fetch and has_rows, self.step_kind(m.plan for m in self.in_flight))
+        # Multi-host: every process fetches the same arrays (the followers' `run` fetches them all).
+        logprobs = jax.process_count() > 1 or any(
+            not r.is_sample or leaving.plan.chunks[r.chunk].request.params.logprobs is not None for r in leaving.refs)
+        out = self._launch(T, host, fetch and has_rows, self.step_kind(m.plan for m in self.in_flight), logprobs)
         self.in_flight.pop()
         self._sampled_at = {id(leaving.plan.chunks[r.chunk].request): r.rank * self.max_rows + r.row
                             for r in leaving.refs if r.is_sample}

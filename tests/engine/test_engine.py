@@ -277,3 +277,32 @@ def test_full_size_presets_shapes(name):
     published = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3.2-1b": 1_235_814_400,
                  "llama3.2-3b": 3_212_749_824}[name]
     assert n == published
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_log_probs_are_fetched_only_when_a_row_asked_for_them(async_scheduling, monkeypatch):
+    """A step whose rows' requests asked for no log-probs fetches its tokens only (one transfer, not five); a step
+    with a row that needs them (a request's `logprobs`, a prompt log-prob row) fetches them all; what each request
+    gets does not change."""
+    from mnemojax.engine.executor import Executor
+
+    llm = LLM(model="tiny", max_model_len=128, async_scheduling=async_scheduling)
+    fetched = []
+    fetch = Executor.fetch
+    monkeypatch.setattr(Executor, "fetch",
+                        staticmethod(lambda out: fetched.append(sum(x is not None for x in out)) or fetch(out)))
+    plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with_lp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    a = llm.generate([[1, 2, 3]], plain)[0].outputs[0]
+    assert fetched and set(fetched) == {1}
+    fetched.clear()
+    b = llm.generate([[1, 2, 3]], with_lp)[0].outputs[0]
+    assert fetched and set(fetched) == {5}
+    assert a.token_ids == b.token_ids and a.logprobs is None
+    assert [t in d for t, d in zip(b.token_ids, b.logprobs)] == [True] * 4
+    fetched.clear()
+    c, d = llm.generate([[1, 2, 3], [1, 2, 3]], [plain, with_lp])
+    assert set(fetched) == {5} and c.outputs[0] == a and d.outputs[0] == b
+    fetched.clear()
+    e = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=0))[0]
+    assert 5 in fetched and e.outputs[0].token_ids == a.token_ids and len(e.prompt_logprobs) == 3
