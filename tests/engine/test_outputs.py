@@ -27,11 +27,18 @@ def _run(engine, prompts, params):
     return outs, {rid: engine.pop_finished(rid) for rid in rids}
 
 
-def test_deltas_add_up_to_the_cumulative_output(engine):
+def _mixed_requests():
+    """Prompts longer than a chunk or not, text or ids, with log-probs of both kinds, greedy and seeded, stop
+    strings."""
     prompts = ["a prompt longer than one chunk of sixteen tokens", [7, 8, 9], "stop here: xyz"]
     base = [SamplingParams(max_tokens=12, temperature=0.9, seed=3, logprobs=2, prompt_logprobs=1, ignore_eos=True),
             SamplingParams(max_tokens=9, temperature=0, logprobs=0),
             SamplingParams(max_tokens=20, temperature=1.0, seed=5, stop=["e", "ab"], ignore_eos=True)]
+    return prompts, base
+
+
+def test_deltas_add_up_to_the_cumulative_output(engine):
+    prompts, base = _mixed_requests()
     cumulative, _ = _run(engine, prompts, base)
     deltas, finals = _run(engine, prompts, [dataclasses.replace(p, output_kind=RequestOutputKind.DELTA)
                                             for p in base])
@@ -56,10 +63,7 @@ def test_final_only_gives_one_output_equal_to_the_cumulative_last(engine):
     """The engine's steps give a FINAL_ONLY request nothing until it ends, then everything: the same text (decoded
     once at the end without stop strings, token by token with them), tokens, log-probs, reasons and metrics as
     the cumulative run's last output."""
-    prompts = ["a prompt longer than one chunk of sixteen tokens", [7, 8, 9], "stop here: xyz"]
-    base = [SamplingParams(max_tokens=12, temperature=0.9, seed=3, logprobs=2, prompt_logprobs=1, ignore_eos=True),
-            SamplingParams(max_tokens=9, temperature=0, logprobs=0),
-            SamplingParams(max_tokens=20, temperature=1.0, seed=5, stop=["e", "ab"], ignore_eos=True)]
+    prompts, base = _mixed_requests()
     cumulative, _ = _run(engine, prompts, base)
     finals, popped = _run(engine, prompts, [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                                             for p in base])
