@@ -18,6 +18,7 @@ def _script(name):
     return importlib.import_module(f"mnemojax.bench.{name.removeprefix('bench_')}")
 
 
+@pytest.mark.slow  # ~11 s: the default suite reached 10:11 in a fresh clone on this VM (2026-11-24)
 def test_bench_attention_small(capsys):
     res = _script("bench_attention").main(["--small"])
     out = capsys.readouterr().out
@@ -71,6 +72,7 @@ def test_bench_step_runs_the_persistent_grid(capsys):
     assert "the persistent grid is the Triton kernels'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~11 s, as above
 def test_bench_step_small(capsys):
     """Two attention implementations in one run: rows of each, in the order given, then the exact long runs."""
     res = _script("bench_step").main(["--small", "--attention", "pallas_interpret,reference"])
