@@ -41,7 +41,8 @@ import numpy as np
 from mnemojax.bench import print_header
 
 PARTS = ("schedule", "arrays", "put", "run", "wait", "fetch", "update", "outputs")
-HOST_PARTS = ("schedule", "arrays", "put", "fetch", "update", "outputs")  # besides dispatching the step (`run` when async)
+# the host's parts, besides dispatching the step (`run` when async)
+HOST_PARTS = ("schedule", "arrays", "put", "fetch", "update", "outputs")
 
 
 def _timed(log: dict, name: str, fn, inner: list | None = None):
@@ -76,7 +77,7 @@ def _engine(requests: int, max_model_len: int, page_size: int, prompt_len: int, 
     from mnemojax.engine.loader import load
 
     config = EngineConfig(model="tiny", page_size=page_size, max_num_seqs=requests,
-                          max_num_batched_tokens=max(requests * min(prompt_len, 8), 16), chunk_size=prompt_len,
+                          max_num_batched_tokens=max(requests * prompt_len, 16), chunk_size=prompt_len,
                           num_pages=requests * 4 + 2, max_model_len=min(max_model_len, 8192), precompile=False,
                           async_scheduling=async_scheduling)
     loaded = load(config)
@@ -146,7 +147,7 @@ def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16,
     log: dict[str, list[float]] = defaultdict(list)
     ex, sched = engine.executor, engine.scheduler
     sched.schedule = _timed(log, "schedule", sched.schedule)
-    inside_collect = [0.0]  # what a collect spent waiting and in the scheduler's update
+    inside_collect = [0.0]  # what a collect spent waiting, fetching and in the scheduler's update
     sched.update_from_output = _timed(log, "update", sched.update_from_output, inside_collect)
     ex._host_args = _timed(log, "arrays", ex._host_args)
     ex.put = _timed(log, "put", ex.put)

@@ -97,6 +97,7 @@ class MicroBatch:
     sampling: RowSampling  # arrays [kvp, R]
     refs: list[RowRef]
     src: np.ndarray  # i32[kvp, T] where a row's input token is in the previous step's `sampled` (-1: in `batch`)
+    logprobs: bool = False  # some logits row needs log-probs (a request's `logprobs`, or a prompt log-prob row)
 
 
 @dataclasses.dataclass
@@ -343,9 +344,12 @@ class Executor:
         rows: list[list[int]] = [[] for _ in range(K)]
         samp: list[list[tuple]] = [[] for _ in range(K)]
         refs: list[RowRef] = []
+        logprobs = False
 
         def add_row(rank, row, chunk_i, token_index, req, target, is_sample):
+            nonlocal logprobs
             p = req.params
+            logprobs = logprobs or not is_sample or p.logprobs is not None
             refs.append(RowRef(rank, len(rows[rank]), chunk_i, token_index, is_sample))
             rows[rank].append(row)
             num_top = p.logprobs if is_sample else p.prompt_logprobs
@@ -429,7 +433,7 @@ class Executor:
         batch = StepBatch(token_ids=tok, write_pages=wpage, write_slots=wslot, shared=shared,
                           attn=AttentionMetadata(seq_ids=seq, positions=pos, page_table=table, kv_lens=kv_lens,
                                                  kv_start=kv_start))
-        return MicroBatch(plan, batch, pad_rows, RowSampling(*cols), refs, src)
+        return MicroBatch(plan, batch, pad_rows, RowSampling(*cols), refs, src, logprobs)
 
     def logits_rows(self, T: int, n: int) -> int:
         """Logits rows R of a step of T token rows whose busiest rank has n of them: a power of two up to one row
@@ -568,8 +572,7 @@ class Executor:
         T, host, leaving = self._host_args(plan)
         has_rows = bool(leaving.refs)
         # Multi-host: every process fetches the same arrays (the followers' `run` fetches them all).
-        logprobs = jax.process_count() > 1 or any(
-            not r.is_sample or leaving.plan.chunks[r.chunk].request.params.logprobs is not None for r in leaving.refs)
+        logprobs = leaving.logprobs or jax.process_count() > 1
         out = self._launch(T, host, fetch and has_rows, self.step_kind(m.plan for m in self.in_flight), logprobs)
         self.in_flight.pop()
         self._sampled_at = {id(leaving.plan.chunks[r.chunk].request): r.rank * self.max_rows + r.row
