@@ -122,6 +122,12 @@ def _results(url):
     return out
 
 
+def _tail(log, chars: int | None = 3000) -> str:
+    log.seek(0)
+    text = log.read().decode(errors="replace")
+    return text if chars is None else text[-chars:]
+
+
 @pytest.mark.slow
 def test_two_processes_serve_the_same_tokens_as_one():
     one_port, two_port, coord = free_port(), free_port(), free_port()
@@ -139,12 +145,13 @@ def test_two_processes_serve_the_same_tokens_as_one():
             for p in procs[:2]:  # process 0 of the pair stops its follower on the way out
                 p.send_signal(signal.SIGTERM)
             codes = [p.wait(120) for p in procs]
+        except Exception as e:
+            raise AssertionError(f"one process's log:\n{_tail(log1)}\ntwo processes' log:\n{_tail(log2)}") from e
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-            log2.seek(0)
-            output = log2.read().decode(errors="replace")
+            output = _tail(log2, None)
     assert codes == [0, 0, 0], output[-3000:]
     assert "process 1 of 2" in output and "in all" in output
     for (text, toks, lps), (rtext, rtoks, rlps) in zip(got, ref):
