@@ -2,7 +2,8 @@
 
 Field names spell the dimensions of the arrays they describe (letters below), so a reader sees what is split
 where. Letters: l layers, d hidden, n query heads, k kv heads, h head dim, f MLP width, v vocab, p pages,
-s slots in a page, t tokens of a step, b sequences of a step, m page-table columns, r logits rows, j top-k.
+s slots in a page, t tokens of a step, b sequences of a step, m page-table columns, r logits rows, j top-k,
+u page-table updates (i: an update's index and page), x the columns of a packed buffer.
 
 Layout of the step (DESIGN.md): layer weights are stacked [L, ...] and split over `spp` (stages) and, within a
 layer, over `tp` (heads / MLP columns); every KVP rank holds a full replica. KV pages are split over `spp`
@@ -43,9 +44,13 @@ class ShardingTable:
     # Per token row of the micro-batch entering stage 0, where its input token is in `sampled_kr` (-1: given).
     entering_kt: P = P(KVP, None)
     # Page tables kept on the device between steps, one block per KVP rank: [kvp, B, M] (B sequence slots, M
-    # page-table columns), and the step's updates to them, [kvp, U] (flat slot x column indices, pages).
+    # page-table columns), and the step's updates to them in one array, [kvp, 2, U] (flat slot x column indices;
+    # pages).
     table_kbm: P = P(KVP, None, None)
-    updates_ku: P = P(KVP, None)
+    updates_kiu: P = P(KVP, None, None)
+    # The step's host arrays (its stacked micro-batches, logits rows, sampling columns and `entering_kt`) packed
+    # into one int32 buffer per KVP rank, [kvp, X]: one host-to-device transfer a step, unpacked in the step.
+    packed_kx: P = P(KVP, None)
 
     # The step's pipeline register: the activations each stage hands to the next, one block per (rank, stage).
     register_kstd: P = P(KVP, SPP, None, None)

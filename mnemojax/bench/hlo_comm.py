@@ -315,8 +315,7 @@ def step_comm(llm, plan) -> StepComm:
 
     Identical programs (with spp > 1 a decode and a prefill chunk share the token rows) compile once."""
     lowered = llm.engine.executor.lower(plan)
-    (args, _kwargs) = lowered.args_info
-    T, R = args[6].token_ids.shape[2], args[7].shape[1]  # batch [kvp, spp, T], logits rows [kvp, R]
+    T, R = llm.engine.executor.step_rows(plan)
     mesh = llm.engine.mesh
     key = (tuple(mesh.devices.shape), lowered.as_text())
     if key not in _compiled:

@@ -28,6 +28,7 @@ step N+1 whose input is such a token (a decode scheduled before its token reache
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -119,6 +120,40 @@ def _logprob_dict(top_ids: np.ndarray, top_lps: np.ndarray, k: int, token: int, 
 
 
 assert DUMMY_PAGE == 0, "the device page table starts as zeros: unused entries read the dummy page"
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Where each of a step's host arrays lies in the one int32 buffer [kvp, X] that carries them all to the
+    device (one transfer a step instead of one per array): the pytree's structure and each leaf's shape and dtype.
+    Hashable: the jitted step takes it as a static argument and unpacks the buffer (`unpack`). Float32 and uint32
+    leaves travel as their bits, bools as 0 / 1, so unpacking gives back exactly what was packed."""
+    treedef: Any
+    leaves: tuple[tuple[tuple[int, ...], str], ...]
+
+    @staticmethod
+    def pack(tree) -> tuple[np.ndarray, Packing]:
+        """`tree`'s numpy leaves, each [kvp, ...] of a 4-byte dtype or bool, as one int32 array [kvp, X]."""
+        leaves, treedef = jax.tree.flatten(tree)
+        cols = []
+        for a in leaves:
+            if a.dtype == np.bool_:
+                a = a.astype(np.int32)
+            elif a.dtype.itemsize != 4:
+                raise TypeError(f"a step's host array of dtype {a.dtype} cannot be packed (4-byte dtypes or bool)")
+            cols.append(np.ascontiguousarray(a).reshape(a.shape[0], -1).view(np.int32))
+        return np.concatenate(cols, axis=1), Packing(treedef, tuple((a.shape, a.dtype.str) for a in leaves))
+
+    def unpack(self, packed: jax.Array):
+        """The tree `pack` packed, from its buffer (traced, inside the step)."""
+        out, at = [], 0
+        for shape, dtype in self.leaves:
+            n = int(np.prod(shape[1:], dtype=np.int64))
+            a = packed[:, at:at + n].reshape(packed.shape[:1] + shape[1:])
+            at += n
+            dtype = np.dtype(dtype)
+            out.append(a != 0 if dtype == np.bool_ else a if dtype == np.int32 else lax.bitcast_convert_type(a, dtype))
+        return jax.tree.unflatten(self.treedef, out)
 
 
 class _Slots:
@@ -239,23 +274,31 @@ class Executor:
                                 in_specs=(param_specs, t.kv_lpskh, t.kv_lpskh, t.register_kstd, t.sampled_kr,
                                           t.table_kbm, stage, t.rows_kr, samp, t.entering_kt),
                                 out_specs=out_specs)
-        self._shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), (stage, t.rows_kr, samp, t.entering_kt))
+
+        host_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), (stage, t.rows_kr, samp, t.entering_kt))
+
+        def unpacked(params, k_cache, v_cache, register, sampled, page_table, packed, packing: Packing):
+            # The host arrays, sliced out of the one buffer they came in and split as the step takes them: each
+            # device keeps its part of its own rank's row (no communication).
+            host = jax.tree.map(jax.reshard, packing.unpack(packed), host_shardings)
+            return sharded(params, k_cache, v_cache, register, sampled, page_table, *host)
+
+        self._packed_sharding = NamedSharding(self.mesh, t.packed_kx)
         self._register_sharding = NamedSharding(self.mesh, t.register_kstd)
         self._sampled_sharding = NamedSharding(self.mesh, t.sampled_kr)
-        return jax.jit(sharded, donate_argnums=(1, 2, 3, 4))
+        return jax.jit(unpacked, donate_argnums=(1, 2, 3, 4), static_argnums=(7,))
 
     def _build_table_update(self):
-        """A jitted in-place scatter of [kvp, U] (flat slot x column index, page) updates into the page table;
-        indices past the table are padding, dropped."""
+        """A jitted in-place scatter of updates [kvp, 2, U] (flat slot x column indices; pages) into the page
+        table; indices past the table are padding, dropped."""
         t = self.table
 
-        def update(table, index, pages):
-            flat = table[0].reshape(-1).at[index[0]].set(pages[0], mode="drop")
+        def update(table, updates):
+            flat = table[0].reshape(-1).at[updates[0, 0]].set(updates[0, 1], mode="drop")
             return flat.reshape(table.shape)
 
-        sharded = jax.shard_map(update, mesh=self.mesh, in_specs=(t.table_kbm, t.updates_ku, t.updates_ku),
-                                out_specs=t.table_kbm)
-        self._updates_sharding = NamedSharding(self.mesh, t.updates_ku)
+        sharded = jax.shard_map(update, mesh=self.mesh, in_specs=(t.table_kbm, t.updates_kiu), out_specs=t.table_kbm)
+        self._updates_sharding = NamedSharding(self.mesh, t.updates_kiu)
         return jax.jit(sharded, donate_argnums=0)
 
     def update_buckets(self) -> list[int]:
@@ -263,17 +306,19 @@ class Executor:
         B, M = self.page_table.shape[1:]
         return [64 << i for i in range(max(1, bucket(B * M, 64).bit_length() - 6))]
 
-    def apply_table_updates(self, index: np.ndarray, pages: np.ndarray, broadcast: bool = True) -> None:
-        """Scatters host updates [kvp, U] into the device page table (multi-host: `broadcast` sends them to the
-        followers first)."""
+    def apply_table_updates(self, updates: np.ndarray, broadcast: bool = True) -> None:
+        """Scatters host updates [kvp, 2, U] (flat slot x column indices; pages) into the device page table, one
+        transfer (multi-host: `broadcast` sends them to the followers first)."""
         if self.channel is not None and broadcast:
-            self.channel.table(index, pages)
+            self.channel.table(updates)
+        self.page_table = self._update_table(self.page_table, self._to_mesh(updates, self._updates_sharding))
+
+    @staticmethod
+    def _to_mesh(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
+        """A host array placed on the mesh (each process fills its own devices' shards from the same array)."""
         if jax.process_count() == 1:
-            index, pages = jax.device_put((index, pages), self._updates_sharding)
-        else:
-            index, pages = (jax.make_array_from_callback(a.shape, self._updates_sharding, lambda i, a=a: a[i])
-                            for a in (index, pages))
-        self.page_table = self._update_table(self.page_table, index, pages)
+            return jax.device_put(a, sharding)
+        return jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
 
     def _flush_table_updates(self) -> None:
         """Sends the page-table entries that changed since the last step (none: nothing runs)."""
@@ -281,13 +326,20 @@ class Executor:
             return
         per_rank = [np.concatenate(u, axis=1) if u else np.zeros((2, 0), np.int32) for u in self._updates]
         U = bucket(max(u.shape[1] for u in per_rank), 64)
-        B, M = self.page_table.shape[1:]
-        index = np.full((self.kvp, U), B * M, np.int32)  # past the table: dropped
-        pages = np.zeros((self.kvp, U), np.int32)
+        updates = self._no_updates(U).copy()
         for r, u in enumerate(per_rank):
-            index[r, :u.shape[1]], pages[r, :u.shape[1]] = u
+            updates[r, :, :u.shape[1]] = u
         self._updates = [[] for _ in range(self.kvp)]
-        self.apply_table_updates(index, pages)
+        self.apply_table_updates(updates)
+
+    @functools.lru_cache(maxsize=None)
+    def _no_updates(self, U: int) -> np.ndarray:
+        """Updates [kvp, 2, U] that change nothing: every index past the table (dropped), pages 0 (read only:
+        cached)."""
+        B, M = self.page_table.shape[1:]
+        none = np.stack(np.broadcast_arrays(np.int32(B * M), np.zeros((self.kvp, U), np.int32)), axis=1)
+        none.flags.writeable = False
+        return none
 
     def _slot(self, rank: int, req, span_i: int) -> int:
         """`req`'s sequence slot on `rank` (given one if it has none), its new page-table entries queued."""
@@ -467,10 +519,8 @@ class Executor:
             self._launch(T, self.host_template(T, R), fetch=True, kind=kind)
             if progress is not None:
                 progress()
-        B, M = self.page_table.shape[1:]
         for U in self.update_buckets():  # the page-table scatters, all dropped
-            self.apply_table_updates(np.full((self.kvp, U), B * M, np.int32), np.zeros((self.kvp, U), np.int32),
-                                     broadcast=False)
+            self.apply_table_updates(self._no_updates(U), broadcast=False)
         jax.block_until_ready(self.page_table)
         return len(shapes)
 
@@ -497,31 +547,29 @@ class Executor:
         samp = jax.tree.map(lambda a: np.zeros((self.kvp, R), a.dtype), mb.sampling)
         return stages, np.zeros((self.kvp, R), np.int32), samp, mb.src
 
-    def put(self, T: int, host):
-        """The step's arguments: host arrays placed on the mesh (on every process's own devices)."""
-        if jax.process_count() == 1:
-            placed = jax.device_put(host, self._shardings)
-        else:  # each process fills only its addressable shards, from the same (broadcast) host arrays
-            placed = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]),
-                                  host, self._shardings)
-        stages, rows, samp, src = placed
+    def put(self, T: int, packed: tuple[np.ndarray, Packing]):
+        """The step's arguments, its host arrays packed (`Packing.pack`) placed on the mesh in one transfer (on
+        every process's own devices)."""
+        buffer, packing = packed
         if self.register is None or self.register.shape[2] != T:
             self.register = self._register_alloc(T)()
-        return (self.params, self.k_cache, self.v_cache, self.register, self.sampled, self.page_table, stages, rows,
-                samp, src)
+        return (self.params, self.k_cache, self.v_cache, self.register, self.sampled, self.page_table,
+                self._to_mesh(buffer, self._packed_sharding), packing)
 
     def _launch(self, T: int, host, fetch: bool, kind: str, logprobs: bool = True):
-        """Runs the step on `host` arrays (on every process: multi-host followers get them first); `logprobs`:
-        whether its results include the log-probs (else only the tokens are fetched)."""
+        """Runs the step on `host` arrays (on every process: multi-host followers get them first, packed);
+        `logprobs`: whether its results include the log-probs (else only the tokens are fetched)."""
         self._flush_table_updates()  # before the step, on every process (followers get them first too)
+        R = host[1].shape[1]
+        packed = Packing.pack(host)
         if self.channel is not None:
-            self.channel.step(T, host[1].shape[1], host, fetch, kind)
-        key = (T, host[1].shape[1], kind)
+            self.channel.step(T, R, packed[0], fetch, kind)
+        key = (T, R, kind)
         # What the engine's online calibration needs to trust a step's time: whether it ran a shape for the first
         # time (it compiled, or loaded from the compilation cache).
         self.last_step_first_of_shape = key not in self._shapes_run
         self._shapes_run.add(key)
-        return self.run(self.put(T, host), fetch, kind, logprobs)
+        return self.run(self.put(T, packed), fetch, kind, logprobs)
 
     def run(self, args, fetch: bool, kind: str = MIXED, logprobs: bool = True):
         """Runs the step of `kind`; returns its sampled tokens and log-probs as numpy when `fetch`, else their
@@ -547,14 +595,26 @@ class Executor:
         shape = (self.kvp, self.spp, T, self.spec.config.hidden_size)
         return jax.jit(lambda: jnp.zeros(shape, self.spec.dtype), out_shardings=self._register_sharding)
 
-    def lower(self, plan: StepPlan) -> jax.stages.Lowered:
-        """The step as it would run for `plan`, lowered but not run (for inspecting its HLO); state unchanged."""
+    @contextlib.contextmanager
+    def _unchanged(self):
+        """A block after which the pipeline, the slots and the queued page-table updates are as before it."""
         saved = self.in_flight.copy(), ([s.copy() for s in self._slots], [list(u) for u in self._updates])
         try:
-            T, host, _ = self._host_args(plan)
-            return self._step(self.step_kind(m.plan for m in self.in_flight)).lower(*self.put(T, host))
+            yield
         finally:
             self.in_flight, (self._slots, self._updates) = saved
+
+    def lower(self, plan: StepPlan) -> jax.stages.Lowered:
+        """The step as it would run for `plan`, lowered but not run (for inspecting its HLO); state unchanged."""
+        with self._unchanged():
+            T, host, _ = self._host_args(plan)
+            return self._step(self.step_kind(m.plan for m in self.in_flight)).lower(*self.put(T, Packing.pack(host)))
+
+    def step_rows(self, plan: StepPlan) -> tuple[int, int]:
+        """(Token rows T, logits rows R) of the step that would run `plan`; state unchanged."""
+        with self._unchanged():
+            T, host, _ = self._host_args(plan)
+            return T, host[1].shape[1]
 
     def execute(self, plan: StepPlan) -> tuple[StepPlan, list[ChunkOutput]]:
         """Feeds `plan` into stage 0 and advances the pipeline one stage, waiting for the step.

@@ -6,8 +6,9 @@ the step's host arrays (the executor's numpy view of the plan) and every process
 jitted step, so all run the same SPMD program. Followers never see requests, only arrays.
 
 Page-table updates (the entries that changed since the previous step) go first when there are any: a header with
-command TABLE and their count, then the [kvp, U] index and page arrays. The step's broadcast is two collectives: a fixed-size header (command, token rows T, logits rows R, whether
-results are fetched), then the arrays, whose shapes the header fixes. While idle, process 0 sends a no-op header
+command TABLE and their count, then the [kvp, 2, U] updates (indices; pages). The step's broadcast is two
+collectives: a fixed-size header (command, token rows T, logits rows R, whether results are fetched, the step's
+kind), then its host arrays packed into one int32 buffer (`executor.Packing`), whose shape the header fixes. While idle, process 0 sends a no-op header
 about once a second so the followers' pending collective never waits indefinitely.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from mnemojax.engine.executor import Packing
 from models.kernels import MIXED, STEP_KINDS
 
 logger = logging.getLogger(__name__)
@@ -35,15 +37,16 @@ def _broadcast(tree):
 class Leader:
     """Process 0's side: sends each step's arrays (plugged into `Executor.channel`)."""
 
-    def step(self, T: int, R: int, host, fetch: bool, kind: str = MIXED) -> None:
+    def step(self, T: int, R: int, packed: np.ndarray, fetch: bool, kind: str = MIXED) -> None:
+        """A step of T token rows and R logits rows, its host arrays `packed` ([kvp, X] int32)."""
         # the fetch flag and the step's kind share the header's last field: fetch + 2 x kind index
         _broadcast(np.array([STEP, T, R, int(fetch) + 2 * STEP_KINDS.index(kind)], np.int32))
-        _broadcast(host)
+        _broadcast(packed)
 
-    def table(self, index: np.ndarray, pages: np.ndarray) -> None:
-        """The page-table updates [kvp, U] the executor applies before its next step."""
-        _broadcast(np.array([TABLE, index.shape[1], 0, 0], np.int32))
-        _broadcast((index, pages))
+    def table(self, updates: np.ndarray) -> None:
+        """The page-table updates [kvp, 2, U] the executor applies before its next step."""
+        _broadcast(np.array([TABLE, updates.shape[2], 0, 0], np.int32))
+        _broadcast(updates)
 
     def noop(self) -> None:
         _broadcast(np.array([NOOP, 0, 0, 0], np.int32))
@@ -65,11 +68,11 @@ def follow(executor) -> int:
             continue
         if cmd == TABLE:
             U = T
-            zeros = np.zeros((executor.kvp, U), np.int32)
-            executor.apply_table_updates(*_broadcast((zeros, zeros)), broadcast=False)
+            executor.apply_table_updates(_broadcast(np.zeros((executor.kvp, 2, U), np.int32)), broadcast=False)
             continue
         if cmd != STEP:
             raise RuntimeError(f"unknown multi-host command {cmd}")
-        host = _broadcast(executor.host_template(T, R))
-        executor.run(executor.put(T, host), fetch=bool(fetch & 1), kind=STEP_KINDS[fetch >> 1])
+        template, packing = Packing.pack(executor.host_template(T, R))
+        executor.run(executor.put(T, (_broadcast(template), packing)), fetch=bool(fetch & 1),
+                     kind=STEP_KINDS[fetch >> 1])
         steps += 1

@@ -43,11 +43,11 @@ def test_multi_host_channel_is_a_constructor_argument():
         def __init__(self):
             self.steps, self.tables = [], []
 
-        def step(self, T, R, host, fetch, kind):
+        def step(self, T, R, packed, fetch, kind):
             self.steps.append((T, R, fetch))
 
-        def table(self, index, pages):
-            self.tables.append(index.shape)
+        def table(self, updates):
+            self.tables.append(updates.shape)
 
     channel = Channel()
     engine = LLMEngine(dataclasses.replace(CFG, max_num_seqs=4), channel=channel)

@@ -45,9 +45,9 @@ def test_device_rows_hold_each_requests_pages_and_decodes_send_only_new_pages(ck
     sent = []
     apply = ex.apply_table_updates
 
-    def spy(index, pages, broadcast=True):
-        sent.append(int((index < ex.page_table.shape[1] * ex.page_table.shape[2]).sum()))
-        apply(index, pages, broadcast)
+    def spy(updates, broadcast=True):
+        sent.append(int((updates[:, 0] < ex.page_table.shape[1] * ex.page_table.shape[2]).sum()))
+        apply(updates, broadcast)
 
     ex.apply_table_updates = spy
     rng = np.random.default_rng(0)
