@@ -126,7 +126,7 @@ def test_top_logprobs_computed_only_for_rows_that_ask(llm, monkeypatch):
     alone = llm.generate([p0], asks)[0].outputs[0]
 
     prepared, prepare = [], llm.engine.executor.prepare
-    monkeypatch.setattr(llm.engine.executor, "prepare", lambda plan, T: prepared.append(prepare(plan, T)) or
+    monkeypatch.setattr(llm.engine.executor, "prepare", lambda plan, T=None: prepared.append(prepare(plan, T)) or
                         prepared[-1])
     batched = llm.generate([p0, p1, p2], [asks, plain, scores])[0].outputs[0]
     mb = next(m for m in prepared if len(m.plan.chunks) == 3)

@@ -191,7 +191,7 @@ def test_ranks_not_holding_a_long_request_reuse_its_rows_and_stay_exact(ckpt):
         ex = engine.executor
         prepare = ex.prepare
 
-        def recording(plan, T):
+        def recording(plan, T=None):
             starts, _ = ex._row_layout(plan)
             spans = [(c.request.kv_ranks, s, s + c.num_tokens) for c, s in zip(plan.chunks, starts)]
             for ranks, lo, hi in spans:
@@ -254,7 +254,7 @@ def test_one_token_chunks_lay_out_as_the_general_path_does(ckpt, kvp, chunk_size
         ex = engine.executor
         prepare = ex.prepare
 
-        def both(plan, T):
+        def both(plan, T=None):
             ex._one_token_scalars = False
             try:
                 want = prepare(plan, T)
