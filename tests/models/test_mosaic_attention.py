@@ -171,7 +171,8 @@ def test_float32_out_for_a_kvp_partial_is_the_unrounded_result():
         run(ma.paged_attention_mosaic, step, out_dtype=jnp.float16, **kw)
 
 
-@pytest.mark.parametrize("num_heads,page", [(32, 16), (64, 128)], ids=["8b-page16", "70b-page128"])
+@pytest.mark.parametrize("num_heads,page", [pytest.param(32, 16, id="8b-page16"),
+                                            pytest.param(64, 128, id="70b-page128", marks=pytest.mark.slow)])
 def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
     """The non-interpreted kernels at Llama-3-8B / -70B attention shapes lower through Pallas' Mosaic GPU lowering
     (layouts, swizzled SMEM, TMA copies of pages, transposed wgmma, warpgroups) to the Mosaic GPU custom call for

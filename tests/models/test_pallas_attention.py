@@ -218,7 +218,7 @@ def test_unwritten_cache_slots_never_reach_the_output():
     assert_close(got, run(paged_attention, step, block_pages=3, precision=HIGHEST))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 def test_compiled_kernels_lower_to_triton(dtype):
     """The non-interpreted kernels (static and persistent grids) at Llama-3-8B attention shapes lower to Triton IR
     for CUDA, alone and inside the step's shard_map on the 1x1x1 mesh (on the CPU: catches what the Triton
