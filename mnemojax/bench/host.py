@@ -24,8 +24,10 @@ how much of the host work is hidden behind the device: (host + device - step) / 
 per step taken from the synchronous run of the same width (its `run`, which waits for the step); then the ms
 spent in full garbage collections during all the measured steps (`--freeze_gc`: after the warm-up,
 `gc.freeze()` the start-up objects as `python -m mnemojax.serve` does, so a full collection walks only what
-serving created since). Last, the ms one step's output of one request takes with a prompt as long as the table
-(cumulative copies the prompt's ids each time; delta holds what the step added; final_only builds none).
+serving created since). Then the ms one step's output of one request takes with a prompt as long as the table
+(cumulative copies the prompt's ids each time; delta holds what the step added; final_only builds none). Last,
+the server's case: `--requests` DELTA streams through `AsyncLLM`, and the ms per step its engine thread spends
+handing the outputs to the callers' event loop.
 """
 from __future__ import annotations
 
@@ -112,6 +114,45 @@ def long_prompt_output_ms(prompt_len: int, generated: int = 64, repeats: int = 2
             times.append(time.perf_counter() - t)
         out[kind.value] = statistics.median(times) * 1e3
     return out
+
+
+def delivery_ms(requests: int, tokens: int = 24) -> float:
+    """Ms per engine step that `AsyncLLM`'s engine thread spends handing outputs to their callers (`_send`, and
+    `_deliver` where it exists), mean over the decode steps of `requests` DELTA streams of `tokens` tokens each (the
+    server's case: every request's output every step), after a warm-up run of the same."""
+    import asyncio
+
+    from mnemojax.engine.async_llm import AsyncLLM
+    from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
+
+    prompt_len = 8
+    llm = AsyncLLM(engine=_engine(requests, 8192, 16, prompt_len))
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    spent, steps = [0.0], [0]
+    for name in ("_send", "_deliver"):
+        if hasattr(llm, name):
+            setattr(llm, name, _timed(defaultdict(list), name, getattr(llm, name), spent))
+    step = llm.engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    llm.engine.step = counted
+
+    async def streams():
+        async def one(i):
+            async for _ in llm.generate([i % 200 + 1] * prompt_len, params):
+                pass
+        await asyncio.gather(*(one(i) for i in range(requests)))
+
+    try:
+        asyncio.run(streams())  # warm-up: compiles
+        spent[0], steps[0] = 0.0, 0
+        asyncio.run(streams())
+    finally:
+        llm.shutdown()
+    return spent[0] / max(steps[0], 1) * 1e3
 
 
 def _waited_fetch(log: dict, fetch, inner: list):
@@ -237,6 +278,8 @@ def main(argv=None) -> None:
     lp = long_prompt_output_ms(n)
     print(f"one request's output per step with a {n:,}-token prompt (ms, median of 20): "
           + ", ".join(f"{k} {v:.3f}" for k, v in lp.items()) + ", final_only: none before the end (LLM.generate's)")
+    print(f"AsyncLLM (the server's engine): {args.requests} DELTA streams, the engine thread's ms per step handing "
+          f"outputs to the callers' event loop: {delivery_ms(args.requests):.3f}")
     print("sync: 'run' dispatches the step and waits for it (its 'wait' inside), the device's time as the host sees "
           "it, and the host parts run while the device idles. async: 'run' only dispatches, 'wait' is what is left "
           "of the device's step after the host's work for the next one; the step is max(host, device) when hidden.")

@@ -35,6 +35,12 @@ class EngineDeadError(RuntimeError):
         super().__init__("the engine thread has stopped")
 
 
+def _put_all(items: list[tuple[_Stream, Any]]) -> None:
+    """On a caller's loop: each item into its stream."""
+    for stream, item in items:
+        stream.put(item)
+
+
 class _Stream:
     """One request's outputs on their way to its caller: the output not taken yet (later ones merged into it), and
     an event saying there is one. Touched only on the caller's event loop."""
@@ -110,6 +116,8 @@ class AsyncLLM:
         self.engine = engine if engine is not None else LLMEngine(EngineConfig(model=model, **kwargs))
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
+        # what the engine thread has for each callers' loop since its last `_deliver` (engine thread only)
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._idle_tick, self._idle_tick_s = idle_tick, idle_tick_s
@@ -220,11 +228,20 @@ class AsyncLLM:
 
     # ---------------------------------------------------------------- the engine thread
     def _send(self, rid: str, item) -> None:
+        """Queues `item` for `rid`'s caller (if it still listens) until the next `_deliver`."""
         entry = self._streams.get(rid)
         if entry is not None:
             loop, stream = entry
+            self._outbox.setdefault(loop, []).append((stream, item))
+
+    def _deliver(self) -> None:
+        """Hands each callers' loop the items queued for it since the last delivery, in order, in one thread-safe
+        call: a call per item cost the engine thread ~6 us on a CPU (a lock and a write to the loop's wake-up
+        pipe), 1.4 ms a step with 256 requests streaming, and woke the loop once per item."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
             try:
-                loop.call_soon_threadsafe(stream.put, item)
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the caller's loop has closed: nobody is listening
                 pass
 
@@ -290,6 +307,7 @@ class AsyncLLM:
                     cmd = self._next_command()
                     if not self._handle(cmd):
                         return
+                    self._deliver()
                     self._publish()
                     continue  # take every pending command before the next step
                 except queue.Empty:
@@ -301,6 +319,7 @@ class AsyncLLM:
                         self._finish(out.request_id, out)
                     else:
                         self._send(out.request_id, out)
+                self._deliver()
                 self._publish()
         except BaseException as err:  # the engine failed: tell every caller rather than leave them waiting
             logger.exception("the engine failed; every request in flight gets an error")
@@ -310,4 +329,5 @@ class AsyncLLM:
                 dead.__cause__ = err
                 self._send(rid, dead)
         finally:
+            self._deliver()  # what is queued (the final outputs of a stop's aborts, the errors of a failure)
             self._publish()

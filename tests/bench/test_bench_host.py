@@ -59,3 +59,18 @@ def test_full_collections_are_timed():
         assert clock.seconds > 0.0
     finally:
         gc.callbacks.remove(clock)
+
+
+def test_delivery_to_callers_is_timed_per_step(monkeypatch):
+    """The AsyncLLM line: the engine thread's time handing outputs over, per step, counted in `_send` and
+    `_deliver` (both called: every stream gets its outputs)."""
+    from mnemojax.engine.async_llm import AsyncLLM
+
+    calls = {"_send": 0, "_deliver": 0}
+    for name in calls:
+        original = getattr(AsyncLLM, name)
+        monkeypatch.setattr(AsyncLLM, name, lambda self, *a, _f=original, _n=name: calls.__setitem__(
+            _n, calls[_n] + 1) or _f(self, *a))
+    assert host.delivery_ms(4, tokens=3) > 0
+    assert calls["_send"] >= 2 * 4 * 3  # two runs (warm-up and measured) of 4 streams of 3 tokens
+    assert 0 < calls["_deliver"] < calls["_send"]

@@ -116,6 +116,32 @@ def test_a_final_only_request_yields_one_output_when_it_ends(async_llm):
     assert len(got[0].outputs[0].token_ids) == 12 and got[0].outputs[0].text
 
 
+def test_a_steps_outputs_reach_a_callers_loop_in_one_call(async_llm):
+    """The engine thread hands a step's outputs for the callers on one event loop over in one thread-safe call (one
+    per output cost its thread ~6 us each): eight streams decoding together get their outputs in far fewer calls
+    than they yield, each call carrying several streams' outputs; every stream still gets all its tokens."""
+    prompts = [[i + 1, i + 2] for i in range(8)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    calls = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        threadsafe = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda fn, *a, **k: calls.append(a) or threadsafe(fn, *a, **k)
+        try:
+            return await asyncio.gather(*(_collect(async_llm, p, params) for p in prompts))
+        finally:
+            del loop.call_soon_threadsafe
+
+    streams = asyncio.run(main())
+    offline = LLM("tiny", **KW).generate(prompts, params)
+    for outs, ref in zip(streams, offline):
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
+    yields = sum(len(outs) for outs in streams)
+    assert yields >= 16 and 2 * len(calls) <= yields
+    assert max(len(a[0]) for a in calls) == 8  # a step's eight outputs in one call
+
+
 def test_prefix_cache_stats_and_reset():
     """A repeated prompt is served from the prefix cache: the published counters count it, the final output
     says how many prompt tokens were cached, and a reset (run on the engine thread) forgets the pages."""
