@@ -12,7 +12,9 @@ uses the rows of the others' shared ranges for its own requests.
 
 Shapes: token rows T are rounded up to a power of two (fixed at the token budget when spp > 1, since every
 micro-batch in flight shares the pipeline register), logits rows R likewise; sequence rows B and page-table
-width M are fixed by the engine's limits. The KV cache and the pipeline register are donated.
+width M are fixed by the engine's limits. The KV cache and the pipeline register are donated. The step's host
+arrays reach the device in one transfer, packed into one int32 buffer per KVP rank (`Packing`), which the jitted
+step slices back into its arrays.
 
 Page tables stay on the device between steps (`page_table` [kvp, B, M]): each request holds a sequence slot
 (a row of it) on each of its ranks while it runs, and a step sends only the page-table entries that changed
