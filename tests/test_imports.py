@@ -135,3 +135,21 @@ def test_layer_check_catches_an_upward_import():
     assert not _allowed("mnemojax.engine.executor", "mnemojax.serving.app")
     assert not _allowed("mnemojax.sim.simulator", "shardings.mesh")
     assert _allowed("mnemojax.serving.app", "mnemojax.engine.async_llm")
+
+
+def test_string_literals_are_valid_unicode():
+    """No string literal of the packages or scripts spells a lone surrogate (an unescaped `\\ud800` in a docstring):
+    Python 3.11 compiles one, Python 3.13 fails to import the module (UnicodeEncodeError), as
+    mnemojax.serving.protocol did."""
+    paths = list(_modules().values())
+    for folder in ("scripts",):
+        paths += [os.path.join(REPO, folder, f) for f in os.listdir(os.path.join(REPO, folder)) if f.endswith(".py")]
+    bad = []
+    for path in paths:
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                try:
+                    node.value.encode("utf-8")
+                except UnicodeEncodeError:
+                    bad.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+    assert not bad, f"lone surrogates in string literals (escape the backslash): {bad}"

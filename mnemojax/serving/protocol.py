@@ -3,7 +3,7 @@
 Field names, types and defaults follow the OpenAI API, plus vLLM's extensions (`top_k`, `ignore_eos`,
 `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`). Types are strict: a wrong type is a 400
 naming the field, never coerced ("2" is not 2, true is not 1; an int is a valid float). Strings must be Unicode
-(JSON's `\ud800` escapes can spell a lone surrogate, which no tokenizer takes). Unknown fields are ignored, as
+(JSON's `\\ud800` escapes can spell a lone surrogate, which no tokenizer takes). Unknown fields are ignored, as
 OpenAI-compatible servers do; fields we cannot honour (penalties, `suffix`, `best_of`, `echo` or `prompt_logprobs`
 with `stream`) are accepted in the schema and rejected with a 400 naming them when set, never silently dropped. Range checks live in
 `SamplingParams` and the engine, so the server and the library share one set of limits and messages.
