@@ -166,19 +166,55 @@ def multiplicities(module: Module) -> dict[str, tuple[int | None, int]]:
     return out
 
 
+_IOTA = r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
+
+
+def _iota(m: re.Match) -> np.ndarray:
+    """The ids of an iota list `[shape]<=[dims]T(perm)` (groups 1-3 of `m`), shaped `shape`."""
+    dims = [int(x) for x in m.group(2).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(3):
+        ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    return ids.reshape([int(x) for x in m.group(1).split(",")])
+
+
+def _mesh_groups(m: re.Match) -> list[list[int]]:
+    """The groups of a mesh-axes replica group list (XLA's `MeshAxesReplicaGroupList`, what jax 0.11's compiled
+    HLO prints): `mesh['a'=2,'b'=4](devices) {'b'}`, one group per index of the axes not listed, its devices along
+    the listed ones; `(devices)`: the ids in mesh order (iota when absent); a sub-axis `'b':(pre)size` is the middle
+    part of b split major to minor into pre x size x the rest (Shardy's convention)."""
+    axes = [(n, int(k)) for n, k in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+    if m.group(2):
+        iota = re.fullmatch(_IOTA, m.group(2))
+        ids = _iota(iota) if iota else np.array([int(x) for x in re.findall(r"\d+", m.group(2))])
+    else:
+        ids = np.arange(int(np.prod([k for _, k in axes])))
+    shape, grouped = [], []  # each axis as (pre, size, post) dims; the grouped ones' middle dims
+    subs = {n: (int(pre), int(size)) for n, pre, size in re.findall(r"'([^']+)':\((\d+)\)(\d+)", m.group(3))}
+    listed = re.findall(r"'([^']+)'", m.group(3))
+    for n, k in axes:
+        pre, size = subs.get(n, (1, k))
+        if n in listed:
+            grouped.append(len(shape) + 1)
+        shape += [pre, size, k // (pre * size)]
+    ids = ids.reshape(shape)
+    rest = [d for d in range(len(shape)) if d not in grouped]
+    n_group = int(np.prod([shape[d] for d in grouped])) if grouped else 1
+    return ids.transpose(rest + grouped).reshape(-1, n_group).tolist()
+
+
 def replica_groups(attrs: str) -> list[list[int]] | None:
-    """The device groups of a collective: explicit {{..},{..}}, iota [G,S]<=[dims]T(perm), or pairs."""
+    """The device groups of a collective: explicit {{..},{..}}, iota [G,S]<=[dims]T(perm), mesh axes
+    mesh[..] {..} (jax 0.11), or pairs."""
     m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
     if m:
         return [[int(x) for x in p.split(",")] for p in re.findall(r"\{([\d,]+)", m.group(1) + "}")]
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    m = re.search(r"replica_groups=" + _IOTA, attrs)
     if m:
-        shape = [int(x) for x in m.group(1).split(",")]
-        dims = [int(x) for x in m.group(2).split(",")]
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(shape).tolist()
+        return _iota(m).tolist()
+    m = re.search(r"replica_groups=@?mesh[\[<]([^\]>]*)[\]>](?:\((.*?)\))?\s*\{([^}]*)\}", attrs)
+    if m:
+        return _mesh_groups(m)
     m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
     if m:
         groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]

@@ -119,4 +119,15 @@ def test_replica_group_formats():
     assert hlo_comm.replica_groups("replica_groups=[2,2]<=[2,2]T(1,0)") == [[0, 2], [1, 3]]
     assert hlo_comm.replica_groups("source_target_pairs={{0,2},{1,3}}, m") == [[0, 2], [1, 3]]
     assert hlo_comm.replica_groups("replica_groups={}, to_apply=%add") is None  # every device
+    # jax 0.11's compiled HLO names mesh axes; ids are the mesh's in row-major order (kvp, spp, tp): 4k + 2s + t.
+    mesh = "replica_groups=mesh['kvp'=2,'spp'=2,'tp'=2] "
+    assert hlo_comm.replica_groups(mesh + "{'kvp'}, use_global_device_ids=true") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert hlo_comm.replica_groups(mesh + "{'tp'}, dimensions={0}") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert hlo_comm.replica_groups(mesh + "{'kvp','tp'}, x") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert hlo_comm.replica_groups(mesh + "{}, x") == [[i] for i in range(8)]
+    # a sub-axis: x (4) = 2 (pre) x 2 (the group's part); ids 2x + y
+    assert hlo_comm.replica_groups("replica_groups=mesh['x'=4,'y'=2] {'x':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # the devices in another order than the mesh's: the mesh holds ids [[3, 1], [2, 0]]
+    assert hlo_comm.replica_groups("replica_groups=@mesh<'a'=2,'b'=2>(3,1,2,0) {'a'}") == [[3, 2], [1, 0]]
+    assert hlo_comm.replica_groups("replica_groups=@mesh<'a'=2,'b'=2>([2,2]<=[2,2]T(1,0)) {'b'}") == [[0, 2], [1, 3]]
     assert hlo_comm.shape_bytes("(f32[16,4,16]{2,1,0}, /*index=1*/bf16[16,4]{1,0}, s32[])") == 4096 + 128 + 4
