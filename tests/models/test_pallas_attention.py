@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from models import pallas_attention as pa
 from models.attention import AttentionMetadata, attention, dense_attention_reference, paged_attention
@@ -232,18 +233,25 @@ def test_compiled_kernels_lower_to_triton(dtype):
                                    (pa.decode_attention, 1), *persistent, *direct), "@__gpu$xla.gpu.triton")
 
 
+# The GPU the lowering tests target. jax 0.11's Triton lowering reads the target's compute capability from the
+# default device or, without a GPU, from the context's abstract mesh ("No supported GPU devices found, please
+# specify an abstract GPU device"); jax 0.10 lowered without it. An abstract mesh names the device on both.
+H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+
+
 def assert_lowers_for_cuda(dtype, cases, custom_call: str, *, num_heads: int = 32, page: int = 16):
     """Each (fn, kernels) of `cases` exported for CUDA (Llama-3-8B attention shapes but `num_heads` and `page`),
-    alone and inside the step's shard_map on the 1x1x1 mesh: its module holds `kernels` calls of `custom_call`."""
-    from jax.sharding import NamedSharding
+    alone and inside the step's shard_map on a 1x1x1 mesh of an abstract H100: its module holds `kernels` calls of
+    `custom_call`."""
+    from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from shardings.mesh import KVP, SPP, TP, make_mesh
+    from shardings.mesh import KVP, SPP, TP
 
     T, B, M = 64, 4, 256
     unchecked = [jax.export.DisabledSafetyCheck.custom_call(name)
                  for name in ("__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2")]
-    mesh = make_mesh(1, 1, 1)
+    mesh = AbstractMesh((1, 1, 1), (KVP, SPP, TP), axis_types=(AxisType.Explicit,) * 3, abstract_device=H100)
     specs = dict(q=P(KVP, None, TP, None), cache=P(SPP, KVP, None, TP, None), table=P(KVP, None, None),
                  seqs=P(KVP, None), toks=P(KVP, None))
     shapes = dict(q=((1, T, num_heads, 128), dtype), cache=((2, 1 + B * M * 16 // page, page, 8, 128), dtype),
@@ -262,7 +270,8 @@ def assert_lowers_for_cuda(dtype, cases, custom_call: str, *, num_heads: int = 3
         step = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs[n] for n in names),
                              out_specs=(P(KVP, SPP, TP, None), P(KVP, SPP, TP)))
         for f, a in ((local, args), (step, sharded)):
-            text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=unchecked)(*a).mlir_module()
+            with jax.sharding.use_abstract_mesh(mesh):
+                text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=unchecked)(*a).mlir_module()
             assert text.count(custom_call + "(") == kernels, (fn, text.count(custom_call))
 
 
@@ -362,20 +371,23 @@ def test_engine_meshes_with_interpreted_kernels_match_one_device(parallel_refere
     _check_same(outs, reference)
 
 
-def _primitives(jaxpr) -> list[str]:
-    """The primitives of `jaxpr` and of the jaxprs nested in its equations (jit, shard_map, ...), not inside
-    a pallas_call (its kernel)."""
-    names = []
+def equations(jaxpr, opaque=("pallas_call",)):
+    """Every equation of `jaxpr` and of the jaxprs nested in its equations (jit, shard_map, ...), not inside an
+    equation whose primitive is in `opaque` (a kernel's own body)."""
     for e in jaxpr.eqns:
-        names.append(str(e.primitive))
-        if str(e.primitive) == "pallas_call":
+        yield e
+        if str(e.primitive) in opaque:
             continue
         for v in e.params.values():
             for sub in (v if isinstance(v, (list, tuple)) else [v]):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    names += _primitives(inner)
-    return names
+                    yield from equations(inner, opaque)
+
+
+def _primitives(jaxpr) -> list[str]:
+    """The primitives of `jaxpr` and of the jaxprs nested in its equations, not inside a pallas_call (its kernel)."""
+    return [str(e.primitive) for e in equations(jaxpr)]
 
 
 @pytest.mark.parametrize("kind,want", [("mixed", 2), ("decode", 1), ("prefill", 1)])
