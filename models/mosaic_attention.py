@@ -41,9 +41,10 @@ Numerics: as the Triton kernels with bf16 inputs: scores and softmax in float32,
 
 `interpret=True` runs the same kernel code in jax's Mosaic GPU interpreter (`InterpretGPUParams`, jax >= 0.10),
 which simulates SMEM, barriers, TMA copies and wgmma on the CPU. What it lacks, and how this module bridges it
-(checked against jax 0.10.2):
-  - wgmma with a transposed SMEM operand (`plgpu.transpose_ref`): `_interpreter_transposed_wgmma` installs a
-    wgmma callback that reads a trailing transpose (hardware wgmma supports it for 16-bit types);
+(checked against jax 0.10.2 and 0.11.2):
+  - jax 0.10 only: wgmma with a transposed SMEM operand (`ref.transpose`, which `plgpu.transpose_ref`, deprecated
+    in 0.11, calls): `_interpreter_transposed_wgmma` installs a wgmma callback that reads a trailing transpose
+    (hardware wgmma supports it for 16-bit types); jax 0.11's interpreter reads it itself;
   - `plgpu.layout_cast`, `plgpu.broadcasted_iota(layout=...)`, `plgpu.load(layout=...)` have no CPU rule: under
     the interpreter they are the plain jnp operations (layouts are a register-allocation hint, no value change);
   - `pl.run_state` / accumulating into a register-initialised ACC, and wgmma with its A operand in registers, do
@@ -61,6 +62,7 @@ Hopper GPU are unmeasured (issue 15).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import jax
@@ -77,12 +79,37 @@ try:  # Mosaic GPU Pallas (jax >= 0.5); the interpreter from jax 0.10
 except ImportError:  # pragma: no cover - depends on the jax version
     plgpu = None
 
+# jax 0.10 requires load's separate index, 0.11 deprecates it, 0.12 has none
+_LOAD_NEEDS_INDEX = plgpu is not None and getattr(
+    inspect.signature(plgpu.load).parameters.get("idx"), "default", None) is inspect.Parameter.empty
 LOG2E = math.log2(math.e)
 ROWS = 64  # rows of a tile: one wgmma M tile, one consumer warpgroup
 BLOCK_K = 64  # keys per block of the online softmax
 STAGES = 2  # K/V SMEM slots in flight between the producer and the consumer
 HEAD_DIMS = (64, 128, 256)
 TARGET_PROGRAMS = 264  # grid size the KV partitions aim for (2 programs per SM of an H100 SXM, 132 SMs)
+
+
+def compiler_params():
+    """The kernels' Mosaic GPU compiler parameters: Lane lowering semantics, named rather than defaulted. The
+    kernel is written for them (registers in explicit WGMMA layouts: `plgpu.layout_cast`, `load(layout=)`,
+    `broadcasted_iota(layout=)`), they were jax 0.10's default, and jax 0.11 made Warpgroup semantics (layouts
+    inferred) the default: left to the default, the same code would lower differently on the GPU image's jax."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+LOWERS_UP_TO = (0, 11)  # the last jax (major, minor) whose Mosaic GPU lowers these kernels
+
+
+def check_jax_lowers_kernels() -> None:
+    """Raises NotImplementedError where this jax cannot compile the kernels. jax 0.12's Mosaic GPU refuses a store
+    of a WGMMA-layout register array into an untiled SMEM buffer ("Failed to synthesize a transfer pattern that
+    avoids bank conflicts"), which the kernels do to stage their output rows for the token-order TMA copies;
+    jax 0.10 and 0.11 lower it. The interpreter runs on every version."""
+    if tuple(jax.__version_info__[:2]) > LOWERS_UP_TO:
+        raise NotImplementedError(
+            f"attention='mosaic' does not compile with jax {jax.__version__}: its Mosaic GPU refuses the kernels' "
+            f"output staging stores (bank conflicts); use jax<=0.11, or attention='pallas' or 'reference'")
 
 
 def _cdiv(a, b):
@@ -129,15 +156,18 @@ def _interpreter_transposed_wgmma():
     """Teaches jax's Mosaic GPU interpreter (jax 0.10.2) wgmma operands with a trailing transpose.
 
     Its wgmma callback slices operands with `to_range`, which reads only indexers and fails on
-    `plgpu.transpose_ref` ("'TransposeTransform' object has no attribute 'indices'"). This replacement is the
+    a transposed ref ("'TransposeTransform' object has no attribute 'indices'"). This replacement is the
     same callback (read a, b and the accumulator from simulated SMEM, acc += a @ b in the accumulator's dtype)
     with a trailing transpose of a or b applied to the value read. Only the interpreter is touched; compiled
-    kernels never call it.
+    kernels never call it. jax 0.11's interpreter reads transposed operands itself (`interpret_utils.to_access`,
+    a range and a permutation) and its callback has another signature: there nothing is replaced.
     """
     import numpy as np
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gc
     from jax._src.state.types import TransposeTransform
 
+    if hasattr(getattr(gc, "interpret_utils", None), "to_access"):
+        return  # jax >= 0.11: transposes are interpreted
     missing = [n for n in ("wgmma", "_remove_noop_transforms", "_get_shared_memory", "HostAllocationKey",
                            "interpret_utils") if not hasattr(gc, n)]
     if missing:  # pragma: no cover - depends on the jax version
@@ -198,7 +228,9 @@ class _Ops:
     def load_rows(self, ref):
         if self.interpret:
             return ref[...]
-        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+        if _LOAD_NEEDS_INDEX:
+            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+        return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -298,7 +330,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK_K), jnp.float32)) * scale  # base-2 logits
@@ -397,6 +429,8 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     lse f32[nt, BQ, N] (for `pa._scatter_into`).
     """
     T, N, H = q.shape
+    if not interpret:
+        check_jax_lowers_kernels()
     K = k_cache.shape[3]
     tile_tok = launch.tok
     nt, bq = tile_tok.shape
@@ -439,6 +473,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
                               out_dtype=out_dtype),
             out_type=out_shape,
             mesh=plgpu.Mesh(grid=(nt, K, NP), grid_names=("tile", "kvh", "part"), num_threads=2, thread_name="wg"),
+            compiler_params=None if interpret else compiler_params(),
             interpret=_interpret_params() if interpret else False,
             name="paged_attention_mosaic",
         )(*operands)
