@@ -6,6 +6,7 @@ with the offline `LLM` on the same engine configuration: the server must return 
 import asyncio
 import json
 import logging
+import time
 
 import httpx
 import numpy as np
@@ -238,7 +239,12 @@ def _aborted(url) -> float:
     return metrics(url).get("mnemojax_request_success_total{finished_reason=abort}", 0.0)
 
 
-def test_client_disconnects_abort_and_free_pages(url, llm):
+def test_client_disconnects_abort_and_free_pages(url, llm, monkeypatch):
+    # Each step made 10 ms longer, so a request of 100 tokens takes over a second: on this 2-core VM the tiny model's
+    # whole n = 8 request took ~0.21 s, close enough to the client's 0.1 s timeout plus the disconnect's detection
+    # that some choices ran to their length first (a failure that depended on the machine's speed).
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: (time.sleep(0.01), step())[1])
     idle = metrics(url)["mnemojax_kv_pages_used"]
     assert idle == 0
     aborted = _aborted(url)
@@ -247,7 +253,7 @@ def test_client_disconnects_abort_and_free_pages(url, llm):
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             events = (ln for ln in r.iter_lines() if ln)
             assert all(next(events).startswith("data: {") for _ in range(3))  # then the client goes away
-    # drop a non-streaming request while it runs (8 choices x 100 tokens take far longer than 0.1 s)
+    # drop a non-streaming request while it runs (8 choices x 100 tokens take over a second)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "n": 8}, timeout=0.1)
     wait_for(lambda: _aborted(url) >= aborted + 3 + 8, what="11 aborted requests")
