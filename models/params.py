@@ -1,6 +1,8 @@
 """Llama-3 parameters: a Flax NNX module that owns them, and the plain pytree the step function reads.
 
-Layer weights are stacked over layers so one `lax.scan` runs them and `spp` can split them into stages.
+Layer weights are stacked over layers ([L, ...]: the module's, the checkpoints' and the sharding table's layout,
+`spp` splitting L into stages); the step reads them per layer, each a buffer of its own (`split_layers`), since a
+loop over stacked weights makes XLA copy every layer's slice each step.
 Letters: L layers, D hidden, H heads, K kv heads, Dh head dim, F MLP width, V vocab.
 """
 from __future__ import annotations
