@@ -98,20 +98,6 @@ def compiler_params():
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-LOWERS_UP_TO = (0, 11)  # the last jax (major, minor) whose Mosaic GPU lowers these kernels
-
-
-def check_jax_lowers_kernels() -> None:
-    """Raises NotImplementedError where this jax cannot compile the kernels. jax 0.12's Mosaic GPU refuses a store
-    of a WGMMA-layout register array into an untiled SMEM buffer ("Failed to synthesize a transfer pattern that
-    avoids bank conflicts"), which the kernels do to stage their output rows for the token-order TMA copies;
-    jax 0.10 and 0.11 lower it. The interpreter runs on every version."""
-    if tuple(jax.__version_info__[:2]) > LOWERS_UP_TO:
-        raise NotImplementedError(
-            f"attention='mosaic' does not compile with jax {jax.__version__}: its Mosaic GPU refuses the kernels' "
-            f"output staging stores (bank conflicts); use jax<=0.11, or attention='pallas' or 'reference'")
-
-
 def _cdiv(a, b):
     return pa._cdiv(a, b)
 
@@ -225,6 +211,16 @@ class _Ops:
             return lax.broadcasted_iota(jnp.int32, shape, dim)
         return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
+    def store(self, ref, value, optimized=True):
+        """`ref[...] = value`, written as a store: `ref[...] =` is a swap, whose lowering also loads the old value
+        (jax 0.12's lowering refuses that load from an untiled staging buffer: "Failed to synthesize a transfer
+        pattern that avoids bank conflicts"); `plgpu.store` (jax >= 0.12) does not load it. `optimized=False`: a
+        store that may be bank-conflicted (jax 0.12 refuses one otherwise; 0.10 / 0.11 lower it as it is)."""
+        if self.interpret or not hasattr(plgpu, "store"):
+            ref[...] = value
+        else:
+            plgpu.store(ref, value, optimized=optimized)
+
     def load_rows(self, ref):
         if self.interpret:
             return ref[...]
@@ -256,8 +252,11 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
         plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # v slots
         plgpu.SMEM((ROWS, BLOCK_K), cdt, transforms=tr),  # p
         plgpu.SMEM((ROWS,), jnp.int32),  # keys each row sees
-        # output staging: rows of G heads copied out per token (out_dtype), or the float32 partial
-        plgpu.SMEM((ROWS, H), out_dtype if num_parts == 1 else jnp.float32),
+        # output staging: rows of G heads copied out per token (out_dtype; G-row slices, so untiled), or the float32
+        # partial, copied out whole: tiled and swizzled as the wgmma operands are, so the store from registers is
+        # free of bank conflicts (jax 0.12 refuses the untiled store of a float32 WGMMA-layout array)
+        plgpu.SMEM((ROWS, H), out_dtype) if num_parts == 1 else
+        plgpu.SMEM((ROWS, H), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
         plgpu.SMEM((ROWS,), jnp.float32),  # lse / m staging
         plgpu.SMEM((ROWS,), jnp.float32),  # l staging
     ]
@@ -350,8 +349,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 # behind unused page-table columns, uninitialised memory): zero them so 0 x NaN cannot reach out.
                 key = step * BLOCK_K + ops.iota((BLOCK_K, head_dim), 0)
                 v_slot = v_smem.at[slot]
-                v_slot[...] = jnp.where(key < kv_hi, v_slot[...], jnp.zeros((), cdt))
-            p_smem[...] = p.astype(cdt)
+                ops.store(v_slot, jnp.where(key < kv_hi, v_slot[...], jnp.zeros((), cdt)))
+            ops.store(p_smem, p.astype(cdt))
             plgpu.commit_smem()
 
             def pv(acc_ref):
@@ -374,9 +373,10 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             num_tokens, G = out_ref.shape[0], group
             empty = l == 0.0
             safe = jnp.where(empty, 1.0, l)
-            o_smem[...] = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0,
-                                    acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype)
-            m_smem[...] = jnp.where(empty, NEG_INF, (m + jnp.log2(safe)) * (1.0 / LOG2E))
+            ops.store(o_smem, jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0,
+                                        acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype),
+                      optimized=False)
+            ops.store(m_smem, jnp.where(empty, NEG_INF, (m + jnp.log2(safe)) * (1.0 / LOG2E)))
             plgpu.commit_smem()
 
             lse_by_tma = G % 4 == 0  # G float32 make a 16-byte TMA row (with N = K x G, every row offset aligned)
@@ -405,9 +405,9 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 lax.fori_loop(0, bq * G, write_lse, ())
         else:
             acc_ref, m_ref, l_ref = io_refs
-            o_smem[...] = acc
-            m_smem[...] = m
-            l_smem[...] = l
+            ops.store(o_smem, acc)
+            ops.store(m_smem, m)
+            ops.store(l_smem, l)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, acc_ref.at[t, kvh, part])
             plgpu.copy_smem_to_gmem(m_smem, m_ref.at[t, kvh, part])
@@ -429,8 +429,6 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     lse f32[nt, BQ, N] (for `pa._scatter_into`).
     """
     T, N, H = q.shape
-    if not interpret:
-        check_jax_lowers_kernels()
     K = k_cache.shape[3]
     tile_tok = launch.tok
     nt, bq = tile_tok.shape

@@ -23,9 +23,6 @@ from tests.models.test_pallas_attention import (assert_close, assert_lowers_for_
                                                 equations, f32, make_step, poison_unwritten, run)
 
 HIGHEST = jax.lax.Precision.HIGHEST
-# The jax versions whose Mosaic GPU compiles the kernels (0.10, 0.11: CI's pin and the GPU image's); on later ones
-# the compiled path raises (`ma.check_jax_lowers_kernels`) and the interpreted one still runs.
-JAX_LOWERS = tuple(jax.__version_info__[:2]) <= ma.LOWERS_UP_TO
 
 
 def tolerance(step):
@@ -186,10 +183,6 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
              (functools.partial(one, kind="decode"), 1),  # into (0, NEG_INF) buffers
              (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2),  # token order + a scatter
              (functools.partial(one, out_dtype=jnp.float32), 2))  # a KVP rank's float32 partial
-    if not JAX_LOWERS:  # jax 0.12: a clear error when the kernels are traced for compiling, not one from deep inside
-        with pytest.raises(NotImplementedError, match=r"attention='mosaic' does not compile with jax 0\.1[2-9]"):
-            assert_lowers_for_cuda(jnp.bfloat16, cases[:1], "@mosaic_gpu_v2", num_heads=num_heads, page=page)
-        return
     assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
 
 
@@ -203,10 +196,6 @@ def test_compiled_kernels_name_lane_lowering_semantics():
     register layouts), whatever jax's default: jax 0.11, the GPU image's, made Warpgroup semantics the default."""
     step = make_step(np.random.default_rng(5), [(40, 1, 0), (23, 7, 0)], num_heads=4, num_kv_heads=1, head_dim=64,
                      page=16, dtype=jnp.bfloat16)
-    if not JAX_LOWERS:
-        with pytest.raises(NotImplementedError, match="does not compile with jax"):
-            jax.make_jaxpr(lambda s: run(ma.paged_attention_mosaic, s))(step)
-        return
     launches = _kernel_launches(jax.make_jaxpr(lambda s: run(ma.paged_attention_mosaic, s))(step).jaxpr)
     assert len(launches) == 2  # the mixed step's prefill and decode launches
     for e in launches:
