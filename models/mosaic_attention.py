@@ -98,6 +98,14 @@ def compiler_params():
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
+def _staging_transforms(dtype, group: int) -> tuple:
+    """SMEM transforms of the token-order output staging buffer: tiled and swizzled (free of bank conflicts) when a
+    token's `group` rows fill whole 8-row tiles, which its per-token copies need; else none."""
+    if group % 8:
+        return ()
+    return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
+
+
 def _cdiv(a, b):
     return pa._cdiv(a, b)
 
@@ -255,7 +263,7 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
         # output staging: rows of G heads copied out per token (out_dtype; G-row slices, so untiled), or the float32
         # partial, copied out whole: tiled and swizzled as the wgmma operands are, so the store from registers is
         # free of bank conflicts (jax 0.12 refuses the untiled store of a float32 WGMMA-layout array)
-        plgpu.SMEM((ROWS, H), out_dtype) if num_parts == 1 else
+        plgpu.SMEM((ROWS, H), out_dtype, transforms=_staging_transforms(out_dtype, group)) if num_parts == 1 else
         plgpu.SMEM((ROWS, H), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
         plgpu.SMEM((ROWS,), jnp.float32),  # lse / m staging
         plgpu.SMEM((ROWS,), jnp.float32),  # l staging
@@ -375,7 +383,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             safe = jnp.where(empty, 1.0, l)
             ops.store(o_smem, jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0,
                                         acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype),
-                      optimized=False)
+                      optimized=G % 8 == 0)
             ops.store(m_smem, jnp.where(empty, NEG_INF, (m + jnp.log2(safe)) * (1.0 / LOG2E)))
             plgpu.commit_smem()
 
@@ -386,7 +394,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
                 @pl.when(tok < num_tokens)  # an empty slot (tok == T) writes nothing
                 def _():
-                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(i * G, G)], out_ref.at[tok, pl.ds(kvh * G, G)])
+                    rows = pl.ds(pl.multiple_of(i * G, min(G, 8)), G)
+                    plgpu.copy_smem_to_gmem(o_smem.at[rows], out_ref.at[tok, pl.ds(kvh * G, G)])
                     if lse_by_tma:
                         plgpu.copy_smem_to_gmem(m_smem.at[pl.ds(i * G, G)], lse_ref.at[tok, pl.ds(kvh * G, G)])
                 return ()
