@@ -260,9 +260,10 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
         plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # v slots
         plgpu.SMEM((ROWS, BLOCK_K), cdt, transforms=tr),  # p
         plgpu.SMEM((ROWS,), jnp.int32),  # keys each row sees
-        # output staging: rows of G heads copied out per token (out_dtype; G-row slices, so untiled), or the float32
-        # partial, copied out whole: tiled and swizzled as the wgmma operands are, so the store from registers is
-        # free of bank conflicts (jax 0.12 refuses the untiled store of a float32 WGMMA-layout array)
+        # output staging: rows of G heads copied out per token (out_dtype; tiled only where G-row slices are whole
+        # tiles: `_staging_transforms`), or the float32 partial, copied out whole: tiled and swizzled as the wgmma
+        # operands are, so the store from registers is free of bank conflicts (jax 0.12 refuses the untiled store of
+        # a float32 WGMMA-layout array)
         plgpu.SMEM((ROWS, H), out_dtype, transforms=_staging_transforms(out_dtype, group)) if num_parts == 1 else
         plgpu.SMEM((ROWS, H), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
         plgpu.SMEM((ROWS,), jnp.float32),  # lse / m staging
