@@ -98,12 +98,16 @@ def compiler_params():
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-def _staging_transforms(dtype, group: int) -> tuple:
-    """SMEM transforms of the token-order output staging buffer: tiled and swizzled (free of bank conflicts) when a
-    token's `group` rows fill whole 8-row tiles, which its per-token copies need; else none."""
-    if group % 8:
-        return ()
+def _swizzled(dtype) -> tuple:
+    """SMEM transforms of wgmma's operand layout: 8-row tiles of 128 bytes, swizzled over 128 bytes. A store into
+    such a buffer from WGMMA-layout registers is free of bank conflicts."""
     return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
+
+
+def _token_rows_tiled(group: int) -> bool:
+    """Whether the token-order output staging is tiled: only when a token's `group` rows, which its own TMA copy
+    takes, fill whole 8-row tiles (Mosaic refuses a slice of part of a tile)."""
+    return group % 8 == 0
 
 
 def _cdiv(a, b):
@@ -253,7 +257,7 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
     _, _, S, _, H = k_ref.shape
     max_pages = table_ref.shape[1]
     cdt = q_ref.dtype
-    tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tr = _swizzled(cdt)
     scratch = [
         plgpu.SMEM((ROWS, H), cdt, transforms=tr),  # q
         plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # k slots
@@ -261,11 +265,11 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
         plgpu.SMEM((ROWS, BLOCK_K), cdt, transforms=tr),  # p
         plgpu.SMEM((ROWS,), jnp.int32),  # keys each row sees
         # output staging: rows of G heads copied out per token (out_dtype; tiled only where G-row slices are whole
-        # tiles: `_staging_transforms`), or the float32 partial, copied out whole: tiled and swizzled as the wgmma
+        # tiles: `_token_rows_tiled`), or the float32 partial, copied out whole: tiled and swizzled as the wgmma
         # operands are, so the store from registers is free of bank conflicts (jax 0.12 refuses the untiled store of
         # a float32 WGMMA-layout array)
-        plgpu.SMEM((ROWS, H), out_dtype, transforms=_staging_transforms(out_dtype, group)) if num_parts == 1 else
-        plgpu.SMEM((ROWS, H), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
+        plgpu.SMEM((ROWS, H), out_dtype, transforms=_swizzled(out_dtype) if _token_rows_tiled(group) else ())
+        if num_parts == 1 else plgpu.SMEM((ROWS, H), jnp.float32, transforms=_swizzled(jnp.float32)),
         plgpu.SMEM((ROWS,), jnp.float32),  # lse / m staging
         plgpu.SMEM((ROWS,), jnp.float32),  # l staging
     ]
@@ -384,7 +388,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             safe = jnp.where(empty, 1.0, l)
             ops.store(o_smem, jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0,
                                         acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype),
-                      optimized=G % 8 == 0)
+                      optimized=_token_rows_tiled(G))
             ops.store(m_smem, jnp.where(empty, NEG_INF, (m + jnp.log2(safe)) * (1.0 / LOG2E)))
             plgpu.commit_smem()
 

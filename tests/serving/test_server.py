@@ -244,7 +244,12 @@ def test_client_disconnects_abort_and_free_pages(url, llm, monkeypatch):
     # whole n = 8 request took ~0.21 s, close enough to the client's 0.1 s timeout plus the disconnect's detection
     # that some choices ran to their length first (a failure that depended on the machine's speed).
     step = llm.engine.step
-    monkeypatch.setattr(llm.engine, "step", lambda: (time.sleep(0.01), step())[1])
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
     idle = metrics(url)["mnemojax_kv_pages_used"]
     assert idle == 0
     aborted = _aborted(url)
