@@ -21,6 +21,10 @@ The grid is (tiles, kv heads, partitions). Each program (a CUDA block) holds two
   - a consumer warpgroup runs the online softmax: S = Q K^T by wgmma (K transposed by the wgmma descriptor),
     masking only in the key blocks at the causal edge and the sequence end, P rounded to the input dtype and
     stored to SMEM, P V by wgmma, then releases the slot.
+The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once the consumer's
+loop ends). A program takes 54,328 / 95,288 /
+177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count), so two fit on an H100 SM (228 KB) at 64 and 128, as
+TARGET_PROGRAMS assumes; with separate staging head dim 256 and a float32 output exceeded a block's 227 KB.
 With one partition the consumer normalises and writes (out, lse) itself, in token order: the tile's token i
 (index `tile_tok[t, i]`, read from GMEM) owns rows i*G .. i*G+G-1, a [G, H] box that one TMA copy takes from the
 SMEM staging (in q's dtype) to out[tok, kvh*G : kvh*G+G, :], and its G lse floats by a second TMA copy when G % 4
@@ -50,6 +54,8 @@ which simulates SMEM, barriers, TMA copies and wgmma on the CPU. What it lacks, 
   - `pl.run_state` / accumulating into a register-initialised ACC, and wgmma with its A operand in registers, do
     not run: so every wgmma here starts from a fresh zero ACC (the running output is rescaled and added in
     registers) and P goes through SMEM (FlashAttention-3 keeps P in registers: a cost measured on no GPU);
+  - jax 0.10 only: a `plgpu.RefUnion` hangs the interpreter: the staging and the ring are separate buffers there
+    (the same values; jax 0.11's interpreter runs the union, and its race detector checks the disjoint lifetimes);
   - `copy_smem_to_gmem(..., predicate=...)` raises "predicate not supported": the token-order copies of an empty
     slot are skipped by `pl.when` instead;
   - `plgpu.kernel` wraps the kernel in a custom_vmap that rejects mutable-ref operands ("JaxprInputEffect ... does
@@ -209,6 +215,15 @@ def _interpreter_transposed_wgmma():
     gc.wgmma = wgmma
 
 
+@functools.cache
+def _interpreter_runs_ref_union() -> bool:
+    """Whether jax's Mosaic GPU interpreter runs a `plgpu.RefUnion` (jax >= 0.11: it tags the members for race
+    detection; jax 0.10.2's hangs in a kernel that has one)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    return hasattr(gpu_callbacks, "call_tag_ref_union")
+
+
 class _Ops:
     """The layout-carrying Mosaic GPU operations, or their plain-jnp values under the interpreter."""
 
@@ -232,6 +247,15 @@ class _Ops:
             ref[...] = value
         else:
             plgpu.store(ref, value, optimized=optimized)
+
+    def union(self, *groups):
+        """SMEM buffers whose lifetimes are disjoint (`groups`: trees of `plgpu.SMEM`), laid over one region: a
+        `plgpu.RefUnion`, but for jax 0.10's interpreter, which cannot run one (the kernel hangs): there the groups
+        are separate buffers (the same values; jax >= 0.11's interpreter runs the union, and its race detector
+        checks that no access of one group is unordered with a write of another)."""
+        if self.interpret and not _interpreter_runs_ref_union():
+            return tuple(groups)
+        return plgpu.RefUnion(*groups)
 
     def load_rows(self, ref):
         if self.interpret:
@@ -258,18 +282,22 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
     max_pages = table_ref.shape[1]
     cdt = q_ref.dtype
     tr = _swizzled(cdt)
+    # The K/V slots and P are dead once the consumer's loop ends (every TMA copy into a slot has landed: the consumer
+    # waited for each; every wgmma reading them has completed: it read its accumulator), and the output staging is
+    # live only after it: one SMEM region holds both (`_Ops.union`), so the staging costs no SMEM of its own.
+    loop = (plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # k slots
+            plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # v slots
+            plgpu.SMEM((ROWS, BLOCK_K), cdt, transforms=tr))  # p
+    # output staging: rows of G heads copied out per token (out_dtype; tiled only where G-row slices are whole
+    # tiles: `_token_rows_tiled`), or the float32 partial, copied out whole: tiled and swizzled as the wgmma
+    # operands are, so the store from registers is free of bank conflicts (jax 0.12 refuses the untiled store of
+    # a float32 WGMMA-layout array)
+    staging = (plgpu.SMEM((ROWS, H), out_dtype, transforms=_swizzled(out_dtype) if _token_rows_tiled(group) else ())
+               if num_parts == 1 else plgpu.SMEM((ROWS, H), jnp.float32, transforms=_swizzled(jnp.float32)))
     scratch = [
         plgpu.SMEM((ROWS, H), cdt, transforms=tr),  # q
-        plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # k slots
-        plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # v slots
-        plgpu.SMEM((ROWS, BLOCK_K), cdt, transforms=tr),  # p
+        ops.union(loop, staging),
         plgpu.SMEM((ROWS,), jnp.int32),  # keys each row sees
-        # output staging: rows of G heads copied out per token (out_dtype; tiled only where G-row slices are whole
-        # tiles: `_token_rows_tiled`), or the float32 partial, copied out whole: tiled and swizzled as the wgmma
-        # operands are, so the store from registers is free of bank conflicts (jax 0.12 refuses the untiled store of
-        # a float32 WGMMA-layout array)
-        plgpu.SMEM((ROWS, H), out_dtype, transforms=_swizzled(out_dtype) if _token_rows_tiled(group) else ())
-        if num_parts == 1 else plgpu.SMEM((ROWS, H), jnp.float32, transforms=_swizzled(jnp.float32)),
         plgpu.SMEM((ROWS,), jnp.float32),  # lse / m staging
         plgpu.SMEM((ROWS,), jnp.float32),  # l staging
     ]
@@ -287,9 +315,9 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
                   *scratch, *barriers, collective_axes="wg")
 
 
-def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem, k_smem, v_smem, p_smem, lim_smem,
-             o_smem, m_smem, l_smem, q_bar, k_bar, v_bar, consumed, *, num_parts, group, scale, ops, page_size,
-             max_pages):
+def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem, union, lim_smem, m_smem, l_smem,
+             q_bar, k_bar, v_bar, consumed, *, num_parts, group, scale, ops, page_size, max_pages):
+    (k_smem, v_smem, p_smem), o_smem = union
     t, kvh, part = lax.axis_index("tile"), lax.axis_index("kvh"), lax.axis_index("part")
     wg = lax.axis_index("wg")
     layer_ref, seq_ref, full_ref, hi_ref = tile_refs
@@ -328,6 +356,16 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             return ()
 
         lax.fori_loop(0, hi - lo, fill, ())
+
+        # Wait for the consumption of the last STAGES blocks too, which no fill waited for: then this warpgroup has
+        # observed every phase of the "consumed" barriers before they go (jax's interpreter refuses a barrier
+        # deallocated with phases a waiting thread skipped; the hardware would not mind). The producer is idle by
+        # then; the consumer never waits for it.
+        def drain(step, _):
+            plgpu.barrier_wait(consumed.at[lax.rem(step, STAGES)])
+            return ()
+
+        lax.fori_loop(jnp.maximum(hi - lo - STAGES, 0), hi - lo, drain, ())
 
     @pl.when(wg == 0)
     def _consumer():

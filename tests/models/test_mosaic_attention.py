@@ -83,6 +83,43 @@ def test_decode_kernel_split_k_matches_reference():
     check(ma.decode_attention, step, num_partitions=3)
 
 
+@pytest.fixture
+def race_detection(monkeypatch):
+    """The interpreter's happens-before race detector on for the kernels run in the test; yields the function
+    that says whether the last launch had a race: of generic SMEM loads and stores (not wgmma's or TMA's own
+    accesses), and on jax >= 0.11 an access to one group of a `plgpu.RefUnion` unordered with a write to another.
+    Besides, the interpreter raises on a barrier misuse: a phase completed again before a waiter saw it, a barrier
+    freed with phases a waiter skipped."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    plain = ma._interpret_params
+
+    def detecting():
+        plain()  # installs what the plain parameters install (jax 0.10's transposed-wgmma bridge)
+        return InterpretGPUParams(detect_races=True)
+
+    monkeypatch.setattr(ma, "_interpret_params", detecting)
+    yield lambda: interpret_pallas_call.get_races().races_found
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_a_program_refills_its_slots_without_races(kind, race_detection):
+    """One partition over more key blocks than the ring has slots (STAGES = 2), so the producer refills slots the
+    consumer released (it waits on "consumed" for each) and waits for the last ones at the end, and the output
+    staging, which shares SMEM with the slots, is written after: 300 keys (5 blocks) for the decode, a 20-token
+    chunk at 200 keys (4 blocks, the last two at the causal edge) beside a 9-token first chunk for the prefill.
+    Checked against the reference, with the race detector on and finding nothing. (No earlier interpreted case
+    had more than two blocks in a program: the interpreter then refused the kernel, whose producer left the
+    last "consumed" phases unobserved.)"""
+    rng = np.random.default_rng(11)
+    seqs = [(300, 1, 0), (70, 1, 0)] if kind == "decode" else [(200, 20, 0), (9, 9, 0)]
+    step = make_step(rng, seqs, num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
+    fn = ma.decode_attention if kind == "decode" else ma.prefill_attention
+    check(fn, step, num_partitions=1)
+    assert not race_detection()
+
+
 # Token-order writes: (heads, kv heads, dtype, prefill partitions, decode partitions). Two kv heads, so a token's
 # G heads land at kvh*G of N; one launch per kind, each writing its rows in place (the second into the first's
 # buffers) when both have one partition, else the several-partition part merged and scattered into them.
@@ -184,6 +221,31 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
              (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2),  # token order + a scatter
              (functools.partial(one, out_dtype=jnp.float32), 2))  # a KVP rank's float32 partial
     assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
+
+
+# H100 (compute capability 9.0): 228 KB of shared memory per SM, of which one block may take at most 227 KB, and
+# the system reserves 1 KB per resident block (CUDA C++ Programming Guide, "Technical Specifications per Compute
+# Capability" and the Hopper tuning guide).
+H100_SMEM_PER_SM, H100_SMEM_PER_BLOCK, SMEM_RESERVED_PER_BLOCK = 228 * 1024, 227 * 1024, 1024
+
+
+@pytest.mark.parametrize("head_dim", [pytest.param(64, id="hd64-llama3.2-1b"), pytest.param(128, id="hd128-8b-70b"),
+                                      pytest.param(256, id="hd256")])
+def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
+    """Mosaic GPU's lowering sums the kernel's SMEM and refuses a kernel over the limit. At head dims 64 and 128
+    two programs must fit on one SM (the KV partitions aim for TARGET_PROGRAMS, two per SM); at 256, one. Every
+    output path: split-K partials (float32), token order in the model's dtype, a KVP rank's float32 partial. Head
+    dim 256 with a float32 output once needed 242,744 bytes (the output staging beside the K/V slots), over the
+    227 KB a block may take."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    assert ma.TARGET_PROGRAMS == 2 * 132  # two programs on each of an H100 SXM's 132 SMs
+    per_sm = 2 if head_dim <= 128 else 1
+    limit = min(H100_SMEM_PER_BLOCK, H100_SMEM_PER_SM // per_sm - SMEM_RESERVED_PER_BLOCK)
+    one = functools.partial(ma.paged_attention_mosaic, num_partitions=1, decode_partitions=1)
+    cases = ((ma.paged_attention_mosaic, 2), (one, 2), (functools.partial(one, out_dtype=jnp.float32), 2))
+    with mgpu_core.artificial_shared_memory_limit(limit):
+        assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", head_dim=head_dim)
 
 
 def _kernel_launches(jaxpr) -> list:

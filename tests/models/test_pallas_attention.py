@@ -239,10 +239,11 @@ def test_compiled_kernels_lower_to_triton(dtype):
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 
 
-def assert_lowers_for_cuda(dtype, cases, custom_call: str, *, num_heads: int = 32, page: int = 16):
-    """Each (fn, kernels) of `cases` exported for CUDA (Llama-3-8B attention shapes but `num_heads` and `page`),
-    alone and inside the step's shard_map on a 1x1x1 mesh of an abstract H100: its module holds `kernels` calls of
-    `custom_call`."""
+def assert_lowers_for_cuda(dtype, cases, custom_call: str, *, num_heads: int = 32, page: int = 16,
+                           head_dim: int = 128):
+    """Each (fn, kernels) of `cases` exported for CUDA (Llama-3-8B attention shapes but `num_heads`, `page` and
+    `head_dim`), alone and inside the step's shard_map on a 1x1x1 mesh of an abstract H100: its module holds
+    `kernels` calls of `custom_call`."""
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -254,7 +255,8 @@ def assert_lowers_for_cuda(dtype, cases, custom_call: str, *, num_heads: int = 3
     mesh = AbstractMesh((1, 1, 1), (KVP, SPP, TP), axis_types=(AxisType.Explicit,) * 3, abstract_device=H100)
     specs = dict(q=P(KVP, None, TP, None), cache=P(SPP, KVP, None, TP, None), table=P(KVP, None, None),
                  seqs=P(KVP, None), toks=P(KVP, None))
-    shapes = dict(q=((1, T, num_heads, 128), dtype), cache=((2, 1 + B * M * 16 // page, page, 8, 128), dtype),
+    shapes = dict(q=((1, T, num_heads, head_dim), dtype),
+                  cache=((2, 1 + B * M * 16 // page, page, 8, head_dim), dtype),
                   table=((1, B, M * 16 // page), jnp.int32), seqs=((1, B), jnp.int32), toks=((1, T), jnp.int32))
     names = ("q", "cache", "cache", "table", "seqs", "seqs", "toks", "toks")
     args = [jax.ShapeDtypeStruct(*shapes[n]) for n in names]
