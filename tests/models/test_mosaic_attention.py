@@ -248,6 +248,22 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
         assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", head_dim=head_dim)
 
 
+# What the module says it supports beyond the 8B / 70B shapes: GQA groups 1 to 64, every page size class (below a
+# block, a block, above), head dims 64 / 256, float16. (group, page, head dim, dtype)
+SUPPORTED = [(1, 16, 128, jnp.bfloat16), (2, 8, 64, jnp.float16), (16, 32, 128, jnp.bfloat16),
+             (64, 64, 128, jnp.bfloat16), (4, 256, 128, jnp.bfloat16), (8, 16, 256, jnp.bfloat16),
+             (4, 16, 64, jnp.float16)]
+
+
+@pytest.mark.parametrize("group,page,head_dim,dtype", SUPPORTED,
+                         ids=[f"g{g}-page{p}-hd{h}-{jnp.dtype(d).name}" for g, p, h, d in SUPPORTED])
+def test_every_supported_configuration_lowers(group, page, head_dim, dtype):
+    """Split-K, token-order and float32-out launches lower for CUDA (SMEM within a block's 227 KB included)."""
+    one = functools.partial(ma.paged_attention_mosaic, num_partitions=1, decode_partitions=1)
+    cases = ((ma.paged_attention_mosaic, 2), (one, 2), (functools.partial(one, out_dtype=jnp.float32), 2))
+    assert_lowers_for_cuda(dtype, cases, "@mosaic_gpu_v2", num_heads=8 * group, page=page, head_dim=head_dim)
+
+
 def _kernel_launches(jaxpr) -> list:
     """The Mosaic GPU kernel launches (`mpmd_map` equations) of `jaxpr` and of the jaxprs nested in it."""
     return [e for e in equations(jaxpr, opaque=("pallas_call", "mpmd_map")) if str(e.primitive) == "mpmd_map"]
