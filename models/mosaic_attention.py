@@ -22,9 +22,9 @@ The grid is (tiles, kv heads, partitions). Each program (a CUDA block) holds two
     masking only in the key blocks at the causal edge and the sequence end, P rounded to the input dtype and
     stored to SMEM, P V by wgmma, then releases the slot.
 The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once the consumer's
-loop ends). A program takes 54,328 / 95,288 /
-177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count), so two fit on an H100 SM (228 KB) at 64 and 128, as
-TARGET_PROGRAMS assumes; with separate staging head dim 256 and a float32 output exceeded a block's 227 KB.
+loop ends). A program takes 54,328 / 95,288 / 177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count), so two
+fit on an H100 SM (228 KB) at 64 and 128, as TARGET_PROGRAMS assumes; with separate staging head dim 256 and a
+float32 output exceeded a block's 227 KB.
 With one partition the consumer normalises and writes (out, lse) itself, in token order: the tile's token i
 (index `tile_tok[t, i]`, read from GMEM) owns rows i*G .. i*G+G-1, a [G, H] box that one TMA copy takes from the
 SMEM staging (in q's dtype) to out[tok, kvh*G : kvh*G+G, :], and its G lse floats by a second TMA copy when G % 4

@@ -208,18 +208,24 @@ def test_float32_out_for_a_kvp_partial_is_the_unrounded_result():
         run(ma.paged_attention_mosaic, step, out_dtype=jnp.float16, **kw)
 
 
+# The launches of each output path, (fn, kernels a mixed step launches): split-K partials merged after the kernel,
+# token order in the model's dtype, a KVP rank's float32 out.
+_ONE_PARTITION = functools.partial(ma.paged_attention_mosaic, num_partitions=1, decode_partitions=1)
+OUTPUT_PATHS = ((ma.paged_attention_mosaic, 2), (_ONE_PARTITION, 2),
+                (functools.partial(_ONE_PARTITION, out_dtype=jnp.float32), 2))
+
+
 @pytest.mark.parametrize("num_heads,page", [pytest.param(32, 16, id="8b-page16"),
                                             pytest.param(64, 128, id="70b-page128", marks=pytest.mark.slow)])
 def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
     """The non-interpreted kernels at Llama-3-8B / -70B attention shapes lower through Pallas' Mosaic GPU lowering
     (layouts, swizzled SMEM, TMA copies of pages, transposed wgmma, warpgroups) to the Mosaic GPU custom call for
     CUDA, alone and inside the step's shard_map (on the CPU; compiling to PTX and running need a Hopper GPU)."""
-    one = functools.partial(ma.paged_attention_mosaic, num_partitions=1, decode_partitions=1)
     cases = ((ma.paged_attention_mosaic, 2), (ma.decode_attention, 1),
-             (one, 2),  # token-order writes, the second launch into the first's buffers
-             (functools.partial(one, kind="decode"), 1),  # into (0, NEG_INF) buffers
+             (_ONE_PARTITION, 2),  # token-order writes, the second launch into the first's buffers
+             (functools.partial(_ONE_PARTITION, kind="decode"), 1),  # into (0, NEG_INF) buffers
              (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2),  # token order + a scatter
-             (functools.partial(one, out_dtype=jnp.float32), 2))  # a KVP rank's float32 partial
+             (functools.partial(_ONE_PARTITION, out_dtype=jnp.float32), 2))  # a KVP rank's float32 partial
     assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
 
 
@@ -242,10 +248,8 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
     assert ma.TARGET_PROGRAMS == 2 * 132  # two programs on each of an H100 SXM's 132 SMs
     per_sm = 2 if head_dim <= 128 else 1
     limit = min(H100_SMEM_PER_BLOCK, H100_SMEM_PER_SM // per_sm - SMEM_RESERVED_PER_BLOCK)
-    one = functools.partial(ma.paged_attention_mosaic, num_partitions=1, decode_partitions=1)
-    cases = ((ma.paged_attention_mosaic, 2), (one, 2), (functools.partial(one, out_dtype=jnp.float32), 2))
     with mgpu_core.artificial_shared_memory_limit(limit):
-        assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", head_dim=head_dim)
+        assert_lowers_for_cuda(jnp.bfloat16, OUTPUT_PATHS, "@mosaic_gpu_v2", head_dim=head_dim)
 
 
 # What the module says it supports beyond the 8B / 70B shapes: GQA groups 1 to 64, every page size class (below a
@@ -259,9 +263,7 @@ SUPPORTED = [(1, 16, 128, jnp.bfloat16), (2, 8, 64, jnp.float16), (16, 32, 128, 
                          ids=[f"g{g}-page{p}-hd{h}-{jnp.dtype(d).name}" for g, p, h, d in SUPPORTED])
 def test_every_supported_configuration_lowers(group, page, head_dim, dtype):
     """Split-K, token-order and float32-out launches lower for CUDA (SMEM within a block's 227 KB included)."""
-    one = functools.partial(ma.paged_attention_mosaic, num_partitions=1, decode_partitions=1)
-    cases = ((ma.paged_attention_mosaic, 2), (one, 2), (functools.partial(one, out_dtype=jnp.float32), 2))
-    assert_lowers_for_cuda(dtype, cases, "@mosaic_gpu_v2", num_heads=8 * group, page=page, head_dim=head_dim)
+    assert_lowers_for_cuda(dtype, OUTPUT_PATHS, "@mosaic_gpu_v2", num_heads=8 * group, page=page, head_dim=head_dim)
 
 
 def _kernel_launches(jaxpr) -> list:
