@@ -21,6 +21,7 @@ kernel that was asked for and cannot run raises, it never falls back.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,18 +48,42 @@ class AttentionMetadata:
     kv_start: jax.Array  # i32[B] absolute position of each sequence's first key held here (0 unless KV-parallel)
 
 
+# Hopper's names as jax's devices give them ("NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB", ...), for an abstract
+# device, which has a kind but no compute capability.
+_HOPPER_KINDS = re.compile(r"\bG?H(100|200|800|20)\b")
+
+
+def target_device() -> tuple[str, str, str]:
+    """(platform, device kind, compute capability) of the device the code being traced is for: the abstract
+    mesh's device where the context names one (inside a `shard_map` over a mesh, or under
+    `jax.sharding.use_abstract_mesh`), else jax's default device. So a step traced over a mesh of another
+    machine's GPUs (a topology's compile-only devices: `mnemojax.bench.aot_step` compiles the step for a GPU
+    this machine lacks) is traced for them, as jax's own Pallas lowering does; an abstract device has no compute
+    capability (""). Platform "gpu" for NVIDIA GPUs, whichever way jax names them."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:
+        return ("gpu" if abstract.platform in ("gpu", "cuda") else abstract.platform), abstract.device_kind, ""
+    device = jax.devices()[0]
+    platform = device.platform
+    if platform in ("gpu", "cuda"):
+        platform = "gpu" if "cuda" in device.client.platform_version.lower() else "rocm"
+    return platform, getattr(device, "device_kind", platform), str(getattr(device, "compute_capability", ""))
+
+
 def on_nvidia_gpu() -> bool:
-    """Whether jax's default backend is an NVIDIA (CUDA) GPU, where the compiled Pallas kernels run."""
-    return (jax.default_backend() in ("gpu", "cuda")
-            and "cuda" in jax.devices()[0].client.platform_version.lower())
+    """Whether the code being traced is for an NVIDIA (CUDA) GPU (`target_device`), where the compiled Pallas
+    kernels run."""
+    platform, kind, _ = target_device()
+    return platform == "gpu" and kind.startswith(("NVIDIA", "Tesla"))
 
 
 def on_hopper_gpu() -> bool:
-    """Whether jax's default device is an NVIDIA GPU of compute capability 9.x (Hopper: H100, H200), where the
-    compiled Mosaic GPU kernels (wgmma, TMA) run."""
+    """Whether the code being traced is for an NVIDIA GPU of compute capability 9.x (Hopper: H100, H200), where
+    the compiled Mosaic GPU kernels (wgmma, TMA) run: by compute capability, or for an abstract device by name."""
     if not on_nvidia_gpu():
         return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+    _, kind, capability = target_device()
+    return capability.startswith("9") if capability else bool(_HOPPER_KINDS.search(kind))
 
 
 def resolve_attention(impl: str) -> str:
@@ -121,13 +146,12 @@ def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *,
         return paged_attention(q, k_cache, v_cache, layer, meta, block_pages=block_pages, precision=precision)
     if impl == PALLAS and not on_nvidia_gpu():
         raise RuntimeError("attention='pallas' needs an NVIDIA GPU; use 'reference' or 'pallas_interpret' "
-                           f"(the default backend is {jax.default_backend()!r})")
+                           f"(the step is traced for {target_device()[1]!r})")
     if impl in (MOSAIC, MOSAIC_INTERPRET):
         if impl == MOSAIC and not on_hopper_gpu():
-            device = jax.devices()[0]
             raise RuntimeError("attention='mosaic' needs an NVIDIA Hopper GPU (compute capability 9.x: wgmma, TMA); "
-                               "use 'pallas', 'reference' or 'mosaic_interpret' (the default device is "
-                               f"{getattr(device, 'device_kind', device.platform)!r})")
+                               "use 'pallas', 'reference' or 'mosaic_interpret' (the step is traced for "
+                               f"{target_device()[1]!r})")
         return mosaic_attention.paged_attention_mosaic(q, k_cache, v_cache, layer, meta, kind=kind,
                                                        interpret=impl == MOSAIC_INTERPRET, out_dtype=out_dtype,
                                                        **kernel_options)

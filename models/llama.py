@@ -23,6 +23,8 @@ from shardings.collectives import from_last_stage, kvp_merge
 from shardings.mesh import KVP, SPP, TP
 from shardings.specs import ShardingTable
 
+LAYER_SCOPE = "layer_"  # jax.named_scope of a layer's ops: `layer_3` is this stage's fourth layer
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +136,10 @@ def forward(spec: ModelSpec, params: dict, k_cache, v_cache, register, batch: St
                           kind=kind, **dict(spec.attention_options)) if params["layers"] else None
     # One layer after another, each reading its own weight buffers ([1, ...] here: this stage's share of
     # `models.params.split_layers`' [spp, ...]); a scan over stacked weights would copy every layer's slice.
+    # Each layer's ops carry its name (`layer_i`, this stage's i-th) in their HLO metadata and in profiles.
     for i, layer in enumerate(params["layers"]):
-        carry, _ = _layer(spec, batch, carry, (jax.tree.map(lambda a: a[0], layer), i), kind, plan)
+        with jax.named_scope(f"{LAYER_SCOPE}{i}"):
+            carry, _ = _layer(spec, batch, carry, (jax.tree.map(lambda a: a[0], layer), i), kind, plan)
     x, k_cache, v_cache = carry
     h = from_last_stage(rms_norm(x[logits_rows], params["final_norm"], spec.config.rms_norm_eps))
     if "lm_head" in params:

@@ -7,6 +7,8 @@ Letters: L layers, D hidden, H heads, K kv heads, Dh head dim, F MLP width, V vo
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -110,20 +112,36 @@ def split_layers(params: dict, spp: int) -> dict:
     loop over stacked weights slices them, and XLA copies every slice once a step (7 copies a layer, seen in the
     compiled step and in GPU traces). Converts one weight name at a time, so the peak is the weights plus one name's.
     """
-    from jax.sharding import NamedSharding, PartitionSpec
-
     stacked = dict(params["layers"])
     per_name = {}
     for name in sorted(stacked):
         a = stacked.pop(name)
-        spec = a.sharding.spec
         local = a.shape[0] // spp
-        out = NamedSharding(a.sharding.mesh, PartitionSpec(spec[0] if spec else None, *spec[1:]))
         per_name[name] = jax.jit(lambda x: tuple(x.reshape(spp, local, *x.shape[1:])[:, i] for i in range(local)),
-                                 out_shardings=(out,) * local)(a)
+                                 out_shardings=(_layer_sharding(a.sharding),) * local)(a)
         del a
     num = len(next(iter(per_name.values())))
     return {**params, "layers": [{n: v[i] for n, v in per_name.items()} for i in range(num)]}
+
+
+def _layer_sharding(stacked):
+    """The sharding of one layer's [spp, ...] weight split from a stacked [L, ...] one sharded `stacked`."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    spec = stacked.spec
+    return NamedSharding(stacked.mesh, PartitionSpec(spec[0] if spec else None, *spec[1:]))
+
+
+def abstract_step_params(config: LlamaConfig, *, dtype, tp: int, spp: int, shardings) -> dict:
+    """What `split_layers` gives for the parameters of `config` in the mesh layout (`to_mesh_layout`) on
+    `shardings` (the stacked layout's, as there), as `jax.ShapeDtypeStruct`s: the step's parameters to lower or
+    compile it without making any (`Executor.lower_shape`, `mnemojax.bench.aot_step`)."""
+    num_layers, kv_heads = mesh_layout(config, tp=tp, spp=spp)
+    shapes = param_shapes(dataclasses.replace(config, num_layers=num_layers, num_kv_heads=kv_heads))
+    params = {k: jax.ShapeDtypeStruct(v, dtype, sharding=shardings[k]) for k, v in shapes.items() if k != "layers"}
+    layer = {n: jax.ShapeDtypeStruct((spp, *v[1:]), dtype, sharding=_layer_sharding(shardings["layers"][n]))
+             for n, v in shapes["layers"].items()}
+    return {**params, "layers": [layer] * (num_layers // spp)}
 
 
 def stack_layers(params: dict) -> dict:

@@ -221,7 +221,9 @@ class Executor:
         # step per kind. The reference attention has one path for every kind: one compiled step.
         self.kinds = resolve_attention(spec.attention) != REFERENCE
         self._steps = {}
-        self._step(MIXED)  # sets the shardings the rest reads
+        self._packed_sharding = NamedSharding(mesh, table.packed_kx)
+        self._register_sharding = NamedSharding(mesh, table.register_kstd)
+        self._sampled_sharding = NamedSharding(mesh, table.sampled_kr)
         # Rows 0..max_num_seqs-1 are the requests' slots; the last row is the padding rows' sequence, never
         # written: every padding row attends to nothing.
         self.page_table = jax.jit(lambda: jnp.zeros((self.kvp, max_num_seqs + 1, max_pages_per_seq), jnp.int32),
@@ -247,8 +249,10 @@ class Executor:
         """The kind of a step running `plans` (every micro-batch in the pipeline): what its attention holds."""
         return step_kind(c.num_tokens for p in plans for c in p.chunks) if self.kinds else MIXED
 
-    def _build_step(self, kind: str):
-        t, spec = self.table, self.spec
+    def _build_step(self, kind: str, mesh=None):
+        """The jitted step of `kind` over `mesh` (default: the executor's; another mesh of the same shape for
+        `lower_shape`)."""
+        t, spec, mesh = self.table, self.spec, mesh or self.mesh
         stage = StepBatch.partition_specs(t)
         samp = RowSampling(*([t.rows_kr] * len(dataclasses.fields(RowSampling))))
         param_specs = jax.tree.map(lambda a: a.sharding.spec, self.params)
@@ -272,12 +276,12 @@ class Executor:
 
         out_specs = (t.kv_lpskh, t.kv_lpskh, t.register_kstd, t.sampled_kr,
                      (t.rows_kr, t.rows_kr, t.rows_kr, t.rows_krj, t.rows_krj))
-        sharded = jax.shard_map(step, mesh=self.mesh,
+        sharded = jax.shard_map(step, mesh=mesh,
                                 in_specs=(param_specs, t.kv_lpskh, t.kv_lpskh, t.register_kstd, t.sampled_kr,
                                           t.table_kbm, stage, t.rows_kr, samp, t.entering_kt),
                                 out_specs=out_specs)
 
-        host_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), (stage, t.rows_kr, samp, t.entering_kt))
+        host_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), (stage, t.rows_kr, samp, t.entering_kt))
 
         def unpacked(params, k_cache, v_cache, register, sampled, page_table, packed, packing: Packing):
             # The host arrays, sliced out of the one buffer they came in and split as the step takes them: each
@@ -285,9 +289,6 @@ class Executor:
             host = jax.tree.map(jax.reshard, packing.unpack(packed), host_shardings)
             return sharded(params, k_cache, v_cache, register, sampled, page_table, *host)
 
-        self._packed_sharding = NamedSharding(self.mesh, t.packed_kx)
-        self._register_sharding = NamedSharding(self.mesh, t.register_kstd)
-        self._sampled_sharding = NamedSharding(self.mesh, t.sampled_kr)
         return jax.jit(unpacked, donate_argnums=(1, 2, 3, 4), static_argnums=(7,))
 
     def _build_table_update(self):
@@ -611,6 +612,27 @@ class Executor:
         with self._unchanged():
             T, host, _ = self._host_args(plan)
             return self._step(self.step_kind(m.plan for m in self.in_flight)).lower(*self.put(T, Packing.pack(host)))
+
+    def lower_shape(self, T: int, R: int, kind: str, mesh=None, lowering_platforms=None) -> jax.stages.Lowered:
+        """The step of shape (T token rows, R logits rows, `kind`), lowered but not run, over `mesh` (default:
+        the executor's): another mesh of the same shape may hold another machine's devices (a topology's
+        compile-only devices, `mnemojax.bench.aot_step`), which the step is then lowered (and can be compiled)
+        for, or be an `AbstractMesh` naming a device, lowered for `lowering_platforms` (as jax's). Its arguments
+        are abstract, with the executor's shapes and partition specs; the parameters may be abstract too
+        (`jax.ShapeDtypeStruct`s with shardings, `models.params.abstract_step_params`) for an executor that only
+        lowers."""
+        mesh = mesh or self.mesh
+        if dict(mesh.shape) != dict(self.mesh.shape):
+            raise ValueError(f"mesh must have the executor's shape {dict(self.mesh.shape)}, got {dict(mesh.shape)}")
+        buffer, packing = Packing.pack(self.host_template(T, R))
+        register = jax.ShapeDtypeStruct((self.kvp, self.spp, T, self.spec.config.hidden_size), self.spec.dtype,
+                                        sharding=self._register_sharding)
+
+        packed = jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self._packed_sharding)
+        args = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec)),
+            (self.params, self.k_cache, self.v_cache, register, self.sampled, self.page_table, packed))
+        return self._build_step(kind, mesh).trace(*args, packing).lower(lowering_platforms=lowering_platforms)
 
     def step_rows(self, plan: StepPlan) -> tuple[int, int]:
         """(Token rows T, logits rows R) of the step that would run `plan`; state unchanged."""
