@@ -1,28 +1,15 @@
-"""The compiled step reads each layer's weights in place: in the optimized HLO, nothing but parameters and
-bitcasts produces an array of a layer weight's shape (a layer loop over stacked weights copies every layer's
-slice each step: the 7 device-to-device copies a layer of issue 12's GPU trace)."""
-import re
-
+"""The compiled step reads each layer's weights in place: in the optimized HLO, nothing makes an array of a layer
+weight's shape out of stored arrays alone (a layer loop over stacked weights copies every layer's slice each step:
+the 7 device-to-device copies a layer of issue 12's GPU trace). `scripts/aot_step.py` makes the same check on the
+step compiled for an H100."""
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
 
+from mnemojax.bench.aot_step import weight_copies
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 from mnemojax.scheduling.sampling_params import SamplingParams
-
-FREE = {"parameter", "bitcast", "get-tuple-element"}
-
-
-def weight_copies(hlo: str, shapes) -> list[str]:
-    """Instructions of the optimized HLO `hlo` that produce a float array of one of `shapes` by anything but a
-    parameter, a bitcast or a tuple element: a copy of (or computation on) a weight-shaped buffer."""
-    found = []
-    for line in hlo.split("\n"):
-        m = re.match(r"\s*(?:ROOT )?%\S+ = (f32|bf16)\[([\d,]*)\](?:\{[\d,]*\})? ([\w-]+)\(", line)
-        if m and tuple(int(d) for d in m.group(2).split(",") if d) in shapes and m.group(3) not in FREE:
-            found.append(line.strip()[:160])
-    return found
 
 
 def test_the_check_finds_the_copies_of_a_scan_over_stacked_weights():
