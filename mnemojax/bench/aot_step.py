@@ -310,7 +310,8 @@ def weight_copies(hlo: str, shapes) -> list[str]:
             if (dims is None or dims[0] not in ("f32", "bf16", "f16") or dims[1] not in shapes
                     or ins.opcode in _VIEWS):
                 continue
-            if all(stored(c, o) for o in ins.operands):
+            big = [o for o in ins.operands if (_dims(by_name[c][o].type) or ("", (1,)))[1] != ()]
+            if big and all(stored(c, o) for o in ins.operands):  # reads a stored array (not only scalars: a fill)
                 found.append(ins.text.strip()[:160])
     return found
 

@@ -85,6 +85,8 @@ def test_weight_copies_finds_copies_of_stored_arrays_not_matmuls():
     assert weight_copies(HLO, shapes) == []  # w only feeds a gemm (and a bitcast)
     copied = HLO.replace("%copy.1 = bf16[16,64]{1,0} copy(%norm.1)", "%copy.1 = bf16[64,64]{1,0} copy(%w)")
     assert [line.split(" =")[0] for line in weight_copies(copied, shapes)] == ["%copy.1"]
+    filled = HLO.replace("%copy.1 = bf16[16,64]{1,0} copy(%norm.1)", "%copy.1 = bf16[64,64]{1,0} fusion(%zero)")
+    assert weight_copies(filled, shapes) == []  # a fill from a scalar copies nothing
     # At shapes [16, 64] (as when a step's T equals the hidden size): the norm of the input x (a parameter) is
     # made of a stored array alone; the gemm, the norm of the attention's out and the copy of it read activations.
     assert [line.split(" =")[0] for line in weight_copies(HLO, {(16, 64)})] == ["%norm.0"]
