@@ -550,11 +550,11 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
     if out_dtype not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be q's dtype ({q.dtype}) or float32, got {out_dtype}")
+    into = None
+    if tiles.kind != MIXED:  # what a token no tile holds gets: out 0, lse NEG_INF (`pa.blank_buffers`)
+        *into, k_cache = pa.blank_buffers((T, N, H), out_dtype, k_cache)
+        into = tuple(into)
     args = (q, k_cache, v_cache, layer, meta)
-    def blank():  # what a token no tile holds gets: out 0, lse NEG_INF
-        return jnp.zeros((T, N, H), out_dtype), jnp.full((T, N), NEG_INF, jnp.float32)
-
-    into = None if tiles.kind == MIXED else blank()
     merged = []
     for launch in (tiles.decode, tiles.prefill):
         if launch is None:
@@ -567,7 +567,8 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     if not merged:
         return into
     if into is None:
-        into = blank()
+        *into, _ = pa.blank_buffers((T, N, H), out_dtype, k_cache)
+        into = tuple(into)
     return pa._scatter_into(into, merged)
 
 

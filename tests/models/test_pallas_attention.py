@@ -416,6 +416,42 @@ def test_step_kind_launches_only_the_kernels_it_needs(kind, want):
                   block_pages=2, kind="both")
 
 
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_large_blank_buffers_are_filled_in_their_layer_with_the_same_values(kind):
+    """A one-kind step's token-order buffers start at (0, NEG_INF); from FILL_IN_LAYER_BYTES (here 0: every
+    size) their fill passes an optimization barrier with the layer's K cache (written by the layer), so XLA can
+    neither hoist every layer's fill to the step's start nor merge them (a GPU compile that did kept all 32
+    layers' buffers alive: `scripts/aot_step.py`). Same results, bit for bit, the padding rows' (0, NEG_INF)
+    included; the Mosaic path takes the same buffers."""
+    rng = np.random.default_rng(5)
+    seqs = {"decode": [(9, 1, 0), (30, 1, 0)], "prefill": [(23, 7, 0), (12, 12, 0)]}[kind]
+    step = make_step(rng, seqs, num_heads=4, num_kv_heads=2, pad_rows=3, **SMALL)
+
+    wide = make_step(rng, seqs, num_heads=4, num_kv_heads=2, head_dim=64, page=16, dtype=jnp.bfloat16, pad_rows=3)
+
+    def traced(impl):  # Mosaic's kernels take 16-bit dtypes and head dims from 64
+        fn = functools.partial(attention, impl, block_pages=2, kind=kind)
+        s = wide if impl.startswith("mosaic") else step
+        return _primitives(jax.make_jaxpr(lambda s: run(fn, s))(s).jaxpr).count("optimization_barrier")
+
+    fn = functools.partial(attention, "pallas_interpret", block_pages=2, precision=HIGHEST, kind=kind)
+    free = run(fn, step)
+    assert traced("pallas_interpret") == 0
+    default = pa.FILL_IN_LAYER_BYTES
+    try:
+        pa.FILL_IN_LAYER_BYTES = 0
+        jax.clear_caches()  # the kernels' jitted wrappers traced with the default
+        assert traced("pallas_interpret") == 1 and traced("mosaic_interpret") == 1
+        after = run(fn, step)
+    finally:
+        pa.FILL_IN_LAYER_BYTES = default
+        jax.clear_caches()
+    pad = np.asarray(step["seq_ids"]) == len(seqs)
+    for a, b in zip(after, free):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert pad.sum() == 3 and (np.asarray(after[0])[pad] == 0).all() and (np.asarray(after[1])[pad] == NEG_INF).all()
+
+
 @pytest.mark.parametrize("partitions", [(1, 1), (1, 3), (3, 1)], ids=["direct", "prefill-direct", "decode-direct"])
 def test_one_partition_writes_token_order_directly(partitions):
     """With one KV partition a kernel normalises and writes its rows straight into the token-order outputs
