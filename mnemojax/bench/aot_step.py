@@ -35,8 +35,9 @@ import time
 from collections import Counter
 
 # A description of each GPU for XLA's deviceless compilation (xla/stream_executor's GpuTargetConfigProto): the
-# H100 SXM's and H200's properties as their CUDA device queries report them (the same 132 SMs and SMEM; the H200
-# has more and faster memory). runtime_version is the CUDA of jax's cuda12 plugin.
+# H100 SXM's properties as its CUDA device query reports them (as in jax issue 28376's example); the H200 the
+# same chip (132 SMs, the same SMEM and registers) with its data sheet's memory (141 GB) and bandwidth (4.8 TB/s).
+# They steer XLA's cost model, not correctness. runtime_version: the CUDA of jax's cuda12 plugin.
 _TARGET = """gpu_device_info {{
   threads_per_block_limit: 1024
   threads_per_warp: 32
@@ -72,7 +73,7 @@ device_description_str: "{name}"
 """
 TARGETS = {
     "h100": _TARGET.format(name="NVIDIA H100 80GB HBM3", bandwidth=3352320000000, memory=84929347584),
-    "h200": _TARGET.format(name="NVIDIA H200", bandwidth=4800000000000, memory=150754820096),
+    "h200": _TARGET.format(name="NVIDIA H200", bandwidth=4800000000000, memory=141000000000),
 }
 
 # --------------------------------------------------------------------------------------- reading optimized HLO
@@ -435,6 +436,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="sequences of the decode and mixed steps")
     p.add_argument("--max_num_batched_tokens", type=int, default=2048)
     p.add_argument("--max_model_len", type=int, default=131072)
+    p.add_argument("--max_num_seqs", type=int, default=None, help="default: max(batch, 8)")
+    p.add_argument("--all_shapes", action="store_true",
+                   help="compile every step shape the engine compiles at start-up (Executor.shape_buckets) instead "
+                        "of one of each kind: whether all compile for the target, and how long that takes here")
     p.add_argument("--kvp", type=int, default=1)
     p.add_argument("--spp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
@@ -462,10 +467,17 @@ def main(argv=None) -> None:
     rows = []
     for impl in args.attention.split(","):
         executor = abstract_executor(args.model, args.dtype, impl, kvp=args.kvp, spp=args.spp, tp=args.tp,
-                                     max_num_seqs=max(args.batch, 8),
+                                     max_num_seqs=args.max_num_seqs or max(args.batch, 8),
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      max_model_len=args.max_model_len)
-        for T, R, kind in step_shapes(executor, args.batch):
+        shapes = executor.shape_buckets() if args.all_shapes else step_shapes(executor, args.batch)
+        for T, R, kind in shapes:
             rows.append((impl, compile_step(executor, T, R, kind, devices)))
             print(f"compiled {impl} {kind} T={T} R={R} in {rows[-1][1].seconds:.1f} s", flush=True)
     print(table(rows, len(executor.params["layers"])))
+    if args.all_shapes:
+        for impl in dict(rows):
+            seconds = sorted(c.seconds for i, c in rows if i == impl)
+            print(f"{impl}: {len(seconds)} step shapes compiled in {sum(seconds):.1f} s on this machine (median "
+                  f"{seconds[len(seconds) // 2]:.1f} s, longest {seconds[-1]:.1f} s; no autotuning), scratch up to "
+                  f"{max(c.temp_mib for i, c in rows if i == impl):.1f} MiB")

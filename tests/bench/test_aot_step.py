@@ -193,3 +193,15 @@ def test_the_script_compiles_every_kind_for_this_machine(capsys):
     for r in rows:
         n = dict(zip(header, r))
         assert int(n["launches"]) > 4 * float(n["/layer"]) > 0 and n["w.copies"] == "0" and float(n["temp"]) > 0
+
+
+def test_all_shapes_compiles_every_shape_the_engine_compiles_at_start_up(capsys):
+    """`--all_shapes`: each shape of `Executor.shape_buckets()` (what start-up compiles), then a summary line."""
+    args = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256)
+    main(["--model", "tiny", "--dtype", "float32", "--attention", "reference", "--target", "local", "--all_shapes",
+          *[f"--{k}={v}" for k, v in args.items()]])
+    out = capsys.readouterr().out
+    shapes = abstract_executor("tiny", "float32", "reference", **args).shape_buckets()
+    rows = [tuple(line.split()[1:4]) for line in out.split("\n") if line.startswith("reference ")]
+    assert rows == [(kind, str(T), str(R)) for T, R, kind in shapes] and len(rows) >= 4
+    assert f"reference: {len(shapes)} step shapes compiled in " in out
