@@ -53,37 +53,48 @@ class AttentionMetadata:
 _HOPPER_KINDS = re.compile(r"\bG?H(100|200|800|20)\b")
 
 
-def target_device() -> tuple[str, str, str]:
-    """(platform, device kind, compute capability) of the device the code being traced is for: the abstract
-    mesh's device where the context names one (inside a `shard_map` over a mesh, or under
-    `jax.sharding.use_abstract_mesh`), else jax's default device. So a step traced over a mesh of another
-    machine's GPUs (a topology's compile-only devices: `mnemojax.bench.aot_step` compiles the step for a GPU
-    this machine lacks) is traced for them, as jax's own Pallas lowering does; an abstract device has no compute
-    capability (""). Platform "gpu" for NVIDIA GPUs, whichever way jax names them."""
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract is not None:
-        return ("gpu" if abstract.platform in ("gpu", "cuda") else abstract.platform), abstract.device_kind, ""
+@dataclasses.dataclass(frozen=True)
+class TargetDevice:
+    """The device the code being traced is for (`target_device`)."""
+    platform: str  # "cpu", "gpu" (NVIDIA, CUDA), "rocm", "tpu", ...
+    kind: str  # jax's device_kind, e.g. "NVIDIA H100 80GB HBM3"
+    capability: str  # compute capability of a CUDA device of this machine ("9.0"); "" for an abstract device
+    abstract: bool  # only named (a compile target): no device of this machine
+
+
+def target_device() -> TargetDevice:
+    """The device the code being traced is for: the abstract mesh's device where the context names one that is
+    not this machine's (inside a `shard_map` over a mesh of another machine's devices, e.g. a topology's
+    compile-only ones: `mnemojax.bench.aot_step` compiles the step for a GPU this machine lacks; or under
+    `jax.sharding.use_abstract_mesh`), else jax's default device, as jax 0.11's Pallas Triton lowering decides
+    (its `gpu_info.get_device_kind`). An abstract device is known by its kind alone."""
     device = jax.devices()[0]
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None and abstract.device_kind != getattr(device, "device_kind", None):
+        platform = abstract.platform
+        if platform in ("gpu", "cuda"):
+            platform = "gpu" if abstract.device_kind.startswith(("NVIDIA", "Tesla")) else "rocm"
+        return TargetDevice(platform, abstract.device_kind, "", abstract=True)
     platform = device.platform
     if platform in ("gpu", "cuda"):
         platform = "gpu" if "cuda" in device.client.platform_version.lower() else "rocm"
-    return platform, getattr(device, "device_kind", platform), str(getattr(device, "compute_capability", ""))
+    return TargetDevice(platform, getattr(device, "device_kind", platform),
+                        str(getattr(device, "compute_capability", "")), abstract=False)
 
 
 def on_nvidia_gpu() -> bool:
     """Whether the code being traced is for an NVIDIA (CUDA) GPU (`target_device`), where the compiled Pallas
     kernels run."""
-    platform, kind, _ = target_device()
-    return platform == "gpu" and kind.startswith(("NVIDIA", "Tesla"))
+    return target_device().platform == "gpu"
 
 
 def on_hopper_gpu() -> bool:
     """Whether the code being traced is for an NVIDIA GPU of compute capability 9.x (Hopper: H100, H200), where
     the compiled Mosaic GPU kernels (wgmma, TMA) run: by compute capability, or for an abstract device by name."""
-    if not on_nvidia_gpu():
+    target = target_device()
+    if target.platform != "gpu":
         return False
-    _, kind, capability = target_device()
-    return capability.startswith("9") if capability else bool(_HOPPER_KINDS.search(kind))
+    return bool(_HOPPER_KINDS.search(target.kind)) if target.abstract else target.capability.startswith("9")
 
 
 def resolve_attention(impl: str) -> str:
@@ -146,12 +157,12 @@ def attention(impl: str, q, k_cache, v_cache, layer, meta: AttentionMetadata, *,
         return paged_attention(q, k_cache, v_cache, layer, meta, block_pages=block_pages, precision=precision)
     if impl == PALLAS and not on_nvidia_gpu():
         raise RuntimeError("attention='pallas' needs an NVIDIA GPU; use 'reference' or 'pallas_interpret' "
-                           f"(the step is traced for {target_device()[1]!r})")
+                           f"(the step is traced for {target_device().kind!r})")
     if impl in (MOSAIC, MOSAIC_INTERPRET):
         if impl == MOSAIC and not on_hopper_gpu():
             raise RuntimeError("attention='mosaic' needs an NVIDIA Hopper GPU (compute capability 9.x: wgmma, TMA); "
                                "use 'pallas', 'reference' or 'mosaic_interpret' (the step is traced for "
-                               f"{target_device()[1]!r})")
+                               f"{target_device().kind!r})")
         return mosaic_attention.paged_attention_mosaic(q, k_cache, v_cache, layer, meta, kind=kind,
                                                        interpret=impl == MOSAIC_INTERPRET, out_dtype=out_dtype,
                                                        **kernel_options)
