@@ -172,7 +172,7 @@ class Launches:
     by_layer: Counter  # kernels by layer index (ops named `layer_i`); -1: outside every layer
     loops: int  # while loops run (each counted as its known trip count times its body and condition)
     unknown_trips: int  # of them, loops whose trip count XLA does not know (counted once)
-    conditionals: list[tuple[int, ...]]  # each conditional's branches' kernel counts (the conditional counts 1 + min)
+    conditionals: list[tuple[int, ...]]  # per run of a conditional, its branches' kernel counts (it counts 1 + min)
 
     @property
     def skipped(self) -> int:
@@ -188,24 +188,28 @@ class Launches:
         return sum(layers) / len(layers) if layers else 0.0
 
 
-_LAYER = re.compile(r'op_name="[^"]*?\blayer_(\d+)/')
+def _layer_pattern():
+    from models.llama import LAYER_SCOPE
+
+    return re.compile(rf'op_name="[^"]*?\b{LAYER_SCOPE}(\d+)/')
 
 
 def count_launches(text: str) -> Launches:
     """Kernels one run of the HLO module `text` (optimized, as `compiled.as_text()` gives it) launches: every
     instruction of the entry computation but views, tuples, parameters and constants is one launch (a fusion is
     one kernel, a custom call one, a copy one memcpy); a while loop runs its condition and body its known trip
-    count of times (once where unknown); a conditional counts one (its predicate's copy to the host) plus its
+    count of times (once where unknown; the condition's last, exiting run is not counted); a conditional counts one (its predicate's copy to the host) plus its
     cheapest branch, and its branches are listed; a call runs its computation. Each launch is put in the layer
     its op's name says (`layer_i/`), or the enclosing op's."""
     comps, entry = parse_hlo(text)
+    layer_of = _layer_pattern()
     cats, layers = Counter(), Counter()
     loops = [0, 0]
     conditionals = []
 
     def run(name: str, times: int, layer: int, sink: tuple[Counter, Counter]):
         for ins in comps[name]:
-            m = _LAYER.search(ins.text)
+            m = layer_of.search(ins.text)
             where = int(m.group(1)) if m else layer
             if ins.opcode in _FREE or ins.opcode.endswith("-done"):
                 continue
@@ -224,7 +228,7 @@ def count_launches(text: str) -> Launches:
                     c = (Counter(), Counter())
                     run(b, 1, where, c)
                     counted.append(c)
-                conditionals.append(tuple(sum(c[0].values()) for c in counted))
+                conditionals.extend([tuple(sum(c[0].values()) for c in counted)] * times)
                 cheapest = min(counted, key=lambda c: sum(c[0].values()))
                 sink[0]["other"] += times
                 sink[1][where] += times
@@ -287,6 +291,8 @@ def weight_copies(hlo: str, shapes) -> list[str]:
                                                                  ins.attr("false_computation")]
                 for i, b in enumerate(branches):
                     callers[b] = (c, [ins.operands[1 + i]])
+            elif ins.opcode == "call":
+                callers[ins.attr("to_apply")] = (c, ins.operands)
 
     def stored(comp: str, name: str, index: int | None = None) -> bool:
         """Whether `name` in `comp` (its tuple element `index`, if given) is a stored array or a scalar."""
@@ -372,10 +378,26 @@ def step_shapes(executor, batch: int) -> list[tuple[int, int, str]]:
     from mnemojax.scheduling.buckets import bucket
     from models.kernels import DECODE, MIXED, PREFILL
 
-    T, D = bucket(executor.max_num_batched_tokens, 16), bucket(batch, 16)
+    if batch > executor.max_num_seqs:
+        raise ValueError(f"batch ({batch}) exceeds max_num_seqs ({executor.max_num_seqs})")
+    T = executor.pipeline_tokens or bucket(executor.max_num_batched_tokens, 16)
+    D = executor.pipeline_tokens or bucket(batch, 16)  # a pipeline's micro-batches all have T rows
     kinds = (DECODE, PREFILL, MIXED) if executor.kinds else (MIXED,) * 3  # the reference has one step
     return [(D, executor.logits_rows(D, batch), kinds[0]), (T, executor.logits_rows(T, 1), kinds[1]),
             (T, executor.logits_rows(T, batch), kinds[2])]
+
+
+def layer_weight_shapes(executor) -> set[tuple[int, ...]]:
+    """The shapes a layer's weight matrices have in the compiled step: each device's share ([1, ...]: its stage's
+    slot of the [spp, ...] array, and its tp share of heads or columns), and the same without the stage axis."""
+    import jax
+
+    shapes = set()
+    for a in jax.tree.leaves(executor.params["layers"]):
+        if a.ndim >= 3:
+            local = tuple(a.sharding.shard_shape(a.shape))
+            shapes |= {local, local[1:]}
+    return shapes
 
 
 @dataclasses.dataclass
@@ -391,8 +413,6 @@ class Compiled:
 
 def compile_step(executor, T: int, R: int, kind: str, devices) -> Compiled:
     """The step of shape (T, R, kind) compiled for `devices` (compile-only or real), and what it launches."""
-    import jax
-
     from shardings.mesh import make_mesh
 
     mesh = make_mesh(executor.kvp, executor.spp, executor.tp, devices=devices)
@@ -400,8 +420,8 @@ def compile_step(executor, T: int, R: int, kind: str, devices) -> Compiled:
     compiled = executor.lower_shape(T, R, kind, mesh=mesh).compile()
     seconds = time.perf_counter() - t
     text = compiled.as_text()
-    shapes = {tuple(a.shape[1:]) for a in jax.tree.leaves(executor.params["layers"]) if a.ndim >= 3}
     temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
+    shapes = layer_weight_shapes(executor)
     return Compiled(T, R, kind, count_launches(text), len(weight_copies(text, shapes)), temp, seconds)
 
 
@@ -449,10 +469,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     devices_needed = args.kvp * args.spp * args.tp
-    if devices_needed > 1 and "jax" not in sys.modules:  # the executor's own arrays sit on this machine's CPUs
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={devices_needed}")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if "jax" not in sys.modules:  # a command: the executor's own arrays sit on this machine's CPUs
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if devices_needed > 1:
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                       + f" --xla_force_host_platform_device_count={devices_needed}")
     import jax
 
     from mnemojax.bench import print_header

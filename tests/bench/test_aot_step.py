@@ -7,8 +7,9 @@ import pytest
 from jax import lax
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 
-from mnemojax.bench.aot_step import abstract_executor, count_launches, main, parse_hlo, weight_copies
-from models.attention import on_hopper_gpu, on_nvidia_gpu, target_device
+from mnemojax.bench.aot_step import (abstract_executor, count_launches, layer_weight_shapes, main, parse_hlo,
+                                     weight_copies)
+from models.attention import TargetDevice, on_hopper_gpu, on_nvidia_gpu, target_device
 from models.kernels import DECODE, MIXED, PREFILL
 from shardings.mesh import KVP, SPP, TP
 
@@ -120,7 +121,20 @@ def test_count_launches_reads_the_engines_compiled_step_by_layer():
     n = count_launches(ex.lower_shape(64, 8, MIXED).compile().as_text())
     assert set(n.by_layer) == {-1, 0, 1, 2, 3}
     assert all(n.by_layer[i] > 20 for i in range(4)) and n.by_layer[-1] > 0
-    assert n.per_layer() == sum(n.by_layer[i] for i in range(4)) / 4 and n.total == sum(n.by_layer.values())
+    assert n.total == sum(n.by_layer.values())  # every launch in one layer or outside, once
+
+
+def test_weight_shapes_are_each_devices_share_as_the_compiled_step_has_them():
+    """The weight-copy check looks for each device's share of a layer's weights (tp 2 here), the shapes the
+    compiled step's parameters have, not the whole arrays', which no instruction of it has."""
+    ex = abstract_executor("tiny", "float32", "reference", tp=2, max_num_seqs=8, max_num_batched_tokens=64,
+                           max_model_len=512)
+    comps, entry = parse_hlo(ex.lower_shape(64, 8, MIXED).compile().as_text())
+    params = {i.type.split("{")[0] for i in comps[entry] if i.opcode == "parameter"}
+    shapes = layer_weight_shapes(ex)
+    assert {(1, 128, 4, 16), (128, 4, 16), (1, 128, 1, 16), (1, 4, 16, 128), (1, 128, 128), (1, 128, 128)} <= shapes
+    assert all(f"f32[{','.join(map(str, s))}]" in params for s in shapes if len(s) == 4 or s == (1, 128, 128))
+    assert not shapes & {(128, 8, 16), (128, 256), (256, 128)}  # the whole arrays'
 
 
 def test_abstract_step_params_are_the_loaders():
@@ -149,12 +163,15 @@ def _mesh(device):
 
 
 def test_the_kernels_check_the_device_the_step_is_traced_for():
-    assert target_device()[0] == jax.devices()[0].platform == "cpu"
+    assert target_device() == TargetDevice("cpu", "cpu", "", abstract=False)
     assert not on_nvidia_gpu() and not on_hopper_gpu()
-    for device, nvidia, hopper in ((H100, True, True), (A100, True, False), (MI300, False, False)):
+    for device, platform, hopper in ((H100, "gpu", True), (A100, "gpu", False), (MI300, "rocm", False)):
         with jax.sharding.use_abstract_mesh(_mesh(device)):
-            assert target_device() == ("gpu", device.device_kind, "")
-            assert (on_nvidia_gpu(), on_hopper_gpu()) == (nvidia, hopper), device
+            assert target_device() == TargetDevice(platform, device.device_kind, "", abstract=True)
+            assert (on_nvidia_gpu(), on_hopper_gpu()) == (platform == "gpu", hopper), device
+    # A mesh of this machine's own devices (a shard_map over them) is this machine: its device, not a name.
+    with jax.sharding.use_abstract_mesh(_mesh(AbstractDevice(device_kind="cpu", num_cores=None, platform="cpu"))):
+        assert target_device() == TargetDevice("cpu", "cpu", "", abstract=False)
 
 
 @pytest.mark.parametrize("kind,kernels", [(DECODE, 1), (PREFILL, 1), (MIXED, 2)])
