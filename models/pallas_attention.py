@@ -489,7 +489,7 @@ def blank_buffers(shape: tuple[int, int, int], dtype, k_cache):
     to read), so the compiler can neither fill them before the layer nor merge every layer's fills into one kernel.
     Left free, XLA's GPU compiler fuses all layers' fills into one kernel at the step's start, every layer's
     buffers alive at once: 512 MiB of the 648 MiB of scratch of a Llama-3-8B prefill step of 2,048 tokens, 1.9 of
-    2.6 GiB at 8,192 (`scripts/aot_step.py`, its temp MiB column). Smaller buffers (a decode step's) stay free:
+    2.6 GiB at 8,192 (`scripts/aot_step.py`, its temp MiB column). Smaller buffers (a decode step's: up to 256 rows of Llama-3-8B in bf16) stay free:
     one fill kernel for all layers costs less than two a layer. The cache, not q, carries the dependency: it exists
     already, where q would have to be written out for the barrier instead of fused into the kernels' tiling."""
     if math.prod(shape) * jnp.dtype(dtype).itemsize < FILL_IN_LAYER_BYTES:

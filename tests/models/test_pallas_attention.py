@@ -315,6 +315,32 @@ def test_engine_with_interpreted_kernels_matches_reference():
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids and len(ref.outputs[0].token_ids) == 5
 
 
+def test_engine_gives_the_same_results_with_every_buffer_filled_in_its_layer():
+    """The engine's steps (inside the step's shard_map: prefill, decode and mixed kinds, several layers) with every
+    token-order buffer's fill behind the barrier (FILL_IN_LAYER_BYTES 0; the tiny model's never reach the 4 MiB
+    that turns it on), the kernels reading the K cache the barrier hands on: the same tokens and prompt log-probs,
+    bit for bit. (Only padding rows keep a fill's values, which no result reads: the test above checks them.)"""
+    from mnemojax import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 23, 1)]
+    outs, default = [], pa.FILL_IN_LAYER_BYTES
+    try:
+        for threshold in (default, 0):
+            pa.FILL_IN_LAYER_BYTES = threshold
+            jax.clear_caches()
+            llm = LLM(model="tiny", attention="pallas_interpret", page_size=4, chunk_size=16, max_model_len=64,
+                      max_num_batched_tokens=16, max_num_seqs=4)
+            outs.append(llm.generate(prompts, params))
+    finally:
+        pa.FILL_IN_LAYER_BYTES = default
+        jax.clear_caches()
+    for free, filled in zip(*outs):
+        assert filled.outputs[0].token_ids == free.outputs[0].token_ids and len(free.outputs[0].token_ids) == 4
+        assert filled.prompt_logprobs == free.prompt_logprobs
+
+
 def _has_gpu() -> bool:
     try:
         return bool(jax.devices("gpu"))
