@@ -552,8 +552,7 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
         raise ValueError(f"out_dtype must be q's dtype ({q.dtype}) or float32, got {out_dtype}")
     into = None
     if tiles.kind != MIXED:  # what a token no tile holds gets: out 0, lse NEG_INF (`pa.blank_buffers`)
-        *into, k_cache = pa.blank_buffers((T, N, H), out_dtype, k_cache)
-        into = tuple(into)
+        into, k_cache = pa.blank_buffers((T, N, H), out_dtype, k_cache)
     args = (q, k_cache, v_cache, layer, meta)
     merged = []
     for launch in (tiles.decode, tiles.prefill):
@@ -567,8 +566,7 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     if not merged:
         return into
     if into is None:
-        *into, _ = pa.blank_buffers((T, N, H), out_dtype, k_cache)
-        into = tuple(into)
+        into, _ = pa.blank_buffers((T, N, H), out_dtype, k_cache)
     return pa._scatter_into(into, merged)
 
 

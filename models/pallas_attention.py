@@ -473,7 +473,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: Launch, *, precision
 
 
 def _token_order_buffers(T: int, N: int, H: int, dtype, k_cache):
-    """(out, lse, k_cache): the token-order outputs before any tile writes them, out 0 (in `dtype`) and lse
+    """((out, lse), k_cache): the token-order outputs before any tile writes them, out 0 (in `dtype`) and lse
     NEG_INF (a token no tile holds, e.g. a padding row of a one-kind step, has no visible key), with a sink row T
     for padding rows and empty slots; and the cache, to read after them (`blank_buffers`)."""
     return blank_buffers((T + 1, N, H), dtype, k_cache)
@@ -483,19 +483,20 @@ FILL_IN_LAYER_BYTES = 4 << 20  # out buffers from this size are filled in their 
 
 
 def blank_buffers(shape: tuple[int, int, int], dtype, k_cache):
-    """(out zeros of `shape` [T, N, H] in `dtype`, lse f32[T, N] NEG_INF, k_cache): buffers of
+    """((out zeros of `shape` [T, N, H] in `dtype`, lse f32[T, N] NEG_INF), k_cache): buffers of
     `FILL_IN_LAYER_BYTES` or more are filled only after the layer has written its keys to `k_cache` (their fill
     values pass an optimization barrier with it, and the cache returned is the barrier's, for the caller's kernels
     to read), so the compiler can neither fill them before the layer nor merge every layer's fills into one kernel.
     Left free, XLA's GPU compiler fuses all layers' fills into one kernel at the step's start, every layer's
     buffers alive at once: 512 MiB of the 648 MiB of scratch of a Llama-3-8B prefill step of 2,048 tokens, 1.9 of
-    2.6 GiB at 8,192 (`scripts/aot_step.py`, its temp MiB column). Smaller buffers (a decode step's: up to 256 rows of Llama-3-8B in bf16) stay free:
-    one fill kernel for all layers costs less than two a layer. The cache, not q, carries the dependency: it exists
-    already, where q would have to be written out for the barrier instead of fused into the kernels' tiling."""
+    2.6 GiB at 8,192 (`scripts/aot_step.py`, its temp MiB column). Smaller buffers (a decode step's: up to 256
+    rows of Llama-3-8B in bf16) stay free: one fill kernel for all layers costs less than two a layer. The cache,
+    not q, carries the dependency: it exists already, where q would have to be written out for the barrier
+    instead of fused into the kernels' tiling."""
     if math.prod(shape) * jnp.dtype(dtype).itemsize < FILL_IN_LAYER_BYTES:
-        return jnp.zeros(shape, dtype), jnp.full(shape[:2], NEG_INF, jnp.float32), k_cache
+        return (jnp.zeros(shape, dtype), jnp.full(shape[:2], NEG_INF, jnp.float32)), k_cache
     zero, neg_inf, k_cache = lax.optimization_barrier((jnp.zeros((), dtype), jnp.float32(NEG_INF), k_cache))
-    return jnp.broadcast_to(zero, shape), jnp.broadcast_to(neg_inf, shape[:2]), k_cache
+    return (jnp.broadcast_to(zero, shape), jnp.broadcast_to(neg_inf, shape[:2])), k_cache
 
 
 def _out_dtype(q, out_dtype):
@@ -660,9 +661,9 @@ def _one_launch(q, k_cache, v_cache, layer, meta, tile_tok, *, precision, interp
     launch = _launch(meta, tile_tok, num_heads=N, num_kv_heads=K, head_dim=H, page_size=k_cache.shape[2],
                      rows=_rows_per_tile(block_q, N // K), block_k=block_k, num_partitions=num_partitions,
                      persistent=persistent, programs=programs)
-    *into, k_cache = _token_order_buffers(T, N, H, _out_dtype(q, out_dtype), k_cache)
+    into, k_cache = _token_order_buffers(T, N, H, _out_dtype(q, out_dtype), k_cache)
     out, lse = _attend_tiles(q, k_cache, v_cache, layer, meta, launch, precision=precision, interpret=interpret,
-                             into=tuple(into))
+                             into=into)
     return out[:T], lse[:T]
 
 
@@ -727,8 +728,7 @@ def _paged_attention_pallas(q, k_cache, v_cache, layer, meta, *, precision=None,
     elif options != _TILING_DEFAULTS or kind != MIXED:
         given = sorted(k for k, v in options.items() if v != _TILING_DEFAULTS[k]) + (["kind"] if kind != MIXED else [])
         raise ValueError(f"tiles were planned with their own options (plan_step); got {', '.join(given)} too")
-    *out, k_cache = _token_order_buffers(T, N, H, _out_dtype(q, out_dtype), k_cache)  # each kernel writes here
-    out = tuple(out)
+    out, k_cache = _token_order_buffers(T, N, H, _out_dtype(q, out_dtype), k_cache)  # each kernel writes here
     for launch in (tiles.decode, tiles.prefill):
         if launch is not None:
             out = _attend_tiles(q, k_cache, v_cache, layer, meta, launch, into=out, precision=precision,

@@ -18,11 +18,11 @@ For each step kind (decode, prefill, mixed) it prints what the optimized HLO lau
 statically (`count_launches`): kernels (fusions, gemms, attention kernels, copies, collectives), per layer (ops
 carry their layer's name, `layer_i`, `models.llama.LAYER_SCOPE`), outside the layers, the weight copies
 (`weight_copies`: arrays of a layer weight's shape made out of stored arrays alone, as a layer loop that slices
-stacked weights makes each step), and the step's scratch memory on the device (XLA's memory analysis). It is the compiler's
-plan, not a trace: `scripts/profile_step.py` on a GPU counts what actually ran (cuBLAS may launch more than one
-kernel per gemm; a while loop's trip count is known here only when XLA knows it). Checked against the one GPU
-trace on record in docs/benchmarks.md (2026-11-26). `--target local` compiles for this machine's own devices
-instead (no plugin needed).
+stacked weights makes each step), and the step's scratch memory on the device (XLA's memory analysis). It is the
+compiler's plan, not a trace: `scripts/profile_step.py` on a GPU counts what actually ran (cuBLAS may launch more
+than one kernel per gemm; a while loop's trip count is known here only when XLA knows it). Checked against the
+one GPU trace on record in docs/benchmarks.md (2026-11-26). `--target local` compiles for this machine's own
+devices instead (no plugin needed).
 """
 from __future__ import annotations
 
@@ -102,6 +102,16 @@ class Instruction:
     def called(self, key: str) -> list[str]:
         m = re.search(rf"\b{key}=\{{([^}}]*)\}}", self.text)
         return re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
+
+    def runs(self) -> list[str]:
+        """The computations this instruction runs as launches of their own: a while loop's condition and body, a
+        conditional's branches, a call's computation (not a fusion's, which is one kernel)."""
+        if self.opcode == "while":
+            return [self.attr("condition"), self.attr("body")]
+        if self.opcode == "conditional":
+            return self.called("branch_computations") or [self.attr("true_computation"),
+                                                          self.attr("false_computation")]
+        return [self.attr("to_apply")] if self.opcode == "call" else []
 
 
 def _closing(line: str, i: int) -> int:
@@ -198,9 +208,9 @@ def count_launches(text: str) -> Launches:
     """Kernels one run of the HLO module `text` (optimized, as `compiled.as_text()` gives it) launches: every
     instruction of the entry computation but views, tuples, parameters and constants is one launch (a fusion is
     one kernel, a custom call one, a copy one memcpy); a while loop runs its condition and body its known trip
-    count of times (once where unknown; the condition's last, exiting run is not counted); a conditional counts one (its predicate's copy to the host) plus its
-    cheapest branch, and its branches are listed; a call runs its computation. Each launch is put in the layer
-    its op's name says (`layer_i/`), or the enclosing op's."""
+    count of times (once where unknown; the condition's last, exiting run is not counted); a conditional counts
+    one (its predicate's copy to the host) plus its cheapest branch, and its branches are listed; a call runs its
+    computation. Each launch is put in the layer its op's name says (`layer_i/`), or the enclosing op's."""
     comps, entry = parse_hlo(text)
     layer_of = _layer_pattern()
     cats, layers = Counter(), Counter()
@@ -217,14 +227,11 @@ def count_launches(text: str) -> Launches:
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.text)
                 loops[0] += 1
                 loops[1] += trips is None
-                n = int(trips.group(1)) if trips else 1
-                run(ins.attr("condition"), times * n, where, sink)
-                run(ins.attr("body"), times * n, where, sink)
+                for c in ins.runs():  # condition, body
+                    run(c, times * (int(trips.group(1)) if trips else 1), where, sink)
             elif ins.opcode == "conditional":
-                branches = ins.called("branch_computations") or [ins.attr("true_computation"),
-                                                                 ins.attr("false_computation")]
                 counted = []
-                for b in branches:
+                for b in ins.runs():
                     c = (Counter(), Counter())
                     run(b, 1, where, c)
                     counted.append(c)
@@ -238,7 +245,7 @@ def count_launches(text: str) -> Launches:
                     sink[1][k] += v * times
             elif ins.opcode == "call":
                 run(ins.attr("to_apply"), times, where, sink)
-            else:
+            else:  # a kernel or copy
                 sink[0][_category(ins)] += times
                 sink[1][where] += times
 
@@ -255,14 +262,7 @@ def _executed(comps: dict[str, list[Instruction]], entry: str) -> list[str]:
         if name in names:
             continue
         names.append(name)
-        for ins in comps[name]:
-            if ins.opcode == "while":
-                todo += [ins.attr("condition"), ins.attr("body")]
-            elif ins.opcode == "conditional":
-                todo += ins.called("branch_computations") or [ins.attr("true_computation"),
-                                                               ins.attr("false_computation")]
-            elif ins.opcode == "call":
-                todo.append(ins.attr("to_apply"))
+        todo += [c for ins in comps[name] for c in ins.runs()]
     return names
 
 
@@ -272,6 +272,11 @@ _VIEWS = {"parameter", "get-tuple-element", "bitcast", "constant"}
 def _dims(type_: str) -> tuple[str, tuple[int, ...]] | None:
     m = re.fullmatch(r"(\w+)\[([\d,]*)\](?:\{[^}]*\})?", type_)
     return (m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) if m else None
+
+
+def _scalar(ins: Instruction) -> bool:
+    dims = _dims(ins.type)
+    return dims is not None and dims[1] == ()
 
 
 def weight_copies(hlo: str, shapes) -> list[str]:
@@ -284,20 +289,13 @@ def weight_copies(hlo: str, shapes) -> list[str]:
     callers: dict[str, tuple[str, list[str]]] = {}  # computation -> (caller, what its parameters are there)
     for c in _executed(comps, entry):
         for ins in comps[c]:
-            if ins.opcode == "while":
-                callers[ins.attr("body")] = callers[ins.attr("condition")] = (c, ins.operands)
-            elif ins.opcode == "conditional":
-                branches = ins.called("branch_computations") or [ins.attr("true_computation"),
-                                                                 ins.attr("false_computation")]
-                for i, b in enumerate(branches):
-                    callers[b] = (c, [ins.operands[1 + i]])
-            elif ins.opcode == "call":
-                callers[ins.attr("to_apply")] = (c, ins.operands)
+            for i, callee in enumerate(ins.runs()):  # a branch's parameter is its operand; the others', all
+                callers[callee] = (c, [ins.operands[1 + i]] if ins.opcode == "conditional" else ins.operands)
 
     def stored(comp: str, name: str, index: int | None = None) -> bool:
         """Whether `name` in `comp` (its tuple element `index`, if given) is a stored array or a scalar."""
         ins = by_name[comp][name]
-        if index is None and (_dims(ins.type) or ("", (1,)))[1] == ():
+        if index is None and _scalar(ins):
             return True
         if ins.opcode == "constant" or (ins.opcode == "parameter" and comp == entry):
             return True
@@ -317,8 +315,8 @@ def weight_copies(hlo: str, shapes) -> list[str]:
             if (dims is None or dims[0] not in ("f32", "bf16", "f16") or dims[1] not in shapes
                     or ins.opcode in _VIEWS):
                 continue
-            big = [o for o in ins.operands if (_dims(by_name[c][o].type) or ("", (1,)))[1] != ()]
-            if big and all(stored(c, o) for o in ins.operands):  # reads a stored array (not only scalars: a fill)
+            arrays = [o for o in ins.operands if not _scalar(by_name[c][o])]
+            if arrays and all(stored(c, o) for o in ins.operands):  # reads a stored array (not only scalars: a fill)
                 found.append(ins.text.strip()[:160])
     return found
 
@@ -440,8 +438,8 @@ def table(rows: list[tuple[str, Compiled]], num_layers: int) -> str:
                  "optimized HLO; /layer: the mean over layers, outside: the embedding, the attention plan, the final "
                  "norm, logits and sampler; gemm: matmuls, attn: attention kernels, other: conditionals' predicates "
                  "and the rest. A conditional counts its cheapest branch (a greedy step's: no top-k / top-p, no "
-                 "log-prob top-k); cond.+: what its costliest branches would add. w.copies: weight copies. temp MiB: the "
-                 "step's scratch memory on the device besides its arguments, by XLA's memory analysis)")
+                 "log-prob top-k); cond.+: what its costliest branches would add. w.copies: weight copies. temp "
+                 "MiB: the step's scratch memory on the device besides its arguments, by XLA's memory analysis)")
     return "\n".join(lines)
 
 

@@ -252,7 +252,8 @@ class Executor:
     def _build_step(self, kind: str, mesh=None):
         """The jitted step of `kind` over `mesh` (default: the executor's; another mesh of the same shape for
         `lower_shape`)."""
-        t, spec, mesh = self.table, self.spec, mesh or self.mesh
+        t, spec = self.table, self.spec
+        mesh = self.mesh if mesh is None else mesh
         stage = StepBatch.partition_specs(t)
         samp = RowSampling(*([t.rows_kr] * len(dataclasses.fields(RowSampling))))
         param_specs = jax.tree.map(lambda a: a.sharding.spec, self.params)
@@ -621,13 +622,12 @@ class Executor:
         are abstract, with the executor's shapes and partition specs; the parameters may be abstract too
         (`jax.ShapeDtypeStruct`s with shardings, `models.params.abstract_step_params`) for an executor that only
         lowers."""
-        mesh = mesh or self.mesh
+        mesh = self.mesh if mesh is None else mesh
         if dict(mesh.shape) != dict(self.mesh.shape):
             raise ValueError(f"mesh must have the executor's shape {dict(self.mesh.shape)}, got {dict(mesh.shape)}")
         buffer, packing = Packing.pack(self.host_template(T, R))
         register = jax.ShapeDtypeStruct((self.kvp, self.spp, T, self.spec.config.hidden_size), self.spec.dtype,
                                         sharding=self._register_sharding)
-
         packed = jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self._packed_sharding)
         args = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec)),

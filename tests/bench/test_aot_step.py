@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from mnemojax.bench.aot_step import (abstract_executor, count_launches, layer_weight_shapes, main, parse_hlo,
                                      weight_copies)
@@ -191,7 +191,6 @@ def test_engine_step_lowers_for_an_h100_it_does_not_have(kind, kernels):
         ex.lower_shape(T, 8, kind)
     with pytest.raises(ValueError, match="mesh must have the executor's shape"):
         ex.lower_shape(T, 8, kind, mesh=AbstractMesh((2, 1, 1), (KVP, SPP, TP)))
-    assert isinstance(ex.params["layers"][0]["wq"].sharding, NamedSharding)
 
 
 def test_the_script_compiles_every_kind_for_this_machine(capsys):

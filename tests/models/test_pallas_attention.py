@@ -7,6 +7,7 @@ partitions. Also: the compiled kernels lower to Triton IR (checked on the CPU by
 as with the reference, and (GPU only) the compiled kernels against the float32 reference.
 """
 import collections
+import contextlib
 import dataclasses
 import functools
 
@@ -315,6 +316,20 @@ def test_engine_with_interpreted_kernels_matches_reference():
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids and len(ref.outputs[0].token_ids) == 5
 
 
+@contextlib.contextmanager
+def _fill_in_layer_from(threshold: int):
+    """`pa.FILL_IN_LAYER_BYTES` set to `threshold` inside the block, jax's caches cleared on the way in and out (the
+    kernels' jitted wrappers keep what they traced with the other value)."""
+    default = pa.FILL_IN_LAYER_BYTES
+    try:
+        pa.FILL_IN_LAYER_BYTES = threshold
+        jax.clear_caches()
+        yield
+    finally:
+        pa.FILL_IN_LAYER_BYTES = default
+        jax.clear_caches()
+
+
 def test_engine_gives_the_same_results_with_every_buffer_filled_in_its_layer():
     """The engine's steps (inside the step's shard_map: prefill, decode and mixed kinds, several layers) with every
     token-order buffer's fill behind the barrier (FILL_IN_LAYER_BYTES 0; the tiny model's never reach the 4 MiB
@@ -325,17 +340,12 @@ def test_engine_gives_the_same_results_with_every_buffer_filled_in_its_layer():
     params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0, ignore_eos=True)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 23, 1)]
-    outs, default = [], pa.FILL_IN_LAYER_BYTES
-    try:
-        for threshold in (default, 0):
-            pa.FILL_IN_LAYER_BYTES = threshold
-            jax.clear_caches()
+    outs = []
+    for threshold in (pa.FILL_IN_LAYER_BYTES, 0):
+        with _fill_in_layer_from(threshold):
             llm = LLM(model="tiny", attention="pallas_interpret", page_size=4, chunk_size=16, max_model_len=64,
                       max_num_batched_tokens=16, max_num_seqs=4)
             outs.append(llm.generate(prompts, params))
-    finally:
-        pa.FILL_IN_LAYER_BYTES = default
-        jax.clear_caches()
     for free, filled in zip(*outs):
         assert filled.outputs[0].token_ids == free.outputs[0].token_ids and len(free.outputs[0].token_ids) == 4
         assert filled.prompt_logprobs == free.prompt_logprobs
@@ -463,15 +473,9 @@ def test_large_blank_buffers_are_filled_in_their_layer_with_the_same_values(kind
     fn = functools.partial(attention, "pallas_interpret", block_pages=2, precision=HIGHEST, kind=kind)
     free = run(fn, step)
     assert traced("pallas_interpret") == 0
-    default = pa.FILL_IN_LAYER_BYTES
-    try:
-        pa.FILL_IN_LAYER_BYTES = 0
-        jax.clear_caches()  # the kernels' jitted wrappers traced with the default
+    with _fill_in_layer_from(0):
         assert traced("pallas_interpret") == 1 and traced("mosaic_interpret") == 1
         after = run(fn, step)
-    finally:
-        pa.FILL_IN_LAYER_BYTES = default
-        jax.clear_caches()
     pad = np.asarray(step["seq_ids"]) == len(seqs)
     for a, b in zip(after, free):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
