@@ -25,6 +25,10 @@ AUTH = {"Authorization": f"Bearer {KEY}".encode()}
 NORMAL_CLIENTS, NORMAL_REQUESTS, NORMAL_TOKENS = 4, 4, 48
 FLAGS = ["--max_model_len", "2048", "--num_pages", "2048", "--write_timeout_s", "2", "--header_timeout_s", "1",
          "--body_timeout_s", "1", "--shutdown_grace_s", "1"]
+# The clients drop a pooled connection idle for 0.5 s, before the server closes it at 1 s (--header_timeout_s):
+# with httpx's default 5 s a POST could go out on a connection the server was closing that instant (httpx.ReadError
+# in a CI run; a keep-alive race, not the server failing a request).
+LIMITS = httpx.Limits(keepalive_expiry=0.5)
 
 
 def _rss_mib(pid: int) -> float:
@@ -52,7 +56,7 @@ async def _normal_stream(http, url, i) -> list[float]:
 
 
 async def _normal_load(url) -> list[float]:
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=120, limits=LIMITS) as http:
         async def client(c):
             gaps = []
             for k in range(NORMAL_REQUESTS):
@@ -110,7 +114,7 @@ def _post_head(length: int, extra: bytes = b"") -> bytes:
 async def _abusers(url: str, port: int) -> list[int]:
     """Every abusive pattern of issue 13 at once; returns the HTTP statuses they got."""
     statuses: list[int] = []
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=120, limits=LIMITS) as http:
         async def post(path, **kw):
             kw.setdefault("headers", AUTH)
             r = await http.post(f"{url}{path}", **kw)
