@@ -89,19 +89,23 @@ except ImportError:  # pragma: no cover - depends on the jax version
 _LOAD_NEEDS_INDEX = plgpu is not None and getattr(
     inspect.signature(plgpu.load).parameters.get("idx"), "default", None) is inspect.Parameter.empty
 LOG2E = math.log2(math.e)
-ROWS = 64  # rows of a tile: one wgmma M tile, one consumer warpgroup
+ROWS = 64  # rows of a consumer warpgroup: one wgmma M tile
+PREFILL_CONSUMERS = 2  # consumer warpgroups of a prefill program: 128 rows share each K/V block's load
 BLOCK_K = 64  # keys per block of the online softmax
 STAGES = 2  # K/V SMEM slots in flight between the producer and the consumer
 HEAD_DIMS = (64, 128, 256)
-TARGET_PROGRAMS = 264  # grid size the KV partitions aim for (2 programs per SM of an H100 SXM, 132 SMs)
+TARGET_PROGRAMS = 264  # grid size the KV partitions aim for (2 one-consumer programs per SM of an H100 SXM, 132 SMs;
+# a two-consumer program takes an SM alone: 3 x 128 threads x up to 168 registers, so half as many)
 
 
-def compiler_params():
+def compiler_params(approx_math: bool = True):
     """The kernels' Mosaic GPU compiler parameters: Lane lowering semantics, named rather than defaulted. The
     kernel is written for them (registers in explicit WGMMA layouts: `plgpu.layout_cast`, `load(layout=)`,
     `broadcasted_iota(layout=)`), they were jax 0.10's default, and jax 0.11 made Warpgroup semantics (layouts
-    inferred) the default: left to the default, the same code would lower differently on the GPU image's jax."""
-    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    inferred) the default: left to the default, the same code would lower differently on the GPU image's jax.
+    `approx_math`: exp2 / log2 by the hardware's approximate instructions (ex2.approx.ftz.f32: relative error
+    ~2^-22, what Triton's exp2 uses), division approximate too; the interpreter computes them exactly."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=approx_math)
 
 
 def _swizzled(dtype) -> tuple:
@@ -267,18 +271,20 @@ class _Ops:
 
 # ------------------------------------------------------------------------------------------ the kernel
 def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_parts: int,
-            group: int, scale: float, ops: _Ops, out_dtype):
-    """One (tile, kv head, partition) program: warpgroup 0 consumes, warpgroup 1 produces (TMA).
+            group: int, scale: float, ops: _Ops, out_dtype, lookahead: bool):
+    """One (tile, kv head, partition) program: warpgroups 0 .. C-1 consume (64 rows each), warpgroup C produces
+    (TMA), C = the tile's rows / 64 (`PREFILL_CONSUMERS` for prefill tiles, 1 for decode tiles).
 
     layer_ref i32[1]; seq_ref / full_ref / hi_ref i32[nt]: the tile's sequence, the keys all its rows see, the keys
     its furthest row sees (the step's plan, shared by every layer); lim_ref i32[nt, 64] keys each row sees;
-    table_ref i32[B, M]; q_ref [nt, K, 64, H]; k_ref / v_ref the cache [L, P, S, K, H].
+    table_ref i32[B, M]; q_ref [nt, K, 64 C, H]; k_ref / v_ref the cache [L, P, S, K, H].
     When num_parts == 1, io_refs = (tok_ref i32[nt, BQ]: the tile's tokens, T = empty slot; out [T, N, H] in
     `out_dtype`; lse f32[T, N]): the program writes its rows normalised, in token order, each token's G heads
     straight to their place (token i of the tile is rows i*G .. i*G+G-1); empty slots write nothing. Otherwise
-    io_refs are the partial (acc [nt, K, NP, 64, H], m [nt, K, NP, 64] base-2, l [nt, K, NP, 64]), float32.
+    io_refs are the partial (acc [nt, K, NP, 64 C, H], m [nt, K, NP, 64 C] base-2, l [nt, K, NP, 64 C]), float32.
     """
     _, _, S, _, H = k_ref.shape
+    C = q_ref.shape[2] // ROWS
     max_pages = table_ref.shape[1]
     cdt = q_ref.dtype
     tr = _swizzled(cdt)
@@ -287,43 +293,49 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
     # live only after it: one SMEM region holds both (`_Ops.union`), so the staging costs no SMEM of its own.
     loop = (plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # k slots
             plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # v slots
-            plgpu.SMEM((ROWS, BLOCK_K), cdt, transforms=tr))  # p
+            plgpu.SMEM((C, ROWS, BLOCK_K), cdt, transforms=tr))  # p, one per consumer
     # output staging: rows of G heads copied out per token (out_dtype; tiled only where G-row slices are whole
     # tiles: `_token_rows_tiled`), or the float32 partial, copied out whole: tiled and swizzled as the wgmma
     # operands are, so the store from registers is free of bank conflicts (jax 0.12 refuses the untiled store of
     # a float32 WGMMA-layout array)
-    staging = (plgpu.SMEM((ROWS, H), out_dtype, transforms=_swizzled(out_dtype) if _token_rows_tiled(group) else ())
-               if num_parts == 1 else plgpu.SMEM((ROWS, H), jnp.float32, transforms=_swizzled(jnp.float32)))
+    staging = (plgpu.SMEM((C, ROWS, H), out_dtype, transforms=_swizzled(out_dtype) if _token_rows_tiled(group) else ())
+               if num_parts == 1 else plgpu.SMEM((C, ROWS, H), jnp.float32, transforms=_swizzled(jnp.float32)))
     scratch = [
-        plgpu.SMEM((ROWS, H), cdt, transforms=tr),  # q
+        plgpu.SMEM((C, ROWS, H), cdt, transforms=tr),  # q
         ops.union(loop, staging),
-        plgpu.SMEM((ROWS,), jnp.int32),  # keys each row sees
-        plgpu.SMEM((ROWS,), jnp.float32),  # lse / m staging
-        plgpu.SMEM((ROWS,), jnp.float32),  # l staging
+        plgpu.SMEM((C, ROWS), jnp.int32),  # keys each row sees
+        plgpu.SMEM((C, ROWS), jnp.float32),  # lse / m staging
+        plgpu.SMEM((C, ROWS), jnp.float32),  # l staging
     ]
     copies = max(1, BLOCK_K // S)  # TMA copies per key block: one per page, or one slice of a large page
     barriers = [
-        plgpu.Barrier(num_arrivals=2),  # q and the row limits landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=C),  # a consumer's q and row limits landed
         plgpu.Barrier(num_arrivals=copies, num_barriers=STAGES),  # k slot full
         plgpu.Barrier(num_arrivals=copies, num_barriers=STAGES),  # v slot full
-        plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # slot consumed
+        plgpu.Barrier(num_arrivals=C, num_barriers=STAGES),  # slot consumed (by every consumer)
     ]
+    if C > 1:
+        barriers += [plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # v slot's keys past the tile's zeroed
+                     plgpu.Barrier(num_arrivals=C)]  # every consumer's loop done (the staging overlays the ring)
     tile = (layer_ref, seq_ref, full_ref, hi_ref)
     pl.run_scoped(functools.partial(_program, tile, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
                                     num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
-                                    max_pages=max_pages),
+                                    max_pages=max_pages, lookahead=lookahead),
                   *scratch, *barriers, collective_axes="wg")
 
 
-def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem, union, lim_smem, m_smem, l_smem,
-             q_bar, k_bar, v_bar, consumed, *, num_parts, group, scale, ops, page_size, max_pages):
-    (k_smem, v_smem, p_smem), o_smem = union
+def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smems, union, lim_smems, m_smems,
+             l_smems, q_bars, k_bar, v_bar, consumed, *sync, num_parts, group, scale, ops, page_size, max_pages,
+             lookahead):
+    (k_smem, v_smem, p_smems), o_smems = union
+    C = q_smems.shape[0]  # consumer warpgroups; warpgroup C produces
+    v_zeroed, loop_done = sync if C > 1 else (None, None)
     t, kvh, part = lax.axis_index("tile"), lax.axis_index("kvh"), lax.axis_index("part")
     wg = lax.axis_index("wg")
     layer_ref, seq_ref, full_ref, hi_ref = tile_refs
     layer, seq, kv_full, kv_hi = layer_ref[0], seq_ref[t], full_ref[t], hi_ref[t]
-    head_dim = q_smem.shape[-1]
-    cdt = q_smem.dtype
+    head_dim = q_smems.shape[-1]
+    cdt = q_smems.dtype
 
     # This partition's share of the tile's key blocks, and where the unmasked ones end.
     n_blocks = _cdiv(kv_hi, BLOCK_K)
@@ -332,10 +344,24 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
     hi = jnp.minimum(lo + per_part, n_blocks)
     split = jnp.clip(lax.div(kv_full, BLOCK_K), lo, hi)
 
-    @pl.when(wg == 1)
+    @pl.when(wg == C)
     def _producer():
-        def fill(step, _):
+        def pages_of(step):
+            """The page-table entries of the partition's block `step` (columns clamped: one past the last block
+            reads a real column, unused)."""
+            first_page = lax.div((lo + step) * BLOCK_K, page_size)
+            return tuple(table_ref[seq, jnp.minimum(first_page + i, max_pages - 1)]
+                         for i in range(max(1, BLOCK_K // page_size)))
+
+        def fill(step, pages):
             slot = lax.rem(step, STAGES)
+            # The page-table loads (GMEM, dependent TMA copies after them) go first: with `lookahead`, the next
+            # block's, before this block's wait, so their latency hides behind it; else this block's, all of them
+            # before its copies rather than each just before its own.
+            if lookahead:
+                pages, upcoming = pages, pages_of(step + 1)
+            else:
+                pages, upcoming = pages_of(step), ()
 
             @pl.when(step >= STAGES)
             def _():
@@ -343,19 +369,17 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
             first = (lo + step) * BLOCK_K  # local index of the block's first key
             if page_size <= BLOCK_K:
-                for i in range(BLOCK_K // page_size):
-                    page = table_ref[seq, jnp.minimum(lax.div(first, page_size) + i, max_pages - 1)]
+                for i, page in enumerate(pages):
                     rows = pl.ds(i * page_size, page_size)
                     plgpu.copy_gmem_to_smem(k_ref.at[layer, page, :, kvh, :], k_smem.at[slot, rows], k_bar.at[slot])
                     plgpu.copy_gmem_to_smem(v_ref.at[layer, page, :, kvh, :], v_smem.at[slot, rows], v_bar.at[slot])
             else:
-                page = table_ref[seq, jnp.minimum(lax.div(first, page_size), max_pages - 1)]
                 rows = pl.ds(lax.rem(first, page_size), BLOCK_K)
-                plgpu.copy_gmem_to_smem(k_ref.at[layer, page, rows, kvh, :], k_smem.at[slot], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[layer, page, rows, kvh, :], v_smem.at[slot], v_bar.at[slot])
-            return ()
+                plgpu.copy_gmem_to_smem(k_ref.at[layer, pages[0], rows, kvh, :], k_smem.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[layer, pages[0], rows, kvh, :], v_smem.at[slot], v_bar.at[slot])
+            return upcoming
 
-        lax.fori_loop(0, hi - lo, fill, ())
+        lax.fori_loop(0, hi - lo, fill, pages_of(0) if lookahead else ())
 
         # Wait for the consumption of the last STAGES blocks too, which no fill waited for: then this warpgroup has
         # observed every phase of the "consumed" barriers before they go (jax's interpreter refuses a barrier
@@ -367,10 +391,13 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
         lax.fori_loop(jnp.maximum(hi - lo - STAGES, 0), hi - lo, drain, ())
 
-    @pl.when(wg == 0)
-    def _consumer():
-        plgpu.copy_gmem_to_smem(q_ref.at[t, kvh], q_smem, q_bar)
-        plgpu.copy_gmem_to_smem(lim_ref.at[t], lim_smem, q_bar)
+    @pl.when(wg < C)
+    def _consumer():  # rows wg*64 .. wg*64+63 of the tile
+        q_smem, p_smem, o_smem, lim_smem, m_smem, l_smem, q_bar = (
+            x.at[wg] for x in (q_smems, p_smems, o_smems, lim_smems, m_smems, l_smems, q_bars))
+        rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
+        plgpu.copy_gmem_to_smem(q_ref.at[t, kvh, rows], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(lim_ref.at[t, rows], lim_smem, q_bar)
         plgpu.barrier_wait(q_bar)
         lim = ops.load_rows(lim_smem)
 
@@ -398,9 +425,23 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             if masked:
                 # Slots past the tile's last visible key may never have been written (another sequence's pages
                 # behind unused page-table columns, uninitialised memory): zero them so 0 x NaN cannot reach out.
-                key = step * BLOCK_K + ops.iota((BLOCK_K, head_dim), 0)
-                v_slot = v_smem.at[slot]
-                ops.store(v_slot, jnp.where(key < kv_hi, v_slot[...], jnp.zeros((), cdt)))
+                # Only the block that holds the tile's last visible key has such slots, and one consumer zeroes
+                # them in the shared slot; the others wait for it before reading the slot.
+                partial = (step + 1) * BLOCK_K > kv_hi
+
+                @pl.when(partial & (wg == 0))
+                def _():
+                    key = step * BLOCK_K + ops.iota((BLOCK_K, head_dim), 0)
+                    v_slot = v_smem.at[slot]
+                    ops.store(v_slot, jnp.where(key < kv_hi, v_slot[...], jnp.zeros((), cdt)))
+                    if C > 1:
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(v_zeroed.at[slot])
+
+                if C > 1:
+                    @pl.when(partial & (wg > 0))
+                    def _():
+                        plgpu.barrier_wait(v_zeroed.at[slot])
             ops.store(p_smem, p.astype(cdt))
             plgpu.commit_smem()
 
@@ -418,6 +459,9 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                  ops.cast(jnp.zeros((ROWS, head_dim), jnp.float32), None if ops.interpret else plgpu.Layout.WGMMA))
         carry = lax.fori_loop(lo, split, functools.partial(block, masked=False), carry)
         m, l, acc = lax.fori_loop(split, hi, functools.partial(block, masked=True), carry)
+        if C > 1:  # the staging below overlays the ring and the P buffers, which the other consumers may still read
+            plgpu.barrier_arrive(loop_done)
+            plgpu.barrier_wait(loop_done)
 
         if num_parts == 1:  # the merge is the normalisation: (out, lse) straight from the kernel, in token order
             tok_ref, out_ref, lse_ref = io_refs
@@ -432,8 +476,10 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
             lse_by_tma = G % 4 == 0  # G float32 make a 16-byte TMA row (with N = K x G, every row offset aligned)
 
-            def write_token(i, _):  # token i of the tile: rows i*G .. i*G+G-1 -> out[tok, kvh*G : kvh*G+G, :]
-                tok = tok_ref[t, i]
+            bq = tok_ref.shape[1] // C  # this consumer's tokens: the tile's wg*bq .. wg*bq+bq-1
+
+            def write_token(i, _):  # its token i: rows i*G .. i*G+G-1 -> out[tok, kvh*G : kvh*G+G, :]
+                tok = tok_ref[t, wg * bq + i]
 
                 @pl.when(tok < num_tokens)  # an empty slot (tok == T) writes nothing
                 def _():
@@ -444,14 +490,13 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 return ()
 
             def write_lse(r, _):  # G < 4: a row narrower than a TMA copy takes (16 bytes), a scalar store each
-                tok = tok_ref[t, lax.div(r, G)]
+                tok = tok_ref[t, wg * bq + lax.div(r, G)]
 
                 @pl.when(tok < num_tokens)
                 def _():
                     lse_ref[tok, kvh * G + lax.rem(r, G)] = m_smem[r]
                 return ()
 
-            bq = tok_ref.shape[1]
             lax.fori_loop(0, bq, write_token, ())
             if not lse_by_tma:
                 lax.fori_loop(0, bq * G, write_lse, ())
@@ -461,14 +506,15 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             ops.store(m_smem, m)
             ops.store(l_smem, l)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, acc_ref.at[t, kvh, part])
-            plgpu.copy_smem_to_gmem(m_smem, m_ref.at[t, kvh, part])
-            plgpu.copy_smem_to_gmem(l_smem, l_ref.at[t, kvh, part])
+            plgpu.copy_smem_to_gmem(o_smem, acc_ref.at[t, kvh, part, rows])
+            plgpu.copy_smem_to_gmem(m_smem, m_ref.at[t, kvh, part, rows])
+            plgpu.copy_smem_to_gmem(l_smem, l_ref.at[t, kvh, part, rows])
         plgpu.wait_smem_to_gmem(0)
 
 
 # ------------------------------------------------------------------------------------------ the wrappers
-def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interpret: bool, out_dtype, into=None):
+def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interpret: bool, out_dtype, into=None,
+                  approx_math: bool = True, lookahead: bool = True):
     """One kernel launch over the tiles of `launch` (`pa.Launch`: tokens i32[nt, BQ], T = empty slot, one sequence
     per tile, with their metadata for 64-row programs and the number of KV partitions, `num_parts`).
 
@@ -485,12 +531,14 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     tile_tok = launch.tok
     nt, bq = tile_tok.shape
     G = N // K
-    if bq * G > ROWS:
-        raise ValueError(f"a tile of {bq} tokens x {G} heads exceeds the kernel's {ROWS} rows")
-
-    if launch.lim_rows.shape[1] != ROWS or launch.work is not None:
-        raise ValueError(f"a Mosaic launch has {ROWS}-row programs on the static grid (plan_step)")
-    qt = pa._tile_rows(q, tile_tok, K, ROWS)  # the Triton kernels' layout
+    rows = launch.lim_rows.shape[1]
+    C = rows // ROWS  # consumer warpgroups
+    if rows % ROWS or not 1 <= C <= PREFILL_CONSUMERS or launch.work is not None:
+        raise ValueError(f"a Mosaic launch has programs of 64 x (1 .. {PREFILL_CONSUMERS}) rows on the static grid "
+                         f"(plan_step), got {rows} rows")
+    if bq * G > rows or bq % C:
+        raise ValueError(f"a tile of {bq} tokens x {G} heads does not fit the kernel's {C} x {ROWS} rows")
+    qt = pa._tile_rows(q, tile_tok, K, rows)  # the Triton kernels' layout
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)  # a constant when the layer loop is unrolled: no kernel
     NP = launch.num_parts
     lim_rows = launch.lim_rows
@@ -512,18 +560,19 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     else:
         if into is not None:
             raise ValueError("only a one-partition launch writes in token order (into)")
-        out_shape = [jax.ShapeDtypeStruct((nt, K, NP, ROWS, H), f32),
-                     jax.ShapeDtypeStruct((nt, K, NP, ROWS), f32), jax.ShapeDtypeStruct((nt, K, NP, ROWS), f32)]
+        out_shape = [jax.ShapeDtypeStruct((nt, K, NP, rows, H), f32),
+                     jax.ShapeDtypeStruct((nt, K, NP, rows), f32), jax.ShapeDtypeStruct((nt, K, NP, rows), f32)]
     # `pl.kernel` on a Mosaic GPU mesh is what `plgpu.kernel` wraps (in a custom_vmap, which rejects the mutable
     # refs of `into`: "JaxprInputEffect ... does not have a corresponding jaxpr input", jax 0.10.2); the varying
     # axes check is off as there (its outputs are typed varying over no mesh axis inside shard_map).
     with jax_config._check_vma(False):
         outs = pl.kernel(
             functools.partial(_kernel, num_parts=NP, group=G, scale=H ** -0.5 * LOG2E, ops=_Ops(interpret),
-                              out_dtype=out_dtype),
+                              out_dtype=out_dtype, lookahead=lookahead),
             out_type=out_shape,
-            mesh=plgpu.Mesh(grid=(nt, K, NP), grid_names=("tile", "kvh", "part"), num_threads=2, thread_name="wg"),
-            compiler_params=None if interpret else compiler_params(),
+            mesh=plgpu.Mesh(grid=(nt, K, NP), grid_names=("tile", "kvh", "part"), num_threads=C + 1,
+                            thread_name="wg"),
+            compiler_params=None if interpret else compiler_params(approx_math),
             interpret=_interpret_params() if interpret else False,
             name="paged_attention_mosaic",
         )(*operands)
@@ -536,7 +585,8 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     return out, lse
 
 
-def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret: bool, out_dtype=None):
+def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret: bool, out_dtype=None,
+             approx_math: bool = True, lookahead: bool = True):
     """(out [T, N, H] in `out_dtype` (default q's dtype, or float32), lse f32[T, N]) of a step whose tokens are
     laid out in the launches of `tiles` (`plan_step`), no token in two.
 
@@ -558,7 +608,7 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     for launch in (tiles.decode, tiles.prefill):
         if launch is None:
             continue
-        kw = dict(interpret=interpret, out_dtype=out_dtype)
+        kw = dict(interpret=interpret, out_dtype=out_dtype, approx_math=approx_math, lookahead=lookahead)
         if launch.num_parts == 1:
             into = _attend_tiles(*args, launch, into=into, **kw)
         else:
@@ -578,75 +628,92 @@ def _check(q, k_cache, v_cache, meta, interpret: bool):
         raise ValueError(f"page_table must be [B >= 1, M >= 1], got {meta.page_table.shape}")
 
 
-def block_q_for(num_heads: int, num_kv_heads: int) -> int:
-    """Tokens per prefill tile: the query heads of a group x tokens fill the 64 rows."""
-    return ROWS // (num_heads // num_kv_heads)
+def block_q_for(num_heads: int, num_kv_heads: int, consumers: int = PREFILL_CONSUMERS) -> int:
+    """Tokens per prefill tile: the query heads of a group x tokens fill the 64 rows of each of `consumers`
+    consumer warpgroups."""
+    return consumers * ROWS // (num_heads // num_kv_heads)
+
+
+def _check_consumers(consumers: int):
+    if consumers not in range(1, PREFILL_CONSUMERS + 1):
+        raise ValueError(f"consumers (warpgroups of 64 rows in a prefill program) must be 1 .. {PREFILL_CONSUMERS}, "
+                         f"got {consumers}")
 
 
 def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, page_size: int,
-            num_partitions: int | None) -> pa.Launch:
-    """The `pa.Launch` of the tiles `tile_tok` for the Mosaic kernel: 64-row programs, key blocks of 64, KV
-    partitions `num_partitions` or enough programs to fill the GPU."""
+            num_partitions: int | None, consumers: int = 1) -> pa.Launch:
+    """The `pa.Launch` of the tiles `tile_tok` for the Mosaic kernel: programs of `consumers` x 64 rows, key
+    blocks of 64, KV partitions `num_partitions` or enough programs to fill the GPU."""
     if num_partitions is None:
         nt, M = tile_tok.shape[0], meta.page_table.shape[1]
-        num_partitions = max(1, min(_cdiv(M * page_size, BLOCK_K), _cdiv(TARGET_PROGRAMS, nt * num_kv_heads)))
-    seq, full, hi, lim_rows = pa._tile_layout(meta, tile_tok, num_heads // num_kv_heads, ROWS)
+        target = TARGET_PROGRAMS // consumers  # a program of C consumers holds an SM's registers alone
+        num_partitions = max(1, min(_cdiv(M * page_size, BLOCK_K), _cdiv(target, nt * num_kv_heads)))
+    seq, full, hi, lim_rows = pa._tile_layout(meta, tile_tok, num_heads // num_kv_heads, consumers * ROWS)
     return pa.Launch(tok=tile_tok, seq=seq, full=full, hi=hi, lim_rows=lim_rows, row_tok=None, work=None,
                      block_k=BLOCK_K, num_parts=num_partitions, programs=0)
 
 
 def plan_step(meta, *, num_heads: int, num_kv_heads: int, page_size: int, kind: str = MIXED,
-              num_partitions: int | None = None, decode_partitions: int | None = None) -> pa.StepTiles:
+              num_partitions: int | None = None, decode_partitions: int | None = None,
+              consumers: int = PREFILL_CONSUMERS) -> pa.StepTiles:
     """A step's launches for `paged_attention_mosaic` (options as its own; heads and page size as the kernels see
     them): the tilings and per-tile metadata from the step's layout alone, computed once per step by the model
     and read by every layer's attention (`tiles=`)."""
     if kind not in (MIXED, DECODE, PREFILL):
         raise ValueError(f"kind must be one of {(MIXED, DECODE, PREFILL)}, got {kind!r}")
-    dec, pre = pa.step_tilings(meta, kind=kind, block_q=block_q_for(num_heads, num_kv_heads))
+    _check_consumers(consumers)
+    dec, pre = pa.step_tilings(meta, kind=kind, block_q=block_q_for(num_heads, num_kv_heads, consumers))
     dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=page_size)
     return pa.StepTiles(
         decode=None if dec is None else _launch(meta, dec, num_partitions=decode_partitions, **dims),
-        prefill=None if pre is None else _launch(meta, pre, num_partitions=num_partitions, **dims), kind=kind)
+        prefill=None if pre is None else _launch(meta, pre, num_partitions=num_partitions, consumers=consumers,
+                                                 **dims), kind=kind)
 
 
-def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partitions, out_dtype):
+def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partitions, out_dtype, consumers=1,
+            **codegen):
     """Attention of every token of the step through the one launch over `tile_tok`."""
     launch = _launch(meta, tile_tok, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3],
-                     page_size=k_cache.shape[2], num_partitions=num_partitions)
+                     page_size=k_cache.shape[2], num_partitions=num_partitions, consumers=consumers)
     tiles = pa.StepTiles(decode=None, prefill=launch, kind=MIXED)  # covers every token, as a mixed step's do
-    return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype)
+    return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype, **codegen)
 
 
 @pa._jit
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
-                      num_partitions: int | None = None, out_dtype=None):
-    """Chunked-prefill attention: every sequence's tokens in tiles of 64 // G tokens, split-K over
-    `num_partitions` (default: enough programs to fill the GPU). Arguments as `models.attention.paged_attention`
-    (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by default, or float32), lse f32[T, N]."""
+                      num_partitions: int | None = None, out_dtype=None, consumers: int = PREFILL_CONSUMERS,
+                      approx_math: bool = True, lookahead: bool = True):
+    """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
+    warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
+    `models.attention.paged_attention` (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by
+    default, or float32), lse f32[T, N]."""
     _check(q, k_cache, v_cache, meta, interpret)
+    _check_consumers(consumers)
     T, N, H = q.shape
     B = meta.page_table.shape[0]
-    bq = block_q_for(N, k_cache.shape[3])
+    bq = block_q_for(N, k_cache.shape[3], consumers)
     tiles = pa._sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
-                   out_dtype=out_dtype)
+                   out_dtype=out_dtype, consumers=consumers, approx_math=approx_math, lookahead=lookahead)
 
 
 @pa._jit
 def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
-                     num_partitions: int | None = None, out_dtype=None):
+                     num_partitions: int | None = None, out_dtype=None, approx_math: bool = True,
+                     lookahead: bool = True):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
     `prefill_attention`."""
     _check(q, k_cache, v_cache, meta, interpret)
     tiles = pa._token_tiles(jnp.ones(q.shape[0], bool), q.shape[0])
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
-                   out_dtype=out_dtype)
+                   out_dtype=out_dtype, approx_math=approx_math, lookahead=lookahead)
 
 
 def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                             num_partitions: int | None = None, decode_partitions: int | None = None,
-                            kind: str = MIXED, out_dtype=None, tiles: pa.StepTiles | None = None):
+                            kind: str = MIXED, out_dtype=None, tiles: pa.StepTiles | None = None,
+                            consumers: int = PREFILL_CONSUMERS, approx_math: bool = True, lookahead: bool = True):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
@@ -657,11 +724,14 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
     _check(q, k_cache, v_cache, meta, interpret)
     if tiles is None:
         tiles = plan_step(meta, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3], page_size=k_cache.shape[2],
-                          kind=kind, num_partitions=num_partitions, decode_partitions=decode_partitions)
-    elif num_partitions is not None or decode_partitions is not None or kind != MIXED:
+                          kind=kind, num_partitions=num_partitions, decode_partitions=decode_partitions,
+                          consumers=consumers)
+    elif (num_partitions is not None or decode_partitions is not None or kind != MIXED
+          or consumers != PREFILL_CONSUMERS):
         raise ValueError("tiles were planned with their own options (plan_step); got num_partitions, "
-                         "decode_partitions or kind too")
-    return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype)
+                         "decode_partitions, kind or consumers too")
+    return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,
+                    approx_math=approx_math, lookahead=lookahead)
 
 
 paged_attention_mosaic = pa._jit(_paged_attention_mosaic, dynamic=("tiles",))

@@ -73,6 +73,18 @@ def test_prefill_kernel_matches_reference(case):
     check(ma.prefill_attention, step, num_partitions=parts)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["g4-page16-np1", "g2-page8-np2"])
+def test_prefill_kernel_with_one_consumer_matches_reference(case):
+    """Prefill programs of one consumer warpgroup (64 rows: tiles of 64 // G tokens), the kernels' layout before
+    two consumers shared each K/V load, kept as an option (`consumers=1`)."""
+    num_heads, num_kv_heads, page, parts, seqs = PREFILL[case]
+    rng = np.random.default_rng(len(case) + 1)
+    step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64, page=page,
+                     dtype=jnp.bfloat16, shuffle=True)
+    check(ma.prefill_attention, step, num_partitions=parts, consumers=1)
+
+
 @pytest.mark.slow  # ~13 s in the interpreter (the prefill case and the CUDA lowering stay in the default suite)
 def test_decode_kernel_split_k_matches_reference():
     """Decode tiles (one token, its 8 heads as rows), 3 partitions: 70 keys (two blocks: the third partition is
@@ -103,8 +115,10 @@ def race_detection(monkeypatch):
     yield lambda: interpret_pallas_call.get_races().races_found
 
 
+@pytest.mark.parametrize("lookahead", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["lookahead", "no-lookahead"])
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_a_program_refills_its_slots_without_races(kind, race_detection):
+def test_a_program_refills_its_slots_without_races(kind, lookahead, race_detection):
     """One partition over more key blocks than the ring has slots (STAGES = 2), so the producer refills slots the
     consumer released (it waits on "consumed" for each) and waits for the last ones at the end, and the output
     staging, which shares SMEM with the slots, is written after: 300 keys (5 blocks) for the decode, a 20-token
@@ -116,7 +130,7 @@ def test_a_program_refills_its_slots_without_races(kind, race_detection):
     seqs = [(300, 1, 0), (70, 1, 0)] if kind == "decode" else [(200, 20, 0), (9, 9, 0)]
     step = make_step(rng, seqs, num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
     fn = ma.decode_attention if kind == "decode" else ma.prefill_attention
-    check(fn, step, num_partitions=1)
+    check(fn, step, num_partitions=1, lookahead=lookahead)
     assert not race_detection()
 
 
@@ -238,18 +252,21 @@ H100_SMEM_PER_SM, H100_SMEM_PER_BLOCK, SMEM_RESERVED_PER_BLOCK = 228 * 1024, 227
 @pytest.mark.parametrize("head_dim", [pytest.param(64, id="hd64-llama3.2-1b"), pytest.param(128, id="hd128-8b-70b"),
                                       pytest.param(256, id="hd256")])
 def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
-    """Mosaic GPU's lowering sums the kernel's SMEM and refuses a kernel over the limit. At head dims 64 and 128
-    two programs must fit on one SM (the KV partitions aim for TARGET_PROGRAMS, two per SM); at 256, one. Every
-    output path: split-K partials (float32), token order in the model's dtype, a KVP rank's float32 partial. Head
-    dim 256 with a float32 output once needed 242,744 bytes (the output staging beside the K/V slots), over the
-    227 KB a block may take."""
+    """Mosaic GPU's lowering sums the kernel's SMEM and refuses a kernel over the limit. Decode programs (one
+    consumer warpgroup) at head dims 64 and 128: two must fit on one SM (the KV partitions aim for
+    TARGET_PROGRAMS, two per SM); at 256, one. Prefill programs (PREFILL_CONSUMERS = 2 consumer warpgroups, an SM's
+    registers alone): one. Every output path: split-K partials (float32), token order in the model's dtype, a
+    KVP rank's float32 partial. Head dim 256 with a float32 output once needed 242,744 bytes (the output staging
+    beside the K/V slots), over the 227 KB a block may take."""
     from jax.experimental.mosaic.gpu import core as mgpu_core
 
-    assert ma.TARGET_PROGRAMS == 2 * 132  # two programs on each of an H100 SXM's 132 SMs
-    per_sm = 2 if head_dim <= 128 else 1
-    limit = min(H100_SMEM_PER_BLOCK, H100_SMEM_PER_SM // per_sm - SMEM_RESERVED_PER_BLOCK)
-    with mgpu_core.artificial_shared_memory_limit(limit):
-        assert_lowers_for_cuda(jnp.bfloat16, OUTPUT_PATHS, "@mosaic_gpu_v2", head_dim=head_dim)
+    assert ma.TARGET_PROGRAMS == 2 * 132  # two one-consumer programs on each of an H100 SXM's 132 SMs
+    assert ma.PREFILL_CONSUMERS == 2
+    for kind, per_sm in (("decode", 2 if head_dim <= 128 else 1), ("prefill", 1)):
+        limit = min(H100_SMEM_PER_BLOCK, H100_SMEM_PER_SM // per_sm - SMEM_RESERVED_PER_BLOCK)
+        paths = tuple((functools.partial(fn, kind=kind), 1) for fn, _ in OUTPUT_PATHS)
+        with mgpu_core.artificial_shared_memory_limit(limit):
+            assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
 
 
 # What the module says it supports beyond the 8B / 70B shapes: GQA groups 1 to 64, every page size class (below a
@@ -319,17 +336,28 @@ def test_engine_with_interpreted_mosaic_kernels_matches_reference(tmp_path):
     assert all(len(t) == 3 for t in outs["reference"])
 
 
+# The compiled kernels, each its own test (one that fails to compile or disagrees leaves the others' results), in
+# this order: one-consumer programs first, then the two-consumer prefill programs, then the code-generation options.
+COMPILED = {"decode": ma.decode_attention,
+            "prefill-c1": functools.partial(ma.prefill_attention, consumers=1),
+            "prefill": ma.prefill_attention,
+            "switch": ma.paged_attention_mosaic,
+            "switch-exact-math": functools.partial(ma.paged_attention_mosaic, approx_math=False),
+            "switch-no-lookahead": functools.partial(ma.paged_attention_mosaic, lookahead=False)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
-def test_compiled_kernels_on_hopper_match_float32_reference():
+@pytest.mark.parametrize("num_heads", [32, 64])
+@pytest.mark.parametrize("kernel", list(COMPILED))
+def test_compiled_kernels_on_hopper_match_float32_reference(kernel, num_heads):
     """The compiled kernels at Llama-3-8B and -70B attention shapes (32 or 64 q heads, 8 kv heads, head dim 128,
     page 16) on random bf16 inputs: a long prefill chunk, short chunks, decodes, an empty KVP shard, padding rows."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(num_heads)
     seqs = [(5000, 512, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (1, 1, 0), (0, 3, 0), (900, 17, 3000)]
-    for num_heads in (32, 64):
-        step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=8, head_dim=128, page=16,
-                         dtype=jnp.bfloat16, pad_rows=3)
-        check_compiled(step, (ma.paged_attention_mosaic, ma.prefill_attention, ma.decode_attention))
+    step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=8, head_dim=128, page=16, dtype=jnp.bfloat16,
+                     pad_rows=3)
+    check_compiled(step, (COMPILED[kernel],))
 
 
 @pytest.mark.parametrize("kind,want", [("mixed", 2), ("decode", 1), ("prefill", 1)])

@@ -358,9 +358,16 @@ def _has_gpu() -> bool:
         return False
 
 
+# The compiled kernels, each its own test: the switch, each kernel alone, and one partition (token order).
+COMPILED = {"switch": pa.paged_attention_pallas, "prefill": pa.prefill_attention, "decode": pa.decode_attention,
+            "one-partition": functools.partial(pa.paged_attention_pallas, num_partitions=1, decode_partitions=1)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
-def test_compiled_kernels_on_gpu_match_float32_reference():
+@pytest.mark.parametrize("persistent", [False, True], ids=["static", "persistent"])
+@pytest.mark.parametrize("kernel", sorted(COMPILED))
+def test_compiled_kernels_on_gpu_match_float32_reference(kernel, persistent):
     """The compiled kernels (static and persistent grids; split-K and one partition writing token order) at
     Llama-3-8B attention shapes (32 q heads, 8 kv heads, head dim 128, page 16) on random bf16 inputs: a long
     prefill chunk, short chunks, decodes, an empty KVP shard, padding rows."""
@@ -370,9 +377,8 @@ def test_compiled_kernels_on_gpu_match_float32_reference():
     with jax.default_device(gpu):
         step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=128, page=16, dtype=jnp.bfloat16,
                          pad_rows=3)
-        fns = (pa.paged_attention_pallas, pa.prefill_attention, pa.decode_attention,
-               functools.partial(pa.paged_attention_pallas, num_partitions=1, decode_partitions=1))
-        check_compiled(step, fns + tuple(functools.partial(fn, persistent=True) for fn in fns))
+        fn = COMPILED[kernel]
+        check_compiled(step, (functools.partial(fn, persistent=True) if persistent else fn,))
 
 
 def check_compiled(step, fns):
