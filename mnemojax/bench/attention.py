@@ -2,18 +2,27 @@
 
     python scripts/bench_attention.py [--contexts 262144,1048576] [--chunks 32,64,128,256,512,1024,2048,4096]
         [--impl pallas,mosaic] [--persistent] [--model_shape llama3-70b] [--repeats 5] [--decode_batches 1,8]
-        [--no_baselines]
+        [--no_baselines] [--profile]
+    python scripts/bench_attention.py --impl mosaic,mosaic+consumers=1+approx_math=false   # kernel options
     python scripts/bench_attention.py --small     # tiny shapes, interpreted kernels: runs on a CPU (tests)
 
 Meant for an NVIDIA H100 / H200 at Llama-3-8B attention shapes (32 query heads, 8 KV heads, head dim 128, bf16,
 pages of 16; `--model_shape llama3-70b` for 64 query heads, 8 KV heads). `--impl` names one or more of the
 engine's attention implementations (comma-separated; default the Triton kernels "pallas" and the Hopper Mosaic GPU
 kernels "mosaic", issue 15), each timed on the same shapes and printed in its own tables, beside the same
-baselines; `--persistent` adds, for each Triton implementation named, the same kernels on their work-list grid
-(`persistent=True` of `models.pallas_attention`, labelled e.g. "pallas+persistent") to compare with the static
-grid in the same run. One layer's paged KV cache holds one sequence of the largest context; a chunk of c query tokens is
-timed at the end of an x-token context (its own keys included, bottom-right causal), i.e. one chunked-prefill
-step's attention for one layer, metadata and split-K merge included, median of `--repeats` after a warm-up.
+baselines. A label may carry kernel options, `impl+name=value` (ints, true / false): tiling options go to the
+step's plan, the others to each layer's call, so one run compares variants; `--persistent` adds, for each Triton
+implementation named, the same kernels on their work-list grid (label "pallas+persistent"). One implementation
+that fails (a kernel that does not compile on the device) is reported and the others are still timed.
+
+One layer's paged KV cache holds one sequence of the largest context; a chunk of c query tokens is timed at the
+end of an x-token context (its own keys included, bottom-right causal). As the engine runs a step: the step's plan
+(tilings and per-tile metadata, `plan_attention`) is computed once, for the step's kind (prefill for chunks,
+decode for one-token sequences: only those tiles are launched), and every layer's attention runs on it; "ms" is one
+layer's attention (split-K merge included) and "plan ms" the plan's own time, paid once per step for all layers.
+Each is the median of `--repeats` calls after a warm-up, each call dispatched and waited for on its own (host
+dispatch included: on small calls that is part of what is measured). `--profile` also traces 10 calls at the
+largest context for each chunk and decode and prints their GPU kernels (`profile_step.profile_calls`).
 
 Figure 7 plots the *total* attention time of prefilling an n-token prompt in chunks of c: the sum over the
 n/c chunks of the time of chunk i at context i*c. The script measures the chunk time at a few contexts
@@ -25,9 +34,10 @@ of the context read once, q and out once).
 
 Baselines on the same shapes (contiguous, unpaged K/V; only on a GPU): `jax.nn.dot_product_attention(
 implementation="cudnn")` (causal is top-left there, so history keys unmasked + the chunk causal, merged by
-log-sum-exp) and PyTorch `scaled_dot_product_attention` with the flash backend (bottom-right causal bias,
-grouped-query), each shown with which variant ran; one that cannot run says why in its column.
-Decode: B sequences of one query token at each context, time and bytes/s.
+log-sum-exp), PyTorch `scaled_dot_product_attention` with the flash backend (bottom-right causal bias,
+grouped-query), and jax's own FlashAttention-3-style Mosaic GPU kernel (`attention_mgpu`, float16, non-causal,
+chunks of a multiple of 128 only: what Mosaic GPU reaches on the device), each shown with which variant ran; one
+that cannot run says why in its column. Decode: B sequences of one query token at each context, time and bytes/s.
 
 Prints the command, the hardware, and the tables last.
 """
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import os
 import platform
 import shlex
@@ -51,9 +62,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mnemojax.bench import parse_with_small  # noqa: E402
-from models.attention import AttentionMetadata, attention  # noqa: E402
+from models import mosaic_attention, pallas_attention  # noqa: E402
+from models.attention import AttentionMetadata, attention, plan_attention  # noqa: E402
 from models.config import preset  # noqa: E402
-from models.kernels import ATTENTION_IMPLS, MOSAIC, MOSAIC_INTERPRET, PALLAS, PALLAS_INTERPRET  # noqa: E402
+from models.kernels import (ATTENTION_IMPLS, DECODE, MOSAIC, MOSAIC_INTERPRET, PALLAS, PALLAS_INTERPRET,  # noqa: E402
+                            PREFILL)
 
 MODEL_SHAPES = ("llama3-8b", "llama3-70b", "llama3.2-1b")
 PERSISTENT = "+persistent"  # the label suffix of a Triton implementation timed on its persistent grid
@@ -67,7 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--chunks", default="32,64,128,256,512,1024,2048,4096", help="comma-separated chunk sizes")
     p.add_argument("--decode_batches", default="1,8", help="comma-separated decode batch sizes")
     p.add_argument("--impl", default="pallas,mosaic",
-                   help=f"comma-separated attention implementations to time, of: {', '.join(ATTENTION_IMPLS)}")
+                   help=f"comma-separated attention implementations to time, of: {', '.join(ATTENTION_IMPLS)}; "
+                        "each may carry kernel options, e.g. mosaic+consumers=1+approx_math=true")
     p.add_argument("--persistent", action="store_true",
                    help="also time each Triton implementation named with its persistent work-list grid")
     p.add_argument("--model_shape", default=None, choices=MODEL_SHAPES,
@@ -83,28 +97,63 @@ def parse_args(argv=None):
     p.add_argument("--block_q", type=int, default=None, help="kernel option: query tokens per prefill tile")
     p.add_argument("--block_k", type=int, default=None, help="kernel option: keys per prefill block")
     p.add_argument("--decode_block_k", type=int, default=None, help="kernel option: keys per decode block")
+    p.add_argument("--profile", action="store_true",
+                   help="also trace 10 calls at the largest context, each chunk and decode, and print their kernels")
     p.add_argument("--small", action="store_true", help="tiny shapes, interpreted kernels (runs on a CPU)")
     args = parse_with_small(p, argv, SMALL)
     args.impls = [x for x in args.impl.split(",") if x]
-    for impl in args.impls:
-        if impl not in ATTENTION_IMPLS:
-            p.error(f"--impl: unknown attention implementation {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+    for label in args.impls:
+        check_label(p, "--impl", label)
     if args.persistent:
         triton = [impl for impl in args.impls if impl in (PALLAS, PALLAS_INTERPRET)]
         if not triton:
             p.error(f"--persistent: the persistent grid is the Triton kernels' ({PALLAS}, {PALLAS_INTERPRET}); "
                     f"--impl names none of them ({args.impl})")
-        args.impls += [impl + PERSISTENT for impl in triton]
+        # Each Triton implementation's persistent grid right after its static grid.
+        args.impls = [x for impl in args.impls for x in ((impl, impl + PERSISTENT) if impl in triton else (impl,))]
     if args.model_shape:
         c = preset(args.model_shape)
         args.num_heads, args.num_kv_heads, args.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
     return args
 
 
-def split_label(label: str) -> tuple[str, bool]:
-    """(attention implementation, persistent grid?) of a row label such as "pallas" or "pallas+persistent"."""
-    impl = label.removesuffix(PERSISTENT)
-    return impl, impl != label
+def step_kind(chunk: int) -> str:
+    """The kind of a step whose sequences each bring `chunk` query tokens: one-token sequences are decodes."""
+    return DECODE if chunk == 1 else PREFILL
+
+
+def split_label(label: str) -> tuple[str, dict]:
+    """(attention implementation, kernel options) of a row label: "pallas", "pallas+persistent" (the Triton
+    kernels' persistent grid: persistent=True), or options spelled out, "mosaic+consumers=1+approx_math=true"
+    (ints, true / false); each option goes to the implementation's kernels as a keyword (`attention(...)`)."""
+    impl, *parts = label.split("+")
+    options = {}
+    for part in parts:
+        name, eq, value = part.partition("=")
+        if not eq:
+            if part != PERSISTENT[1:]:
+                raise ValueError(f"{label!r}: {part!r} is not an option=value (or +persistent)")
+            options["persistent"] = True
+        elif value.lower() in ("true", "false"):
+            options[name] = value.lower() == "true"
+        elif value.lstrip("-").isdigit():
+            options[name] = int(value)
+        else:
+            raise ValueError(f"{label!r}: option {name} takes an int or true / false, got {value!r}")
+    return impl, options
+
+
+def check_label(p, flag: str, label: str):
+    """Refuses (argparse error naming `flag`) a label of an unknown implementation, a malformed option, or the
+    persistent grid on an implementation that has none."""
+    try:
+        impl, options = split_label(label)
+    except ValueError as e:
+        p.error(f"{flag}: {e}")
+    if impl not in ATTENTION_IMPLS:
+        p.error(f"{flag}: unknown attention implementation {impl!r} in {label!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+    if options.get("persistent") and impl not in (PALLAS, PALLAS_INTERPRET):
+        p.error(f"{flag}: {label!r}: the persistent grid is the Triton kernels' ({PALLAS}, {PALLAS_INTERPRET})")
 
 
 def ints(text: str) -> list[int]:
@@ -175,12 +224,25 @@ class PagedLayer:
         # Sequence b owns pages 1 + b*pages ... in a shuffled order (pages are not contiguous in a real pool).
         perm = np.random.default_rng(seed).permutation(batch * self.pages) + 1
         self.table = jnp.asarray(perm.reshape(batch, self.pages), jnp.int32)
-        impl, persistent = split_label(impl or args.impls[0])
+        self.impl, options = split_label(impl or args.impls[0])
+        mosaic = self.impl in (MOSAIC, MOSAIC_INTERPRET)
         opts = {name: getattr(args, name) for name in ("block_q", "block_k", "decode_block_k")
-                if getattr(args, name) is not None and impl not in (MOSAIC, MOSAIC_INTERPRET)}  # Triton options
-        if persistent:
-            opts["persistent"] = True
-        self.fn = jax.jit(functools.partial(attention, impl, block_pages=8, **opts))
+                if getattr(args, name) is not None and not mosaic}  # Triton options
+        opts.update(options)
+        # As the engine runs it: the step's plan (tilings, per-tile metadata) once, every layer's attention on it.
+        # Tiling options go to the plan, the others (code generation) to each layer's call.
+        planner = (mosaic_attention if mosaic else pallas_attention).plan_step
+        tiling = inspect.signature(planner).parameters
+        self.plan_opts = {k: v for k, v in opts.items() if k in tiling}
+        self.call_opts = {k: v for k, v in opts.items() if k not in tiling}
+        dims = dict(num_heads=args.num_heads, num_kv_heads=K, head_dim=H, page_size=S)
+        # The step's kind, as the engine passes it: a step of chunks launches only the prefill tiles, a step of
+        # one-token sequences only the decode tiles (a mixed step would add a launch over empty tiles).
+        self.plan = jax.jit(lambda meta, kind: plan_attention(self.impl, meta, kind=kind, **dims, **self.plan_opts),
+                            static_argnums=1)
+        self.layer = jax.jit(lambda q, k, v, meta, plan, kind: attention(
+            self.impl, q, k, v, jnp.int32(0), meta, block_pages=8, kind=kind, plan=plan, **self.call_opts),
+            static_argnums=5)
 
     def step(self, chunk: int, context: int):
         """Arguments of one step: every sequence's last `chunk` tokens at `context` keys."""
@@ -191,9 +253,24 @@ class PagedLayer:
                                     page_table=self.table, kv_lens=jnp.full((B,), context, jnp.int32),
                                     kv_start=jnp.zeros((B,), jnp.int32))
 
-    def time(self, chunk: int, context: int, repeats: int) -> float:
+    def time(self, chunk: int, context: int, repeats: int) -> tuple[float, float]:
+        """(seconds of one layer's attention on the step's plan, seconds of the plan: once per step, all layers)."""
         q, meta = self.step(chunk, context)
-        return median_time(lambda: self.fn(q, self.k, self.v, jnp.int32(0), meta), repeats)
+        kind = step_kind(chunk)
+        plan = self.plan(meta, kind)
+        layer = median_time(lambda: self.layer(q, self.k, self.v, meta, plan, kind), repeats)
+        return layer, (0.0 if plan is None else median_time(lambda: self.plan(meta, kind), repeats))
+
+    def profile(self, chunk: int, context: int, calls: int = 10):
+        """The device's kernels over `calls` calls of one layer's attention on the step's plan (`profile_step`)."""
+        from mnemojax.bench.profile_step import profile_calls
+
+        q, meta = self.step(chunk, context)
+        kind = step_kind(chunk)
+        plan = self.plan(meta, kind)
+        out = [self.layer(q, self.k, self.v, meta, plan, kind)]
+        return profile_calls(lambda: out.append(self.layer(q, self.k, self.v, meta, plan, kind)), calls,
+                             lambda: jax.block_until_ready(out[-1]))
 
 
 # ------------------------------------------------------------------------------------------------ baselines
@@ -227,6 +304,36 @@ def cudnn_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, st
         return median_time(lambda: f(q, k, v), repeats), "cudnn split+lse"
     except Exception as e:  # a baseline that cannot run is reported, not fatal
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+
+
+def mgpu_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, str]:
+    """jax's own FlashAttention-3-style Mosaic GPU kernel (`jax.experimental.pallas.ops.gpu.attention_mgpu`:
+    two consumer warpgroups of 64 rows, a TMA producer, ping-pong scheduling, P in registers) on contiguous K/V,
+    non-causal: every query sees all `context` keys (the chunk's own c^2 / 2 masked pairs computed too), one
+    program per query head (no GQA packing). What Mosaic GPU reaches on this device, beside our paged kernels."""
+    if jax.default_backend() not in ("gpu", "cuda"):
+        return None, "no GPU"
+    if chunk % 128 or context % 128:
+        return None, "chunk and context multiples of 128 only"
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+    except ImportError as e:
+        return None, f"no attention_mgpu ({e.name})"
+    N, K, H = args.num_heads, args.num_kv_heads, args.head_dim
+    dt = jnp.float16  # its SMEM buffers are float16 (bf16 inputs are refused); the same speed on the tensor cores
+    ks = jax.random.split(jax.random.key(2), 3)
+    q = jax.random.normal(ks[0], (batch, chunk, N, H), dt)
+    k = jax.random.normal(ks[1], (batch, context, K, H), dt)
+    v = jax.random.normal(ks[2], (batch, context, K, H), dt)
+    error = "no block size fits"
+    for block_kv in (128, 64):  # its own tuning order (256 exceeds SMEM at head dim 128)
+        try:
+            config = am.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2)
+            f = jax.jit(functools.partial(am.attention, config=config))
+            return median_time(lambda: f(q, k, v), repeats), f"jax mgpu f16 block_kv {block_kv}, all keys"
+        except Exception as e:  # a baseline that cannot run is reported, not fatal
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+    return None, error
 
 
 def torch_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, str]:
@@ -289,6 +396,18 @@ def fmt(x, spec=".3f", none="-"):
     return none if x is None else format(x, spec)
 
 
+def progress(row: dict) -> str:
+    """One measurement as it is taken (a run stopped before the tables keeps these lines): time, rate, the plan's
+    time (once per step), and the baselines' times on the same shape."""
+    rate = f"{row['tflops']:.4g} TFLOP/s" if "tflops" in row else f"{row['gbps']:.4g} GB/s"
+    base = "; ".join(f"{name} {fmt(t and t * 1e3)} ms" for name, (t, _) in row["base"].items())
+    return f"{row['ms']:.3f} ms, {rate}, plan {row['plan_ms']:.3f} ms" + (f"; {base}" if base else "")
+
+
+def args_contexts(args) -> list[int]:
+    return ints(args.contexts)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     print("command:", shlex.join([os.path.basename(sys.argv[0]) if argv is None else "bench_attention.py",
@@ -298,7 +417,7 @@ def main(argv=None) -> dict:
     itemsize = jnp.dtype(args.dtype).itemsize
     contexts, chunks = ints(args.contexts), ints(args.chunks)
     ref_chunk = 2048 if 2048 in chunks else max(chunks)
-    results = {"prefill": [], "decode": [], "figure7": []}
+    results = {"prefill": [], "decode": [], "figure7": [], "errors": {}}
     baselines = {}  # (context, chunk, batch) -> the baselines' times: measured once, shown beside every impl
 
     def base_for(c, n, B=1):
@@ -307,42 +426,65 @@ def main(argv=None) -> dict:
         if (n, c, B) not in baselines:
             baselines[n, c, B] = {"cudnn": cudnn_time(args, c, n, args.repeats, batch=B),
                                   "torch": torch_time(args, c, n, args.repeats, batch=B)}
+            if c > 1:
+                baselines[n, c, B]["mgpu"] = mgpu_time(args, c, n, args.repeats, batch=B)
         return baselines[n, c, B]
 
     for impl, n in ((impl, n) for impl in args.impls for n in contexts):
-        layer = PagedLayer(args, n, impl=impl)
-        totals = {}
-        for c in chunks:
-            if c > n:
-                continue
-            times = {x: layer.time(c, x, args.repeats) for x in sample_contexts(c, n, args.samples)}
-            t = times[n]
-            if n % c == 0:  # the chunks tile the prompt exactly
-                totals[c] = figure7_total(times, c, n)
-            results["prefill"].append(dict(
-                impl=impl, context=n, chunk=c, ms=t * 1e3, us_per_token=t / c * 1e6,
-                tflops=attn_flops(args.num_heads, args.head_dim, c, n) / t / 1e12,
-                gbps=attn_bytes(args, itemsize, c, n, impl=impl) / t / 1e9, base=base_for(c, n)))
-            print(f"  {impl} context {n} chunk {c}: {t * 1e3:.3f} ms", flush=True)
-        mine = [r for r in results["prefill"] if r["impl"] == impl and r["context"] == n]
-        for row in mine:
-            if ref_chunk in totals:
-                ref = next(r for r in mine if r["chunk"] == ref_chunk)
-                row["per_token_vs_ref"] = row["us_per_token"] / ref["us_per_token"]
-                row["total_s"] = totals.get(row["chunk"])
-                row["total_vs_ref"] = totals[row["chunk"]] / totals[ref_chunk] if row["chunk"] in totals else None
-        for B in ints(args.decode_batches):
-            dec = PagedLayer(args, n, batch=B, seed=1, impl=impl)
-            t = dec.time(1, n, args.repeats)
-            results["decode"].append(dict(impl=impl, context=n, batch=B, ms=t * 1e3,
-                                          gbps=attn_bytes(args, itemsize, 1, n, batch=B, impl=impl) / t / 1e9,
-                                          base=base_for(1, n, B)))
-            del dec
-        del layer
+        if impl in results["errors"]:
+            continue
+        try:
+            measure(args, impl, n, chunks, ref_chunk, itemsize, results, base_for)
+        except Exception as e:  # reported, and the other implementations are still timed
+            results["errors"][impl] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+            print(f"  {impl} context {n}: failed: {results['errors'][impl]}", flush=True)
 
     for impl in args.impls:
+        if impl in results["errors"]:
+            print(f"\n{impl}: failed, not timed: {results['errors'][impl]}")
         print_tables(args, impl, results, contexts, ref_chunk)
     return results
+
+
+def measure(args, impl, n, chunks, ref_chunk, itemsize, results, base_for):
+    """Times `impl` at context n: each chunk size (at n and at the Figure 7 sample contexts), then decode; the rows
+    go to `results`."""
+    layer = PagedLayer(args, n, impl=impl)
+    totals = {}
+    for c in chunks:
+        if c > n:
+            continue
+        times = {x: layer.time(c, x, args.repeats) for x in sample_contexts(c, n, args.samples)}
+        t, plan_t = times[n]
+        if n % c == 0:  # the chunks tile the prompt exactly
+            totals[c] = figure7_total({x: v[0] for x, v in times.items()}, c, n)
+        results["prefill"].append(dict(
+            impl=impl, context=n, chunk=c, ms=t * 1e3, plan_ms=plan_t * 1e3, us_per_token=t / c * 1e6,
+            tflops=attn_flops(args.num_heads, args.head_dim, c, n) / t / 1e12,
+            gbps=attn_bytes(args, itemsize, c, n, impl=impl) / t / 1e9, base=base_for(c, n)))
+        print(f"  {impl} context {n} chunk {c}: {progress(results['prefill'][-1])}", flush=True)
+        if args.profile and n == max(args_contexts(args)):
+            print(layer.profile(c, n).table(top=12), flush=True)
+    print(f"  {impl} context {n} whole-prefill attention s: "
+          + ", ".join(f"chunk {c} {s:.3f}" for c, s in totals.items()), flush=True)
+    mine = [r for r in results["prefill"] if r["impl"] == impl and r["context"] == n]
+    for row in mine:
+        if ref_chunk in totals:
+            ref = next(r for r in mine if r["chunk"] == ref_chunk)
+            row["per_token_vs_ref"] = row["us_per_token"] / ref["us_per_token"]
+            row["total_s"] = totals.get(row["chunk"])
+            row["total_vs_ref"] = totals[row["chunk"]] / totals[ref_chunk] if row["chunk"] in totals else None
+    for B in ints(args.decode_batches):
+        dec = PagedLayer(args, n, batch=B, seed=1, impl=impl)
+        t, plan_t = dec.time(1, n, args.repeats)
+        results["decode"].append(dict(impl=impl, context=n, batch=B, ms=t * 1e3, plan_ms=plan_t * 1e3,
+                                      gbps=attn_bytes(args, itemsize, 1, n, batch=B, impl=impl) / t / 1e9,
+                                      base=base_for(1, n, B)))
+        print(f"  {impl} context {n} decode B={B}: {progress(results['decode'][-1])}", flush=True)
+        if args.profile and n == max(args_contexts(args)):
+            print(dec.profile(1, n).table(top=12), flush=True)
+        del dec
+    del layer
 
 
 def print_tables(args, impl, results, contexts, ref_chunk):
@@ -350,19 +492,22 @@ def print_tables(args, impl, results, contexts, ref_chunk):
     print(f"\nattention ({impl}), {args.num_heads} q heads, {args.num_kv_heads} kv heads, head dim "
           f"{args.head_dim}, {args.dtype}, page {args.page_size}; one layer, one sequence; median of "
           f"{args.repeats}")
-    print(f"{'context':>8} {'chunk':>6} {'ms/chunk':>9} {'us/token':>9} {'TFLOP/s':>8} {'GB/s':>7} "
+    print(f"{'context':>8} {'chunk':>6} {'ms/chunk':>9} {'plan ms':>8} {'us/token':>9} {'TFLOP/s':>8} {'GB/s':>7} "
           f"{'tok vs ' + str(ref_chunk):>12} {'fig7 total s':>12} {'fig7 vs ' + str(ref_chunk):>13} "
-          f"{'cudnn ms':>9} {'x cudnn':>8} {'torch ms':>9} {'x torch':>8}  baselines")
+          f"{'cudnn ms':>9} {'x cudnn':>8} {'torch ms':>9} {'x torch':>8} {'mgpu ms':>9}  baselines")
     for r in (r for r in results["prefill"] if r["impl"] == impl):
         cu, cu_how = r["base"].get("cudnn", (None, "skipped"))
         to, to_how = r["base"].get("torch", (None, "skipped"))
-        print(f"{r['context']:>8} {r['chunk']:>6} {r['ms']:>9.3f} {r['us_per_token']:>9.2f} {r['tflops']:>8.4g} "
+        mg, mg_how = r["base"].get("mgpu", (None, "skipped"))
+        print(f"{r['context']:>8} {r['chunk']:>6} {r['ms']:>9.3f} {r['plan_ms']:>8.3f} {r['us_per_token']:>9.2f} {r['tflops']:>8.4g} "
               f"{r['gbps']:>7.4g} {fmt(r.get('per_token_vs_ref'), '.3f'):>12} {fmt(r.get('total_s'), '.3f'):>12} "
               f"{fmt(r.get('total_vs_ref'), '.3f'):>13} {fmt(cu and cu * 1e3):>9} "
               f"{fmt(cu and r['ms'] / (cu * 1e3), '.2f'):>8} {fmt(to and to * 1e3):>9} "
-              f"{fmt(to and r['ms'] / (to * 1e3), '.2f'):>8}  {cu_how}; {to_how}")
+              f"{fmt(to and r['ms'] / (to * 1e3), '.2f'):>8} {fmt(mg and mg * 1e3):>9}  {cu_how}; {to_how}; {mg_how}")
     for n in contexts:
         rows = {r["chunk"]: r for r in results["prefill"] if r["context"] == n and r["impl"] == impl}
+        if not rows:  # failed before this context
+            continue
         lo = min(rows)
         if ref_chunk in rows and lo != ref_chunk and rows[lo].get("total_vs_ref") is not None:
             f7 = dict(impl=impl, context=n, small=lo, ref=ref_chunk, per_token=rows[lo]["per_token_vs_ref"],
@@ -371,9 +516,9 @@ def print_tables(args, impl, results, contexts, ref_chunk):
             print(f"Figure 7 ({impl}) at {n} tokens: chunk {lo} vs {ref_chunk}: whole-prefill attention time x"
                   f"{f7['total']:.3f}, time per token at the full context x{f7['per_token']:.3f}")
     print(f"\ndecode ({impl}): B sequences of one query token")
-    print(f"{'context':>8} {'B':>4} {'ms':>9} {'GB/s':>7} {'cudnn ms':>9} {'torch ms':>9}  baselines")
+    print(f"{'context':>8} {'B':>4} {'ms':>9} {'plan ms':>8} {'GB/s':>7} {'cudnn ms':>9} {'torch ms':>9}  baselines")
     for r in (r for r in results["decode"] if r["impl"] == impl):
         cu, cu_how = r["base"].get("cudnn", (None, "skipped"))
         to, to_how = r["base"].get("torch", (None, "skipped"))
-        print(f"{r['context']:>8} {r['batch']:>4} {r['ms']:>9.3f} {r['gbps']:>7.4g} {fmt(cu and cu * 1e3):>9} "
+        print(f"{r['context']:>8} {r['batch']:>4} {r['ms']:>9.3f} {r['plan_ms']:>8.3f} {r['gbps']:>7.4g} {fmt(cu and cu * 1e3):>9} "
               f"{fmt(to and to * 1e3):>9}  {cu_how}; {to_how}")

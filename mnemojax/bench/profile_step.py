@@ -124,13 +124,21 @@ def profile_steps(engine, steps: int, trace_dir: str | None = None) -> StepProfi
     def idle():  # a step without a sampled token returns before its work is done: wait for the last step's cache
         jax.block_until_ready((engine.executor.k_cache, engine.executor.v_cache))
 
+    return profile_calls(engine.step, steps, idle, trace_dir)
+
+
+def profile_calls(step, steps: int, idle, trace_dir: str | None = None) -> StepProfile:
+    """Records `steps` calls of `step()` (`idle()` waits until the device has done all of them) and summarises
+    the trace per call."""
+    import jax
+
     trace_dir = trace_dir or tempfile.mkdtemp(prefix="mnemojax-profile-")
     idle()
     jax.profiler.start_trace(trace_dir)
     t = time.perf_counter()
     try:
         for _ in range(steps):
-            engine.step()
+            step()
         idle()
     finally:
         wall = time.perf_counter() - t

@@ -48,11 +48,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from mnemojax.bench import parse_with_small  # noqa: E402
-from mnemojax.bench.attention import (PERSISTENT, copy_bandwidth, hardware, matmul_ceiling, median_time,  # noqa: E402
-                                      split_label)
+from mnemojax.bench.attention import (PERSISTENT, check_label, copy_bandwidth, hardware, matmul_ceiling,  # noqa: E402
+                                      median_time, split_label)
 from models.attention import AttentionMetadata  # noqa: E402
 from models.config import PRESETS, LlamaConfig, preset  # noqa: E402
-from models.kernels import ATTENTION_IMPLS, PALLAS, PALLAS_INTERPRET  # noqa: E402
+from models.kernels import ATTENTION_IMPLS  # noqa: E402
 from models.llama import ModelSpec, StepBatch, forward  # noqa: E402
 from models.params import init_params, split_layers  # noqa: E402
 from shardings.mesh import make_mesh  # noqa: E402
@@ -88,11 +88,7 @@ def parse_args(argv=None):
     args = parse_with_small(p, argv, SMALL)
     args.impls = [a for a in args.attention.split(",") if a]
     for a in args.impls:
-        impl, persistent = split_label(a)
-        if impl not in ATTENTION_IMPLS:
-            p.error(f"--attention: {a!r} is not one of {', '.join(ATTENTION_IMPLS)}")
-        if persistent and impl not in (PALLAS, PALLAS_INTERPRET):
-            p.error(f"--attention: {a!r}: the persistent grid is the Triton kernels' ({PALLAS}, {PALLAS_INTERPRET})")
+        check_label(p, "--attention", a)
     if args.small:
         args.long = True
     return args
@@ -130,9 +126,8 @@ class Model:
         self.mesh = make_mesh(1, 1, 1)
         self.page_size = args.page_size
         self.max_pages = -(-max_tokens // args.page_size)
-        impl, persistent = split_label(attention)
-        self.spec = ModelSpec(c, args.dtype, args.block_pages, impl,
-                              attention_options=(("persistent", True),) if persistent else ())
+        impl, options = split_label(attention)
+        self.spec = ModelSpec(c, args.dtype, args.block_pages, impl, attention_options=tuple(sorted(options.items())))
         table = ShardingTable()
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)  # noqa: E731
         self.params = split_layers(init_params(c, dtype=jnp.dtype(args.dtype), seed=args.seed,

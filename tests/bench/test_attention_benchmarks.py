@@ -47,10 +47,31 @@ def test_bench_attention_times_the_persistent_grid_beside_the_static_one(capsys)
     assert "attention (pallas_interpret+persistent)" in out and "decode (pallas_interpret+persistent)" in out
     args = _script("bench_attention").parse_args(["--small", "--persistent"])
     layers = [_script("bench_attention").PagedLayer(args, 64, impl=i) for i in impls]
-    assert [layer.fn.__wrapped__.keywords.get("persistent") for layer in layers] == [None, True]
+    assert [layer.plan_opts.get("persistent") for layer in layers] == [None, True]
     with pytest.raises(SystemExit):
         _script("bench_attention").main(["--small", "--impl", "reference", "--persistent"])
     assert "--persistent: the persistent grid is the Triton kernels'" in capsys.readouterr().err
+
+
+def test_bench_attention_reports_a_failing_implementation_and_times_the_others(capsys, monkeypatch):
+    """An implementation that raises (a kernel that does not compile on the device, say) is reported with its
+    error, in its progress line and before its tables, and the implementations after it are still timed."""
+    mod = _script("bench_attention")
+    real_time = mod.PagedLayer.time
+
+    def time(self, chunk, context, repeats):
+        if self.impl == "pallas_interpret":
+            raise RuntimeError("no kernel for you\nsecond line")
+        return real_time(self, chunk, context, repeats)
+
+    monkeypatch.setattr(mod.PagedLayer, "time", time)
+    res = mod.main(["--small", "--impl", "pallas_interpret,reference", "--chunks", "4,16", "--decode_batches", "1"])
+    out = capsys.readouterr().out
+    assert res["errors"] == {"pallas_interpret": "RuntimeError: no kernel for you"}
+    assert "pallas_interpret context 256: failed: RuntimeError: no kernel for you" in out
+    assert "pallas_interpret: failed, not timed: RuntimeError: no kernel for you" in out
+    assert [(r["impl"], r["chunk"]) for r in res["prefill"]] == [("reference", 4), ("reference", 16)]
+    assert [r["impl"] for r in res["decode"]] == ["reference"] and res["decode"][0]["ms"] > 0
 
 
 @pytest.mark.slow  # ~15 s (interpreted kernels, twice): keeps the default suite under 10 minutes
@@ -122,3 +143,25 @@ def test_bytes_count_out_in_the_dtype_each_kernel_writes():
     assert attn_bytes(args, 2, 2048, 32768, impl="reference") == kv + q + 2048 * 32 * 128 * 4
     assert attn_bytes(args, 2, 2048, 32768, impl="mosaic") == kv + q + 2048 * 32 * 128 * 2
     assert attn_bytes(args, 2, 1, 32768, batch=4, impl="mosaic_interpret") == 4 * (kv + 32 * 128 * 4)
+
+
+def test_labels_carry_kernel_options_to_the_plan_or_to_each_layer():
+    """An --impl label's options (`impl+name=value`): tiling options go to the step's plan, code-generation options
+    to every layer's call; malformed labels and unknown implementations are refused by name."""
+    mod = _script("bench_attention")
+    assert mod.split_label("pallas+persistent") == ("pallas", {"persistent": True})
+    assert mod.split_label("mosaic+consumers=1+approx_math=false") == ("mosaic", {"consumers": 1,
+                                                                                 "approx_math": False})
+    for bad in ("mosaic+fast", "mosaic+consumers=two"):
+        with pytest.raises(ValueError, match=bad.split("+")[1].split("=")[0]):
+            mod.split_label(bad)
+    args = mod.parse_args(["--small", "--impl", "mosaic_interpret+consumers=1+lookahead=false"])
+    layer = mod.PagedLayer(args, 64, impl=args.impls[0])
+    assert (layer.impl, layer.plan_opts, layer.call_opts) == ("mosaic_interpret", {"consumers": 1},
+                                                              {"lookahead": False})
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--small", "--impl", "mosaic+persistent"])
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--small", "--impl", "flash"])
+    # the step's kind, as the engine gives it: chunks are prefills, one-token sequences decodes
+    assert [mod.step_kind(c) for c in (1, 2, 2048)] == ["decode", "prefill", "prefill"]
