@@ -20,7 +20,8 @@ backend); pallas: the Pallas Triton kernels of `models.pallas_attention`, compil
 pallas_interpret: the same kernels in Pallas' interpreter (any backend: slow, for tests); mosaic: the Pallas Mosaic GPU
 kernels of `models.mosaic_attention` (wgmma, TMA, warp specialisation), compiled (NVIDIA Hopper GPU only, bf16/f16
 caches); mosaic_interpret: the same kernels in jax's Mosaic GPU interpreter (any backend: very slow, for tests).
-`auto` does not pick mosaic: it has not been measured on a GPU (issue 15)."""
+`auto` does not pick mosaic: on an H200 it is the faster prefill but not the faster long-context decode, and the
+engine has not run end to end with it on a GPU (README, "Attention"; docs/benchmarks.md, issue 15)."""
 
 MIXED, DECODE, PREFILL = "mixed", "decode", "prefill"
 STEP_KINDS = (MIXED, DECODE, PREFILL)

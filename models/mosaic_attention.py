@@ -9,22 +9,31 @@ or, asked with `out_dtype=float32`, in float32 (a KVP rank's partial: the merge 
 unrounded), lse f32[T, N] in natural log; a token with no visible key gets out = 0 and lse = NEG_INF.
 
 One kernel, two tilings (as in `models.pallas_attention`):
-  - prefill tiles: the tokens of each sequence cut into tiles of 64 // G tokens, the G query heads of a kv head
-    packed into the 64 rows of one wgmma tile (row = token x head of the group), so the group shares every K/V
-    load; split-K over KV partitions (all of a tile's key blocks in one partition by default for prefill, more
+  - prefill tiles: the tokens of each sequence cut into tiles of C x 64 // G tokens (C = PREFILL_CONSUMERS = 2
+    consumer warpgroups of 64 rows), the G query heads of a kv head packed into the rows (row = token x head of
+    the group), so the group shares every K/V load, and both consumers share each block the producer loads;
+    split-K over KV partitions (all of a tile's key blocks in one partition by default for prefill, more
     partitions for few tiles, e.g. one 32-token chunk at a long context);
-  - decode tiles: one token per tile, its G heads as rows, split-K over partitions (FlashDecoding).
-The grid is (tiles, kv heads, partitions). Each program (a CUDA block) holds two warpgroups:
-  - a producer warpgroup copies the K and V blocks of its partition by TMA, page by page through the page table
-    (one copy of `page_size` rows per page, or one slice of a page when pages are larger than a block), into a
-    ring of STAGES SMEM slots, and waits on a "consumed" barrier before refilling a slot;
-  - a consumer warpgroup runs the online softmax: S = Q K^T by wgmma (K transposed by the wgmma descriptor),
-    masking only in the key blocks at the causal edge and the sequence end, P rounded to the input dtype and
-    stored to SMEM, P V by wgmma, then releases the slot.
-The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once the consumer's
-loop ends). A program takes 54,328 / 95,288 / 177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count), so two
-fit on an H100 SM (228 KB) at 64 and 128, as TARGET_PROGRAMS assumes; with separate staging head dim 256 and a
-float32 output exceeded a block's 227 KB.
+  - decode tiles: one token per tile, its G heads as the rows of one consumer, split-K over partitions
+    (FlashDecoding).
+The grid is (tiles, kv heads, partitions). Each program (a CUDA block) holds C + 1 warpgroups:
+  - a producer warpgroup (the last) copies the K and V blocks of its partition by TMA, page by page through the
+    page table (one copy of `page_size` rows per page, or one slice of a page when pages are larger than a block),
+    into a ring of STAGES SMEM slots, and waits on a "consumed" barrier (an arrival from every consumer) before
+    refilling a slot; with `lookahead` it loads the next block's page-table entries before that wait;
+  - C consumer warpgroups, each with its own 64 rows of Q, P and accumulator, run the online softmax on every
+    block: S = Q K^T by wgmma (K transposed by the wgmma descriptor), masking only in the key blocks at the
+    causal edge and the sequence end, P rounded to the input dtype and stored to SMEM, P V by wgmma, then release
+    the slot. The block holding the tile's last visible key may hold unwritten slots past it: consumer 0 zeroes
+    them in the shared slot and the others wait on a barrier for that before their P V.
+Two consumers per prefill program (measured on an H200: chunk 2048 from ~270 to ~435 TFLOP/s) double the rows each
+K/V block's load serves: a 64-row program does 64 FLOPs per byte it loads from L2, which caps it near what both this
+kernel with one consumer and the Triton kernels reached.
+The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once every consumer's
+loop ends, which the consumers wait for with a barrier when C > 1). A decode program takes 54,328 / 95,288 /
+177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count), so two fit on an H100 SM (228 KB) at 64 and 128, as
+TARGET_PROGRAMS assumes; with separate staging head dim 256 and a float32 output exceeded a block's 227 KB. A
+two-consumer prefill program takes 70,744 / 119,896 / 218,200 bytes and holds an SM alone (its registers too).
 With one partition the consumer normalises and writes (out, lse) itself, in token order: the tile's token i
 (index `tile_tok[t, i]`, read from GMEM) owns rows i*G .. i*G+G-1, a [G, H] box that one TMA copy takes from the
 SMEM staging (in q's dtype) to out[tok, kvh*G : kvh*G+G, :], and its G lse floats by a second TMA copy when G % 4
@@ -53,7 +62,7 @@ which simulates SMEM, barriers, TMA copies and wgmma on the CPU. What it lacks, 
     the interpreter they are the plain jnp operations (layouts are a register-allocation hint, no value change);
   - `pl.run_state` / accumulating into a register-initialised ACC, and wgmma with its A operand in registers, do
     not run: so every wgmma here starts from a fresh zero ACC (the running output is rescaled and added in
-    registers) and P goes through SMEM (FlashAttention-3 keeps P in registers: a cost measured on no GPU);
+    registers) and P goes through SMEM (FlashAttention-3 keeps P in registers: what that costs is unmeasured);
   - jax 0.10 only: a `plgpu.RefUnion` hangs the interpreter: the staging and the ring are separate buffers there
     (the same values; jax 0.11's interpreter runs the union, and its race detector checks the disjoint lifetimes);
   - `copy_smem_to_gmem(..., predicate=...)` raises "predicate not supported": the token-order copies of an empty
@@ -61,9 +70,8 @@ which simulates SMEM, barriers, TMA copies and wgmma on the CPU. What it lacks, 
   - `plgpu.kernel` wraps the kernel in a custom_vmap that rejects mutable-ref operands ("JaxprInputEffect ... does
     not have a corresponding jaxpr input"): the launches go through `pl.kernel` on a `plgpu.Mesh` (what it wraps),
     the refs in GMEM (`memory_space=plgpu.GMEM`; the interpreter cannot place a ref of no memory space).
-Nothing here has run on a GPU: the compiled path is only known to lower to the Mosaic GPU custom call for CUDA
-(exported on the CPU, tests/models/test_mosaic_attention.py); its compilation to PTX, correctness and timings on a
-Hopper GPU are unmeasured (issue 15).
+Compiled and run on an H200 (2026-11-26, jax 0.11.2): every launch kind and option matched the float32 reference
+(the `gpu` tests of tests/models/test_mosaic_attention.py); timings in docs/benchmarks.md (issue 15).
 """
 from __future__ import annotations
 

@@ -316,24 +316,40 @@ def test_what_the_kernels_refuse():
             run(functools.partial(attention, "mosaic"), step, block_pages=1)
 
 
-@pytest.mark.slow
-def test_engine_with_interpreted_mosaic_kernels_matches_reference(tmp_path):
-    """LLM on a tiny bf16 checkpoint of head dim 64 (the kernels' smallest): the same greedy tokens with
-    attention="mosaic_interpret" as with the reference, prefill chunks and decodes in one step."""
+def _engine_tokens(tmp_path, impls, max_tokens: int = 3):
+    """Greedy tokens of LLM on a tiny bf16 checkpoint of head dim 64 (the kernels' smallest) for each attention
+    implementation in `impls`: two prompts, prefill chunks and decodes in one step."""
     from mnemojax import LLM, SamplingParams
     from tests.hf_utils import make_hf_checkpoint
 
     ckpt = make_hf_checkpoint(tmp_path / "m", hidden_size=128, intermediate_size=128, num_layers=1, num_heads=2,
                               num_kv_heads=1, head_dim=64, weight_scale=8.0, seed=3)
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     prompts = [np.random.default_rng(0).integers(0, 256, n).tolist() for n in (5, 20)]
     outs = {}
-    for impl in ("reference", "mosaic_interpret"):
+    for impl in impls:
         llm = LLM(model=str(ckpt), attention=impl, dtype="bfloat16", page_size=16, chunk_size=16,
                   max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2)
         outs[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert all(len(t) == max_tokens for t in outs[impls[0]])
+    return outs
+
+
+@pytest.mark.slow
+def test_engine_with_interpreted_mosaic_kernels_matches_reference(tmp_path):
+    """The same greedy tokens with attention="mosaic_interpret" as with the reference."""
+    outs = _engine_tokens(tmp_path, ("reference", "mosaic_interpret"))
     assert outs["mosaic_interpret"] == outs["reference"]
-    assert all(len(t) == 3 for t in outs["reference"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
+def test_engine_with_compiled_kernels_on_hopper_matches_reference(tmp_path):
+    """The engine end to end on the GPU: the same greedy tokens with attention="mosaic" and "pallas" as with the
+    reference (8 tokens: several decode steps), what making "mosaic" the default on Hopper waits for."""
+    outs = _engine_tokens(tmp_path, ("reference", "mosaic", "pallas"), max_tokens=8)
+    assert outs["mosaic"] == outs["reference"]
+    assert outs["pallas"] == outs["reference"]
 
 
 # The compiled kernels, each its own test (one that fails to compile or disagrees leaves the others' results), in
