@@ -674,7 +674,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, precision=None, inter
     """Chunked-prefill attention: every sequence's tokens in tiles of `block_q` (default 128 // G), split-K
     over `num_partitions` KV partitions (default: enough for ~TARGET_PROGRAMS programs). Any ragged batch.
     `persistent`: the work-list grid of `_attend_tiles`, `programs` programs per kv head (default
-    TARGET_PROGRAMS / kv heads); unmeasured on a GPU, so off by default.
+    TARGET_PROGRAMS / kv heads); no faster than the static grid on an H200 (docs/benchmarks.md), so off by default.
 
     Arguments and results as `models.attention.paged_attention`, whose `block_pages` has no use here (the
     kernel's key block is `block_k` keys), but that out is in `out_dtype`: q's dtype by default (the kernel
