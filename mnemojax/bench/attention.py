@@ -22,7 +22,7 @@ decode for one-token sequences: only those tiles are launched), and every layer'
 layer's attention (split-K merge included) and "plan ms" the plan's own time, paid once per step for all layers.
 Each is the median of `--repeats` calls after a warm-up, each call dispatched and waited for on its own (host
 dispatch included: on small calls that is part of what is measured). `--profile` also traces 10 calls at the
-largest context for each chunk and decode and prints their GPU kernels (`profile_step.profile_calls`).
+largest context for each chunk and decode and prints their GPU kernels (`trace.profile_calls`).
 
 Figure 7 plots the *total* attention time of prefilling an n-token prompt in chunks of c: the sum over the
 n/c chunks of the time of chunk i at context i*c. The script measures the chunk time at a few contexts
@@ -263,7 +263,7 @@ class PagedLayer:
 
     def profile(self, chunk: int, context: int, calls: int = 10):
         """The device's kernels over `calls` calls of one layer's attention on the step's plan (`profile_step`)."""
-        from mnemojax.bench.profile_step import profile_calls
+        from mnemojax.bench.trace import profile_calls
 
         q, meta = self.step(chunk, context)
         kind = step_kind(chunk)

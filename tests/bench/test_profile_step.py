@@ -1,18 +1,18 @@
-"""`scripts/profile_step.py` (`mnemojax.bench.profile_step`): the trace's kernels, nesting removed, busy time as
-the union of intervals, on the CPU with the tiny model."""
+"""`scripts/profile_step.py` (`mnemojax.bench.profile_step`, its trace reading in `mnemojax.bench.trace`): the
+trace's kernels, nesting removed, busy time as the union of intervals, on the CPU with the tiny model."""
 import argparse
 
-from mnemojax.bench import profile_step
+from mnemojax.bench import profile_step, trace
 
 
 def test_leaves_drop_events_that_contain_others():
     events = [("loop", 0, 100), ("a", 10, 20), ("b", 40, 10), ("c", 150, 5), ("outer", 200, 50), ("inner", 210, 5)]
-    assert sorted(e[0] for e in profile_step._leaves(events)) == ["a", "b", "c", "inner"]
+    assert sorted(e[0] for e in trace._leaves(events)) == ["a", "b", "c", "inner"]
 
 
 def test_busy_is_the_union_of_intervals():
-    assert profile_step._busy_ns([("a", 0, 10), ("b", 5, 10), ("c", 30, 5), ("d", 31, 1)]) == 15 + 5
-    assert profile_step._busy_ns([]) == 0
+    assert trace._busy_ns([("a", 0, 10), ("b", 5, 10), ("c", 30, 5), ("d", 31, 1)]) == 15 + 5
+    assert trace._busy_ns([]) == 0
 
 
 def test_profiles_decode_steps_of_the_tiny_model():
