@@ -99,7 +99,9 @@ _LOAD_NEEDS_INDEX = plgpu is not None and getattr(
 LOG2E = math.log2(math.e)
 ROWS = 64  # rows of a consumer warpgroup: one wgmma M tile
 PREFILL_CONSUMERS = 2  # consumer warpgroups of a prefill program: 128 rows share each K/V block's load
-BLOCK_K = 64  # keys per block of the online softmax
+BLOCK_K = 64  # keys per block of the online softmax (the default; `block_k` / `decode_block_k`: BLOCK_KS)
+BLOCK_KS = (64, 128)  # key blocks the kernel takes: P is [64, block_k] (whole 64-column swizzle tiles), and two
+# 128-key K/V slots of head dim 128 still fit a two-consumer program's SMEM
 STAGES = 2  # K/V SMEM slots in flight between the producer and the consumer
 HEAD_DIMS = (64, 128, 256)
 TARGET_PROGRAMS = 264  # grid size the KV partitions aim for (2 one-consumer programs per SM of an H100 SXM, 132 SMs;
@@ -132,8 +134,13 @@ def _cdiv(a, b):
     return pa._cdiv(a, b)
 
 
-def supported_page_size(page_size: int) -> bool:
-    return page_size % 8 == 0 and (BLOCK_K % page_size == 0 or page_size % BLOCK_K == 0)
+def supported_page_size(page_size: int, block_k: int = BLOCK_K) -> bool:
+    return page_size % 8 == 0 and (block_k % page_size == 0 or page_size % block_k == 0)
+
+
+def check_block_k(name: str, block_k: int):
+    if block_k not in BLOCK_KS:
+        raise ValueError(f"{name} (keys per block of the Mosaic kernels) must be one of {BLOCK_KS}, got {block_k}")
 
 
 def check_shapes(q, k_cache, v_cache):
@@ -279,7 +286,7 @@ class _Ops:
 
 # ------------------------------------------------------------------------------------------ the kernel
 def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_parts: int,
-            group: int, scale: float, ops: _Ops, out_dtype, lookahead: bool):
+            group: int, scale: float, ops: _Ops, out_dtype, lookahead: bool, block_k: int):
     """One (tile, kv head, partition) program: warpgroups 0 .. C-1 consume (64 rows each), warpgroup C produces
     (TMA), C = the tile's rows / 64 (`PREFILL_CONSUMERS` for prefill tiles, 1 for decode tiles).
 
@@ -299,9 +306,9 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
     # The K/V slots and P are dead once the consumer's loop ends (every TMA copy into a slot has landed: the consumer
     # waited for each; every wgmma reading them has completed: it read its accumulator), and the output staging is
     # live only after it: one SMEM region holds both (`_Ops.union`), so the staging costs no SMEM of its own.
-    loop = (plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # k slots
-            plgpu.SMEM((STAGES, BLOCK_K, H), cdt, transforms=tr),  # v slots
-            plgpu.SMEM((C, ROWS, BLOCK_K), cdt, transforms=tr))  # p, one per consumer
+    loop = (plgpu.SMEM((STAGES, block_k, H), cdt, transforms=tr),  # k slots
+            plgpu.SMEM((STAGES, block_k, H), cdt, transforms=tr),  # v slots
+            plgpu.SMEM((C, ROWS, block_k), cdt, transforms=tr))  # p, one per consumer
     # output staging: rows of G heads copied out per token (out_dtype; tiled only where G-row slices are whole
     # tiles: `_token_rows_tiled`), or the float32 partial, copied out whole: tiled and swizzled as the wgmma
     # operands are, so the store from registers is free of bank conflicts (jax 0.12 refuses the untiled store of
@@ -315,7 +322,7 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
         plgpu.SMEM((C, ROWS), jnp.float32),  # lse / m staging
         plgpu.SMEM((C, ROWS), jnp.float32),  # l staging
     ]
-    copies = max(1, BLOCK_K // S)  # TMA copies per key block: one per page, or one slice of a large page
+    copies = max(1, block_k // S)  # TMA copies per key block: one per page, or one slice of a large page
     barriers = [
         plgpu.Barrier(num_arrivals=2, num_barriers=C),  # a consumer's q and row limits landed
         plgpu.Barrier(num_arrivals=copies, num_barriers=STAGES),  # k slot full
@@ -328,13 +335,13 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
     tile = (layer_ref, seq_ref, full_ref, hi_ref)
     pl.run_scoped(functools.partial(_program, tile, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
                                     num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
-                                    max_pages=max_pages, lookahead=lookahead),
+                                    max_pages=max_pages, lookahead=lookahead, block_k=block_k),
                   *scratch, *barriers, collective_axes="wg")
 
 
 def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smems, union, lim_smems, m_smems,
              l_smems, q_bars, k_bar, v_bar, consumed, *sync, num_parts, group, scale, ops, page_size, max_pages,
-             lookahead):
+             lookahead, block_k):
     (k_smem, v_smem, p_smems), o_smems = union
     C = q_smems.shape[0]  # consumer warpgroups; warpgroup C produces
     v_zeroed, loop_done = sync if C > 1 else (None, None)
@@ -346,20 +353,20 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
     cdt = q_smems.dtype
 
     # This partition's share of the tile's key blocks, and where the unmasked ones end.
-    n_blocks = _cdiv(kv_hi, BLOCK_K)
+    n_blocks = _cdiv(kv_hi, block_k)
     per_part = _cdiv(n_blocks, num_parts)
     lo = jnp.minimum(part * per_part, n_blocks)
     hi = jnp.minimum(lo + per_part, n_blocks)
-    split = jnp.clip(lax.div(kv_full, BLOCK_K), lo, hi)
+    split = jnp.clip(lax.div(kv_full, block_k), lo, hi)
 
     @pl.when(wg == C)
     def _producer():
         def pages_of(step):
             """The page-table entries of the partition's block `step` (columns clamped: one past the last block
             reads a real column, unused)."""
-            first_page = lax.div((lo + step) * BLOCK_K, page_size)
+            first_page = lax.div((lo + step) * block_k, page_size)
             return tuple(table_ref[seq, jnp.minimum(first_page + i, max_pages - 1)]
-                         for i in range(max(1, BLOCK_K // page_size)))
+                         for i in range(max(1, block_k // page_size)))
 
         def fill(step, pages):
             slot = lax.rem(step, STAGES)
@@ -375,14 +382,14 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             def _():
                 plgpu.barrier_wait(consumed.at[slot])
 
-            first = (lo + step) * BLOCK_K  # local index of the block's first key
-            if page_size <= BLOCK_K:
+            first = (lo + step) * block_k  # local index of the block's first key
+            if page_size <= block_k:
                 for i, page in enumerate(pages):
                     rows = pl.ds(i * page_size, page_size)
                     plgpu.copy_gmem_to_smem(k_ref.at[layer, page, :, kvh, :], k_smem.at[slot, rows], k_bar.at[slot])
                     plgpu.copy_gmem_to_smem(v_ref.at[layer, page, :, kvh, :], v_smem.at[slot, rows], v_bar.at[slot])
             else:
-                rows = pl.ds(lax.rem(first, page_size), BLOCK_K)
+                rows = pl.ds(lax.rem(first, page_size), block_k)
                 plgpu.copy_gmem_to_smem(k_ref.at[layer, pages[0], rows, kvh, :], k_smem.at[slot], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[layer, pages[0], rows, kvh, :], v_smem.at[slot], v_bar.at[slot])
             return upcoming
@@ -418,10 +425,10 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK_K), jnp.float32)) * scale  # base-2 logits
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32)) * scale  # base-2 logits
             if masked:
-                idx = step * BLOCK_K + ops.iota((ROWS, BLOCK_K), 1)
-                visible = idx < lax.broadcast_in_dim(lim, (ROWS, BLOCK_K), [0])
+                idx = step * block_k + ops.iota((ROWS, block_k), 1)
+                visible = idx < lax.broadcast_in_dim(lim, (ROWS, block_k), [0])
                 s = jnp.where(visible, s, NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
@@ -435,11 +442,11 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 # behind unused page-table columns, uninitialised memory): zero them so 0 x NaN cannot reach out.
                 # Only the block that holds the tile's last visible key has such slots, and one consumer zeroes
                 # them in the shared slot; the others wait for it before reading the slot.
-                partial = (step + 1) * BLOCK_K > kv_hi
+                partial = (step + 1) * block_k > kv_hi
 
                 @pl.when(partial & (wg == 0))
                 def _():
-                    key = step * BLOCK_K + ops.iota((BLOCK_K, head_dim), 0)
+                    key = step * block_k + ops.iota((block_k, head_dim), 0)
                     v_slot = v_smem.at[slot]
                     ops.store(v_slot, jnp.where(key < kv_hi, v_slot[...], jnp.zeros((), cdt)))
                     if C > 1:
@@ -576,7 +583,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     with jax_config._check_vma(False):
         outs = pl.kernel(
             functools.partial(_kernel, num_parts=NP, group=G, scale=H ** -0.5 * LOG2E, ops=_Ops(interpret),
-                              out_dtype=out_dtype, lookahead=lookahead),
+                              out_dtype=out_dtype, lookahead=lookahead, block_k=launch.block_k),
             out_type=out_shape,
             mesh=plgpu.Mesh(grid=(nt, K, NP), grid_names=("tile", "kvh", "part"), num_threads=C + 1,
                             thread_name="wg"),
@@ -649,21 +656,26 @@ def _check_consumers(consumers: int):
 
 
 def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, page_size: int,
-            num_partitions: int | None, consumers: int = 1) -> pa.Launch:
+            num_partitions: int | None, consumers: int = 1, block_k: int = BLOCK_K,
+            block_k_name: str = "block_k") -> pa.Launch:
     """The `pa.Launch` of the tiles `tile_tok` for the Mosaic kernel: programs of `consumers` x 64 rows, key
-    blocks of 64, KV partitions `num_partitions` or enough programs to fill the GPU."""
+    blocks of `block_k`, KV partitions `num_partitions` or enough programs to fill the GPU."""
+    check_block_k(block_k_name, block_k)
+    if not supported_page_size(page_size, block_k):
+        raise ValueError(f"{block_k_name} {block_k}: the page size ({page_size}) must divide it or be a multiple of it")
     if num_partitions is None:
         nt, M = tile_tok.shape[0], meta.page_table.shape[1]
         target = TARGET_PROGRAMS // consumers  # a program of C consumers holds an SM's registers alone
-        num_partitions = max(1, min(_cdiv(M * page_size, BLOCK_K), _cdiv(target, nt * num_kv_heads)))
+        num_partitions = max(1, min(_cdiv(M * page_size, block_k), _cdiv(target, nt * num_kv_heads)))
     seq, full, hi, lim_rows = pa._tile_layout(meta, tile_tok, num_heads // num_kv_heads, consumers * ROWS)
     return pa.Launch(tok=tile_tok, seq=seq, full=full, hi=hi, lim_rows=lim_rows, row_tok=None, work=None,
-                     block_k=BLOCK_K, num_parts=num_partitions, programs=0)
+                     block_k=block_k, num_parts=num_partitions, programs=0)
 
 
 def plan_step(meta, *, num_heads: int, num_kv_heads: int, page_size: int, kind: str = MIXED,
               num_partitions: int | None = None, decode_partitions: int | None = None,
-              consumers: int = PREFILL_CONSUMERS) -> pa.StepTiles:
+              consumers: int = PREFILL_CONSUMERS, block_k: int = BLOCK_K, decode_block_k: int = BLOCK_K
+              ) -> pa.StepTiles:
     """A step's launches for `paged_attention_mosaic` (options as its own; heads and page size as the kernels see
     them): the tilings and per-tile metadata from the step's layout alone, computed once per step by the model
     and read by every layer's attention (`tiles=`)."""
@@ -673,16 +685,17 @@ def plan_step(meta, *, num_heads: int, num_kv_heads: int, page_size: int, kind: 
     dec, pre = pa.step_tilings(meta, kind=kind, block_q=block_q_for(num_heads, num_kv_heads, consumers))
     dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=page_size)
     return pa.StepTiles(
-        decode=None if dec is None else _launch(meta, dec, num_partitions=decode_partitions, **dims),
+        decode=None if dec is None else _launch(meta, dec, num_partitions=decode_partitions, block_k=decode_block_k,
+                                                block_k_name="decode_block_k", **dims),
         prefill=None if pre is None else _launch(meta, pre, num_partitions=num_partitions, consumers=consumers,
-                                                 **dims), kind=kind)
+                                                 block_k=block_k, **dims), kind=kind)
 
 
 def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partitions, out_dtype, consumers=1,
-            **codegen):
+            block_k=BLOCK_K, **codegen):
     """Attention of every token of the step through the one launch over `tile_tok`."""
     launch = _launch(meta, tile_tok, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3],
-                     page_size=k_cache.shape[2], num_partitions=num_partitions, consumers=consumers)
+                     page_size=k_cache.shape[2], num_partitions=num_partitions, consumers=consumers, block_k=block_k)
     tiles = pa.StepTiles(decode=None, prefill=launch, kind=MIXED)  # covers every token, as a mixed step's do
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype, **codegen)
 
@@ -690,7 +703,7 @@ def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partit
 @pa._jit
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                       num_partitions: int | None = None, out_dtype=None, consumers: int = PREFILL_CONSUMERS,
-                      approx_math: bool = True, lookahead: bool = True):
+                      block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
     `models.attention.paged_attention` (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by
@@ -702,26 +715,28 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     bq = block_q_for(N, k_cache.shape[3], consumers)
     tiles = pa._sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
-                   out_dtype=out_dtype, consumers=consumers, approx_math=approx_math, lookahead=lookahead)
+                   out_dtype=out_dtype, consumers=consumers, block_k=block_k, approx_math=approx_math,
+                   lookahead=lookahead)
 
 
 @pa._jit
 def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
-                     num_partitions: int | None = None, out_dtype=None, approx_math: bool = True,
-                     lookahead: bool = True):
+                     num_partitions: int | None = None, out_dtype=None, block_k: int = BLOCK_K,
+                     approx_math: bool = True, lookahead: bool = True):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
     `prefill_attention`."""
     _check(q, k_cache, v_cache, meta, interpret)
     tiles = pa._token_tiles(jnp.ones(q.shape[0], bool), q.shape[0])
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
-                   out_dtype=out_dtype, approx_math=approx_math, lookahead=lookahead)
+                   out_dtype=out_dtype, block_k=block_k, approx_math=approx_math, lookahead=lookahead)
 
 
 def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                             num_partitions: int | None = None, decode_partitions: int | None = None,
                             kind: str = MIXED, out_dtype=None, tiles: pa.StepTiles | None = None,
-                            consumers: int = PREFILL_CONSUMERS, approx_math: bool = True, lookahead: bool = True):
+                            consumers: int = PREFILL_CONSUMERS, block_k: int = BLOCK_K,
+                            decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
@@ -733,11 +748,11 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
     if tiles is None:
         tiles = plan_step(meta, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3], page_size=k_cache.shape[2],
                           kind=kind, num_partitions=num_partitions, decode_partitions=decode_partitions,
-                          consumers=consumers)
+                          consumers=consumers, block_k=block_k, decode_block_k=decode_block_k)
     elif (num_partitions is not None or decode_partitions is not None or kind != MIXED
-          or consumers != PREFILL_CONSUMERS):
+          or consumers != PREFILL_CONSUMERS or block_k != BLOCK_K or decode_block_k != BLOCK_K):
         raise ValueError("tiles were planned with their own options (plan_step); got num_partitions, "
-                         "decode_partitions, kind or consumers too")
+                         "decode_partitions, kind, consumers or a block size too")
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,
                     approx_math=approx_math, lookahead=lookahead)
 

@@ -85,6 +85,16 @@ def test_prefill_kernel_with_one_consumer_matches_reference(case):
     check(ma.prefill_attention, step, num_partitions=parts, consumers=1)
 
 
+@pytest.mark.slow
+def test_key_blocks_of_128_match_reference():
+    """`block_k=128` / `decode_block_k=128` (an option to tune on a GPU): a 33-token chunk at 300 keys over pages of
+    16 (8 TMA copies a block; the last block partial), two partitions, beside a decode at 200 keys."""
+    rng = np.random.default_rng(12)
+    step = make_step(rng, [(300, 33, 0), (200, 1, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16,
+                     dtype=jnp.bfloat16, shuffle=True)
+    check(ma.paged_attention_mosaic, step, num_partitions=2, block_k=128, decode_block_k=128)
+
+
 @pytest.mark.slow  # ~13 s in the interpreter (the prefill case and the CUDA lowering stay in the default suite)
 def test_decode_kernel_split_k_matches_reference():
     """Decode tiles (one token, its 8 heads as rows), 3 partitions: 70 keys (two blocks: the third partition is
@@ -267,6 +277,10 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
         paths = tuple((functools.partial(fn, kind=kind), 1) for fn, _ in OUTPUT_PATHS)
         with mgpu_core.artificial_shared_memory_limit(limit):
             assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
+    if head_dim <= 128:  # key blocks of 128 (an option): a prefill program still fits (one per SM), at 256 not
+        paths = tuple((functools.partial(fn, kind="prefill", block_k=128), 1) for fn, _ in OUTPUT_PATHS)
+        with mgpu_core.artificial_shared_memory_limit(H100_SMEM_PER_BLOCK):
+            assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
 
 
 # What the module says it supports beyond the 8B / 70B shapes: GQA groups 1 to 64, every page size class (below a
@@ -309,6 +323,12 @@ def test_what_the_kernels_refuse():
         step = make_step(rng, [(5, 2, 0)], **{**ok, **change})
         with pytest.raises(ValueError, match=message):
             run(ma.paged_attention_mosaic, step, interpret=True)
+    step = make_step(rng, [(5, 2, 0)], **{**ok, "page": 192})  # a multiple of 64, not of 128
+    for options, message in ((dict(block_k=96), r"block_k \(keys per block .*\(64, 128\), got 96"),
+                             (dict(decode_block_k=32), r"decode_block_k \(keys per block"),
+                             (dict(block_k=128), r"block_k 128: the page size \(192\) must divide it")):
+        with pytest.raises(ValueError, match=message):
+            run(ma.paged_attention_mosaic, step, interpret=True, **options)
     if not on_hopper_gpu():
         step = make_step(rng, [(5, 2, 0)], **ok)
         with pytest.raises(RuntimeError, match="attention='mosaic' needs an NVIDIA Hopper GPU .*use 'pallas', "
@@ -359,6 +379,7 @@ COMPILED = {"decode": ma.decode_attention,
             "prefill": ma.prefill_attention,
             "switch": ma.paged_attention_mosaic,
             "switch-exact-math": functools.partial(ma.paged_attention_mosaic, approx_math=False),
+            "switch-block128": functools.partial(ma.paged_attention_mosaic, block_k=128, decode_block_k=128),
             "switch-no-lookahead": functools.partial(ma.paged_attention_mosaic, lookahead=False)}
 
 
