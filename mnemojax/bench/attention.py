@@ -20,9 +20,11 @@ end of an x-token context (its own keys included, bottom-right causal). As the e
 (tilings and per-tile metadata, `plan_attention`) is computed once, for the step's kind (prefill for chunks,
 decode for one-token sequences: only those tiles are launched), and every layer's attention runs on it; "ms" is one
 layer's attention (split-K merge included) and "plan ms" the plan's own time, paid once per step for all layers.
-Each is the median of `--repeats` calls after a warm-up, each call dispatched and waited for on its own (host
-dispatch included: on small calls that is part of what is measured). `--profile` also traces 10 calls at the
-largest context for each chunk and decode and prints their GPU kernels (`trace.profile_calls`).
+Each is the median of `--repeats` samples after a warm-up; a sample is one call dispatched and waited for on its
+own (host dispatch included: on small calls that is part of what is measured), or with `--calls N`, N calls back to
+back and one wait, per call: the device's time once the host keeps ahead, as an engine step waits once for all its
+layers (the baselines are timed the same way). `--profile` also traces 10 calls at the largest context for each
+chunk and decode and prints their GPU kernels (`trace.profile_calls`).
 
 Figure 7 plots the *total* attention time of prefilling an n-token prompt in chunks of c: the sum over the
 n/c chunks of the time of chunk i at context i*c. The script measures the chunk time at a few contexts
@@ -93,6 +95,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
     p.add_argument("--samples", type=int, default=6, help="contexts per chunk size for the Figure 7 total")
+    p.add_argument("--calls", type=int, default=1,
+                   help="calls back to back per timed sample, one wait at the end (1: each call dispatched and "
+                        "waited for alone; more: the device time per call, as an engine step's layers run)")
     p.add_argument("--no_baselines", action="store_true", help="skip cuDNN and PyTorch")
     p.add_argument("--block_q", type=int, default=None, help="kernel option: query tokens per prefill tile")
     p.add_argument("--block_k", type=int, default=None, help="kernel option: keys per prefill block")
@@ -166,14 +171,19 @@ def hardware() -> list[str]:
             f"python {platform.python_version()}"]
 
 
-def median_time(fn, repeats: int) -> float:
-    """Median seconds of `fn()` (blocked until ready) over `repeats` runs after one warm-up run."""
+def median_time(fn, repeats: int, calls: int = 1) -> float:
+    """Median seconds of one `fn()` over `repeats` samples after one warm-up run. A sample runs `fn()` `calls` times
+    back to back and waits for the last (the device runs them in order): with calls = 1 each call's host dispatch and
+    wait are in its time; with more, the device time per call once the host keeps ahead of the device, as in an
+    engine's step, which waits once for all its layers."""
     jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
+        for _ in range(calls - 1):
+            fn()
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
 
@@ -258,8 +268,9 @@ class PagedLayer:
         q, meta = self.step(chunk, context)
         kind = step_kind(chunk)
         plan = self.plan(meta, kind)
-        layer = median_time(lambda: self.layer(q, self.k, self.v, meta, plan, kind), repeats)
-        return layer, (0.0 if plan is None else median_time(lambda: self.plan(meta, kind), repeats))
+        calls = self.args.calls
+        layer = median_time(lambda: self.layer(q, self.k, self.v, meta, plan, kind), repeats, calls)
+        return layer, (0.0 if plan is None else median_time(lambda: self.plan(meta, kind), repeats, calls))
 
     def profile(self, chunk: int, context: int, calls: int = 10):
         """The device's kernels over `calls` calls of one layer's attention on the step's plan (`profile_step`)."""
@@ -301,7 +312,7 @@ def cudnn_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, st
         k = jax.random.normal(ks[1], (batch, context, K, H), dt)
         v = jax.random.normal(ks[2], (batch, context, K, H), dt)
         f = jax.jit(functools.partial(split_causal_attention, implementation="cudnn"))
-        return median_time(lambda: f(q, k, v), repeats), "cudnn split+lse"
+        return median_time(lambda: f(q, k, v), repeats, args.calls), "cudnn split+lse"
     except Exception as e:  # a baseline that cannot run is reported, not fatal
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
 
@@ -330,7 +341,7 @@ def mgpu_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, str
         try:
             config = am.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2)
             f = jax.jit(functools.partial(am.attention, config=config))
-            return median_time(lambda: f(q, k, v), repeats), f"jax mgpu f16 block_kv {block_kv}, all keys"
+            return median_time(lambda: f(q, k, v), repeats, args.calls), f"jax mgpu f16 block_kv {block_kv}, all keys"
         except Exception as e:  # a baseline that cannot run is reported, not fatal
             error = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
     return None, error
@@ -367,11 +378,12 @@ def torch_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, st
             run()
         torch.cuda.synchronize()
         times = []
-        for _ in range(repeats):
+        for _ in range(repeats):  # as `median_time`: `calls` back to back, one wait
             t0 = time.perf_counter()
-            run()
+            for _ in range(args.calls):
+                run()
             torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0) / args.calls)
         return statistics.median(times), variant
     except Exception as e:  # reported in the table, not fatal
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"

@@ -43,11 +43,11 @@ STAGES = (
     Stage("long", (("scripts/bench_step.py", "--long", "--attention", "mosaic", "--decode_contexts", "32768"),),
           590, 450, why="issue 15: the llama3.2-1b exact 1M-token prefill (TTFT, target <= 150 s) and its decode"),
     Stage("attention", (("scripts/bench_attention.py", "--impl", "mosaic,mosaic+block_k=128+decode_block_k=128,pallas",
-                         "--chunks", "32,256,2048"),), 540, 240,
+                         "--chunks", "32,256,2048", "--calls", "10"),), 540, 240,
           why="issue 15: Llama-3-8B chunk-size curves at 256K and 1M, decode, against cuDNN, torch SDPA and jax's "
               "FA3-style Mosaic kernel, one layer on the step's plan for the step's kind; key blocks of 128 beside 64"),
     Stage("attention-70b", (("scripts/bench_attention.py", "--impl", "mosaic,pallas", "--model_shape", "llama3-70b",
-                             "--chunks", "32,256,2048", "--decode_batches", "1"),), 540, 240,
+                             "--chunks", "32,256,2048", "--decode_batches", "1", "--calls", "10"),), 540, 240,
           why="issue 15: the 70B shape (64 q heads) at 256K and 1M"),
     Stage("step", (("scripts/bench_step.py", "--attention", "pallas,mosaic"),), 540, 240,
           why="issues 12 and 15: prefill MFU at 32K, decode MBU at 32K-512K, each attention side by side"),

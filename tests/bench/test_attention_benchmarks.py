@@ -165,3 +165,23 @@ def test_labels_carry_kernel_options_to_the_plan_or_to_each_layer():
         mod.parse_args(["--small", "--impl", "flash"])
     # the step's kind, as the engine gives it: chunks are prefills, one-token sequences decodes
     assert [mod.step_kind(c) for c in (1, 2, 2048)] == ["decode", "prefill", "prefill"]
+
+
+def test_median_time_per_call_of_calls_back_to_back():
+    """--calls N: each sample runs the function N times and waits once; the time is per call (a host-side function
+    whose duration is known stands in for the device)."""
+    import time as _time
+
+    mod = _script("bench_attention")
+    count = []
+
+    def fn():
+        count.append(1)
+        _time.sleep(0.002)
+        return jax.numpy.zeros(())
+
+    per_call = mod.median_time(fn, repeats=3, calls=5)
+    assert len(count) == 1 + 3 * 5  # the warm-up, then 3 samples of 5 calls
+    assert 0.002 <= per_call < 0.009  # per call: a sample of 5 takes at least 0.010
+    args = mod.parse_args(["--small", "--calls", "4"])
+    assert args.calls == 4
