@@ -286,7 +286,7 @@ class _Ops:
 
 # ------------------------------------------------------------------------------------------ the kernel
 def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_parts: int,
-            group: int, scale: float, ops: _Ops, out_dtype, lookahead: bool, block_k: int):
+            group: int, scale: float, ops: _Ops, out_dtype, lookahead: bool, block_k: int, pingpong: bool):
     """One (tile, kv head, partition) program: warpgroups 0 .. C-1 consume (64 rows each), warpgroup C produces
     (TMA), C = the tile's rows / 64 (`PREFILL_CONSUMERS` for prefill tiles, 1 for decode tiles).
 
@@ -331,20 +331,30 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
     ]
     if C > 1:
         barriers += [plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # v slot's keys past the tile's zeroed
-                     plgpu.Barrier(num_arrivals=C)]  # every consumer's loop done (the staging overlays the ring)
+                     plgpu.Barrier(num_arrivals=C),  # every consumer's loop done (the staging overlays the ring)
+                     plgpu.Barrier(num_arrivals=C)]  # the consumers' turns on the tensor cores (`pingpong`)
     tile = (layer_ref, seq_ref, full_ref, hi_ref)
     pl.run_scoped(functools.partial(_program, tile, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
                                     num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
-                                    max_pages=max_pages, lookahead=lookahead, block_k=block_k),
+                                    max_pages=max_pages, lookahead=lookahead, block_k=block_k,
+                                    pingpong=pingpong and C == 2),
                   *scratch, *barriers, collective_axes="wg")
 
 
 def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smems, union, lim_smems, m_smems,
              l_smems, q_bars, k_bar, v_bar, consumed, *sync, num_parts, group, scale, ops, page_size, max_pages,
-             lookahead, block_k):
+             lookahead, block_k, pingpong):
     (k_smem, v_smem, p_smems), o_smems = union
     C = q_smems.shape[0]  # consumer warpgroups; warpgroup C produces
-    v_zeroed, loop_done = sync if C > 1 else (None, None)
+    v_zeroed, loop_done, schedule = sync if C > 1 else (None, None, None)
+
+    def take_turn():
+        """`pingpong` (two consumers): arrive at the schedule barrier and wait for the other consumer to arrive
+        too. Placed as in FlashAttention-3 and jax's `attention_mgpu`: after issuing Q K^T and before P V, so one
+        consumer's softmax runs while the other's wgmmas do (the consumers alternate on the tensor cores)."""
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
     t, kvh, part = lax.axis_index("tile"), lax.axis_index("kvh"), lax.axis_index("part")
     wg = lax.axis_index("wg")
     layer_ref, seq_ref, full_ref, hi_ref = tile_refs
@@ -423,6 +433,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                if pingpong:
+                    take_turn()
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32)) * scale  # base-2 logits
@@ -436,6 +448,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             if masked:
                 p = jnp.where(visible, p, 0.0)
             l = l * alpha + p.sum(axis=1)
+            if pingpong:
+                plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may take the tensor cores
             plgpu.barrier_wait(v_bar.at[slot])
             if masked:
                 # Slots past the tile's last visible key may never have been written (another sequence's pages
@@ -459,6 +473,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                         plgpu.barrier_wait(v_zeroed.at[slot])
             ops.store(p_smem, p.astype(cdt))
             plgpu.commit_smem()
+            if pingpong:
+                plgpu.barrier_wait(schedule)  # until the other consumer's turn is done
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
@@ -472,8 +488,12 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
         carry = (ops.cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row),
                  ops.cast(jnp.zeros((ROWS,), jnp.float32), row),
                  ops.cast(jnp.zeros((ROWS, head_dim), jnp.float32), None if ops.interpret else plgpu.Layout.WGMMA))
+        if pingpong:
+            pl.when(wg == 1)(take_turn)  # consumer 0 goes first
         carry = lax.fori_loop(lo, split, functools.partial(block, masked=False), carry)
         m, l, acc = lax.fori_loop(split, hi, functools.partial(block, masked=True), carry)
+        if pingpong:
+            pl.when(wg == 0)(take_turn)  # the turn consumer 1 waits for after its last block
         if C > 1:  # the staging below overlays the ring and the P buffers, which the other consumers may still read
             plgpu.barrier_arrive(loop_done)
             plgpu.barrier_wait(loop_done)
@@ -529,7 +549,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
 # ------------------------------------------------------------------------------------------ the wrappers
 def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interpret: bool, out_dtype, into=None,
-                  approx_math: bool = True, lookahead: bool = True):
+                  approx_math: bool = True, lookahead: bool = True, pingpong: bool = False):
     """One kernel launch over the tiles of `launch` (`pa.Launch`: tokens i32[nt, BQ], T = empty slot, one sequence
     per tile, with their metadata for 64-row programs and the number of KV partitions, `num_parts`).
 
@@ -583,7 +603,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     with jax_config._check_vma(False):
         outs = pl.kernel(
             functools.partial(_kernel, num_parts=NP, group=G, scale=H ** -0.5 * LOG2E, ops=_Ops(interpret),
-                              out_dtype=out_dtype, lookahead=lookahead, block_k=launch.block_k),
+                              out_dtype=out_dtype, lookahead=lookahead, block_k=launch.block_k, pingpong=pingpong),
             out_type=out_shape,
             mesh=plgpu.Mesh(grid=(nt, K, NP), grid_names=("tile", "kvh", "part"), num_threads=C + 1,
                             thread_name="wg"),
@@ -601,7 +621,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
 
 
 def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret: bool, out_dtype=None,
-             approx_math: bool = True, lookahead: bool = True):
+             approx_math: bool = True, lookahead: bool = True, pingpong: bool = False):
     """(out [T, N, H] in `out_dtype` (default q's dtype, or float32), lse f32[T, N]) of a step whose tokens are
     laid out in the launches of `tiles` (`plan_step`), no token in two.
 
@@ -623,7 +643,8 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     for launch in (tiles.decode, tiles.prefill):
         if launch is None:
             continue
-        kw = dict(interpret=interpret, out_dtype=out_dtype, approx_math=approx_math, lookahead=lookahead)
+        kw = dict(interpret=interpret, out_dtype=out_dtype, approx_math=approx_math, lookahead=lookahead,
+                  pingpong=pingpong)
         if launch.num_parts == 1:
             into = _attend_tiles(*args, launch, into=into, **kw)
         else:
@@ -703,7 +724,8 @@ def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partit
 @pa._jit
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                       num_partitions: int | None = None, out_dtype=None, consumers: int = PREFILL_CONSUMERS,
-                      block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True):
+                      block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
+                      pingpong: bool = False):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
     `models.attention.paged_attention` (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by
@@ -716,7 +738,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     tiles = pa._sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
                    out_dtype=out_dtype, consumers=consumers, block_k=block_k, approx_math=approx_math,
-                   lookahead=lookahead)
+                   lookahead=lookahead, pingpong=pingpong)
 
 
 @pa._jit
@@ -736,7 +758,8 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
                             num_partitions: int | None = None, decode_partitions: int | None = None,
                             kind: str = MIXED, out_dtype=None, tiles: pa.StepTiles | None = None,
                             consumers: int = PREFILL_CONSUMERS, block_k: int = BLOCK_K,
-                            decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True):
+                            decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
+                            pingpong: bool = False):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
@@ -754,7 +777,7 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
         raise ValueError("tiles were planned with their own options (plan_step); got num_partitions, "
                          "decode_partitions, kind, consumers or a block size too")
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,
-                    approx_math=approx_math, lookahead=lookahead)
+                    approx_math=approx_math, lookahead=lookahead, pingpong=pingpong)
 
 
 paged_attention_mosaic = pa._jit(_paged_attention_mosaic, dynamic=("tiles",))

@@ -125,22 +125,26 @@ def race_detection(monkeypatch):
     yield lambda: interpret_pallas_call.get_races().races_found
 
 
-@pytest.mark.parametrize("lookahead", [True, pytest.param(False, marks=pytest.mark.slow)],
-                         ids=["lookahead", "no-lookahead"])
-@pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_a_program_refills_its_slots_without_races(kind, lookahead, race_detection):
+@pytest.mark.parametrize("kind,options", [
+    pytest.param("decode", {}, id="decode"), pytest.param("prefill", {}, id="prefill"),
+    pytest.param("decode", dict(lookahead=False), marks=pytest.mark.slow, id="decode-no-lookahead"),
+    pytest.param("prefill", dict(lookahead=False), marks=pytest.mark.slow, id="prefill-no-lookahead"),
+    pytest.param("prefill", dict(pingpong=True), marks=pytest.mark.slow, id="prefill-pingpong")],
+    ids=str)
+def test_a_program_refills_its_slots_without_races(kind, options, race_detection):
     """One partition over more key blocks than the ring has slots (STAGES = 2), so the producer refills slots the
     consumer released (it waits on "consumed" for each) and waits for the last ones at the end, and the output
     staging, which shares SMEM with the slots, is written after: 300 keys (5 blocks) for the decode, a 20-token
     chunk at 200 keys (4 blocks, the last two at the causal edge) beside a 9-token first chunk for the prefill.
     Checked against the reference, with the race detector on and finding nothing. (No earlier interpreted case
     had more than two blocks in a program: the interpreter then refused the kernel, whose producer left the
-    last "consumed" phases unobserved.)"""
+    last "consumed" phases unobserved.) Also without the page-table lookahead, and with the two prefill consumers
+    taking turns on the schedule barrier (`pingpong`; a decode program has one consumer and no turns)."""
     rng = np.random.default_rng(11)
     seqs = [(300, 1, 0), (70, 1, 0)] if kind == "decode" else [(200, 20, 0), (9, 9, 0)]
     step = make_step(rng, seqs, num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
     fn = ma.decode_attention if kind == "decode" else ma.prefill_attention
-    check(fn, step, num_partitions=1, lookahead=lookahead)
+    check(fn, step, num_partitions=1, **options)
     assert not race_detection()
 
 
@@ -249,7 +253,8 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
              (_ONE_PARTITION, 2),  # token-order writes, the second launch into the first's buffers
              (functools.partial(_ONE_PARTITION, kind="decode"), 1),  # into (0, NEG_INF) buffers
              (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2),  # token order + a scatter
-             (functools.partial(_ONE_PARTITION, out_dtype=jnp.float32), 2))  # a KVP rank's float32 partial
+             (functools.partial(_ONE_PARTITION, out_dtype=jnp.float32), 2),  # a KVP rank's float32 partial
+             (functools.partial(ma.paged_attention_mosaic, pingpong=True, block_k=128), 2))  # tuning options
     assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
 
 
@@ -380,6 +385,7 @@ COMPILED = {"decode": ma.decode_attention,
             "switch": ma.paged_attention_mosaic,
             "switch-exact-math": functools.partial(ma.paged_attention_mosaic, approx_math=False),
             "switch-block128": functools.partial(ma.paged_attention_mosaic, block_k=128, decode_block_k=128),
+            "switch-pingpong": functools.partial(ma.paged_attention_mosaic, pingpong=True),
             "switch-no-lookahead": functools.partial(ma.paged_attention_mosaic, lookahead=False)}
 
 
