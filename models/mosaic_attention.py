@@ -61,8 +61,9 @@ which simulates SMEM, barriers, TMA copies and wgmma on the CPU. What it lacks, 
   - `plgpu.layout_cast`, `plgpu.broadcasted_iota(layout=...)`, `plgpu.load(layout=...)` have no CPU rule: under
     the interpreter they are the plain jnp operations (layouts are a register-allocation hint, no value change);
   - `pl.run_state` / accumulating into a register-initialised ACC, and wgmma with its A operand in registers, do
-    not run: so every wgmma here starts from a fresh zero ACC (the running output is rescaled and added in
-    registers) and P goes through SMEM (FlashAttention-3 keeps P in registers: what that costs is unmeasured);
+    not run: so by default every wgmma here starts from a fresh zero ACC (the running output is rescaled and added
+    in registers) and P goes through SMEM; `registers=True` (compiled only: it raises under the interpreter) keeps
+    P in registers and accumulates in place, as FlashAttention-3 does (unmeasured);
   - jax 0.10 only: a `plgpu.RefUnion` hangs the interpreter: the staging and the ring are separate buffers there
     (the same values; jax 0.11's interpreter runs the union, and its race detector checks the disjoint lifetimes);
   - `copy_smem_to_gmem(..., predicate=...)` raises "predicate not supported": the token-order copies of an empty
@@ -286,7 +287,8 @@ class _Ops:
 
 # ------------------------------------------------------------------------------------------ the kernel
 def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_parts: int,
-            group: int, scale: float, ops: _Ops, out_dtype, lookahead: bool, block_k: int, pingpong: bool):
+            group: int, scale: float, ops: _Ops, out_dtype, lookahead: bool, block_k: int, pingpong: bool,
+            registers: bool):
     """One (tile, kv head, partition) program: warpgroups 0 .. C-1 consume (64 rows each), warpgroup C produces
     (TMA), C = the tile's rows / 64 (`PREFILL_CONSUMERS` for prefill tiles, 1 for decode tiles).
 
@@ -337,13 +339,13 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
     pl.run_scoped(functools.partial(_program, tile, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
                                     num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
                                     max_pages=max_pages, lookahead=lookahead, block_k=block_k,
-                                    pingpong=pingpong and C == 2),
+                                    pingpong=pingpong and C == 2, registers=registers),
                   *scratch, *barriers, collective_axes="wg")
 
 
 def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smems, union, lim_smems, m_smems,
              l_smems, q_bars, k_bar, v_bar, consumed, *sync, num_parts, group, scale, ops, page_size, max_pages,
-             lookahead, block_k, pingpong):
+             lookahead, block_k, pingpong, registers):
     (k_smem, v_smem, p_smems), o_smems = union
     C = q_smems.shape[0]  # consumer warpgroups; warpgroup C produces
     v_zeroed, loop_done, schedule = sync if C > 1 else (None, None, None)
@@ -471,6 +473,20 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                     @pl.when(partial & (wg > 0))
                     def _():
                         plgpu.barrier_wait(v_zeroed.at[slot])
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if registers:  # P V with P in registers, accumulated in place (FlashAttention-3's; compiled only)
+                p16 = p.astype(cdt)
+                if masked:
+                    plgpu.commit_smem()  # the zeroed V slot
+                if pingpong:
+                    plgpu.barrier_wait(schedule)  # until the other consumer's turn is done
+
+                def pv_in_place(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(consumed.at[slot])
+                return m_new, l, acc
             ops.store(p_smem, p.astype(cdt))
             plgpu.commit_smem()
             if pingpong:
@@ -482,7 +498,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
             out = pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
             plgpu.barrier_arrive(consumed.at[slot])
-            return m_new, l, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + out
+            return m_new, l, acc + out
 
         row = plgpu.Layout.WGMMA.reduce(1) if not ops.interpret else None
         carry = (ops.cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row),
@@ -549,7 +565,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
 # ------------------------------------------------------------------------------------------ the wrappers
 def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interpret: bool, out_dtype, into=None,
-                  approx_math: bool = True, lookahead: bool = True, pingpong: bool = False):
+                  approx_math: bool = True, lookahead: bool = True, pingpong: bool = False, registers: bool = False):
     """One kernel launch over the tiles of `launch` (`pa.Launch`: tokens i32[nt, BQ], T = empty slot, one sequence
     per tile, with their metadata for 64-row programs and the number of KV partitions, `num_parts`).
 
@@ -561,6 +577,9 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     num_parts > 1: the partials merged by log-sum-exp after the kernel, per tile slot: out f32[nt, BQ, N, H],
     lse f32[nt, BQ, N] (for `pa._scatter_into`).
     """
+    if registers and interpret:
+        raise ValueError("registers=True (P in registers for P V, the accumulator updated in place) is compiled "
+                         "only: jax's Mosaic GPU interpreter runs neither")
     T, N, H = q.shape
     K = k_cache.shape[3]
     tile_tok = launch.tok
@@ -603,7 +622,8 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     with jax_config._check_vma(False):
         outs = pl.kernel(
             functools.partial(_kernel, num_parts=NP, group=G, scale=H ** -0.5 * LOG2E, ops=_Ops(interpret),
-                              out_dtype=out_dtype, lookahead=lookahead, block_k=launch.block_k, pingpong=pingpong),
+                              out_dtype=out_dtype, lookahead=lookahead, block_k=launch.block_k, pingpong=pingpong,
+                              registers=registers),
             out_type=out_shape,
             mesh=plgpu.Mesh(grid=(nt, K, NP), grid_names=("tile", "kvh", "part"), num_threads=C + 1,
                             thread_name="wg"),
@@ -621,7 +641,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
 
 
 def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret: bool, out_dtype=None,
-             approx_math: bool = True, lookahead: bool = True, pingpong: bool = False):
+             approx_math: bool = True, lookahead: bool = True, pingpong: bool = False, registers: bool = False):
     """(out [T, N, H] in `out_dtype` (default q's dtype, or float32), lse f32[T, N]) of a step whose tokens are
     laid out in the launches of `tiles` (`plan_step`), no token in two.
 
@@ -644,7 +664,7 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
         if launch is None:
             continue
         kw = dict(interpret=interpret, out_dtype=out_dtype, approx_math=approx_math, lookahead=lookahead,
-                  pingpong=pingpong)
+                  pingpong=pingpong, registers=registers)
         if launch.num_parts == 1:
             into = _attend_tiles(*args, launch, into=into, **kw)
         else:
@@ -725,7 +745,7 @@ def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partit
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                       num_partitions: int | None = None, out_dtype=None, consumers: int = PREFILL_CONSUMERS,
                       block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
-                      pingpong: bool = False):
+                      pingpong: bool = False, registers: bool = False):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
     `models.attention.paged_attention` (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by
@@ -738,7 +758,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     tiles = pa._sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
                    out_dtype=out_dtype, consumers=consumers, block_k=block_k, approx_math=approx_math,
-                   lookahead=lookahead, pingpong=pingpong)
+                   lookahead=lookahead, pingpong=pingpong, registers=registers)
 
 
 @pa._jit
@@ -759,7 +779,7 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
                             kind: str = MIXED, out_dtype=None, tiles: pa.StepTiles | None = None,
                             consumers: int = PREFILL_CONSUMERS, block_k: int = BLOCK_K,
                             decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
-                            pingpong: bool = False):
+                            pingpong: bool = False, registers: bool = False):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
@@ -777,7 +797,7 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
         raise ValueError("tiles were planned with their own options (plan_step); got num_partitions, "
                          "decode_partitions, kind, consumers or a block size too")
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,
-                    approx_math=approx_math, lookahead=lookahead, pingpong=pingpong)
+                    approx_math=approx_math, lookahead=lookahead, pingpong=pingpong, registers=registers)
 
 
 paged_attention_mosaic = pa._jit(_paged_attention_mosaic, dynamic=("tiles",))

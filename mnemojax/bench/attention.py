@@ -511,7 +511,8 @@ def print_tables(args, impl, results, contexts, ref_chunk):
         cu, cu_how = r["base"].get("cudnn", (None, "skipped"))
         to, to_how = r["base"].get("torch", (None, "skipped"))
         mg, mg_how = r["base"].get("mgpu", (None, "skipped"))
-        print(f"{r['context']:>8} {r['chunk']:>6} {r['ms']:>9.3f} {r['plan_ms']:>8.3f} {r['us_per_token']:>9.2f} {r['tflops']:>8.4g} "
+        print(f"{r['context']:>8} {r['chunk']:>6} {r['ms']:>9.3f} {r['plan_ms']:>8.3f} {r['us_per_token']:>9.2f} "
+              f"{r['tflops']:>8.4g} "
               f"{r['gbps']:>7.4g} {fmt(r.get('per_token_vs_ref'), '.3f'):>12} {fmt(r.get('total_s'), '.3f'):>12} "
               f"{fmt(r.get('total_vs_ref'), '.3f'):>13} {fmt(cu and cu * 1e3):>9} "
               f"{fmt(cu and r['ms'] / (cu * 1e3), '.2f'):>8} {fmt(to and to * 1e3):>9} "
@@ -532,5 +533,6 @@ def print_tables(args, impl, results, contexts, ref_chunk):
     for r in (r for r in results["decode"] if r["impl"] == impl):
         cu, cu_how = r["base"].get("cudnn", (None, "skipped"))
         to, to_how = r["base"].get("torch", (None, "skipped"))
-        print(f"{r['context']:>8} {r['batch']:>4} {r['ms']:>9.3f} {r['plan_ms']:>8.3f} {r['gbps']:>7.4g} {fmt(cu and cu * 1e3):>9} "
+        print(f"{r['context']:>8} {r['batch']:>4} {r['ms']:>9.3f} {r['plan_ms']:>8.3f} {r['gbps']:>7.4g} "
+              f"{fmt(cu and cu * 1e3):>9} "
               f"{fmt(to and to * 1e3):>9}  {cu_how}; {to_how}")

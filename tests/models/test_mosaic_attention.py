@@ -254,7 +254,9 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
              (functools.partial(_ONE_PARTITION, kind="decode"), 1),  # into (0, NEG_INF) buffers
              (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2),  # token order + a scatter
              (functools.partial(_ONE_PARTITION, out_dtype=jnp.float32), 2),  # a KVP rank's float32 partial
-             (functools.partial(ma.paged_attention_mosaic, pingpong=True, block_k=128), 2))  # tuning options
+             (functools.partial(ma.paged_attention_mosaic, pingpong=True, block_k=128), 2),  # tuning options
+             (functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True), 2),
+             (functools.partial(_ONE_PARTITION, registers=True), 2))
     assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
 
 
@@ -334,6 +336,8 @@ def test_what_the_kernels_refuse():
                              (dict(block_k=128), r"block_k 128: the page size \(192\) must divide it")):
         with pytest.raises(ValueError, match=message):
             run(ma.paged_attention_mosaic, step, interpret=True, **options)
+    with pytest.raises(ValueError, match=r"registers=True .* is compiled only"):
+        run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, registers=True)
     if not on_hopper_gpu():
         step = make_step(rng, [(5, 2, 0)], **ok)
         with pytest.raises(RuntimeError, match="attention='mosaic' needs an NVIDIA Hopper GPU .*use 'pallas', "
@@ -378,15 +382,19 @@ def test_engine_with_compiled_kernels_on_hopper_matches_reference(tmp_path):
 
 
 # The compiled kernels, each its own test (one that fails to compile or disagrees leaves the others' results), in
-# this order: one-consumer programs first, then the two-consumer prefill programs, then the code-generation options.
+# this order: one-consumer programs first, then the two-consumer prefill programs, then the options (those measured
+# on the H200 first: block128, pingpong and registers have not run on a GPU).
 COMPILED = {"decode": ma.decode_attention,
             "prefill-c1": functools.partial(ma.prefill_attention, consumers=1),
             "prefill": ma.prefill_attention,
             "switch": ma.paged_attention_mosaic,
             "switch-exact-math": functools.partial(ma.paged_attention_mosaic, approx_math=False),
             "switch-block128": functools.partial(ma.paged_attention_mosaic, block_k=128, decode_block_k=128),
+            "switch-no-lookahead": functools.partial(ma.paged_attention_mosaic, lookahead=False),
             "switch-pingpong": functools.partial(ma.paged_attention_mosaic, pingpong=True),
-            "switch-no-lookahead": functools.partial(ma.paged_attention_mosaic, lookahead=False)}
+            # last: compiled only (the interpreter runs neither), never run on a GPU yet
+            "switch-registers": functools.partial(ma.paged_attention_mosaic, registers=True),
+            "switch-registers-pingpong": functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True)}
 
 
 @pytest.mark.gpu
