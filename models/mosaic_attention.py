@@ -19,7 +19,7 @@ One kernel, two tilings (as in `models.pallas_attention`):
 The grid is (tiles, kv heads, partitions). Each program (a CUDA block) holds C + 1 warpgroups:
   - a producer warpgroup (the last) copies the K and V blocks of its partition by TMA, page by page through the
     page table (one copy of `page_size` rows per page, or one slice of a page when pages are larger than a block),
-    into a ring of STAGES SMEM slots, and waits on a "consumed" barrier (an arrival from every consumer) before
+    into a ring of `stages` SMEM slots (STAGES = 2 by default), and waits on a "consumed" barrier (an arrival from every consumer) before
     refilling a slot; with `lookahead` it loads the next block's page-table entries before that wait;
   - C consumer warpgroups, each with its own 64 rows of Q, P and accumulator, run the online softmax on every
     block: S = Q K^T by wgmma (K transposed by the wgmma descriptor), masking only in the key blocks at the
@@ -103,7 +103,8 @@ PREFILL_CONSUMERS = 2  # consumer warpgroups of a prefill program: 128 rows shar
 BLOCK_K = 64  # keys per block of the online softmax (the default; `block_k` / `decode_block_k`: BLOCK_KS)
 BLOCK_KS = (64, 128)  # key blocks the kernel takes: P is [64, block_k] (whole 64-column swizzle tiles), and two
 # 128-key K/V slots of head dim 128 still fit a two-consumer program's SMEM
-STAGES = 2  # K/V SMEM slots in flight between the producer and the consumer
+STAGES = 2  # K/V SMEM slots in flight between the producer and the consumers (the default; `stages`: 2 to 4)
+STAGES_RANGE = (2, 3, 4)
 HEAD_DIMS = (64, 128, 256)
 TARGET_PROGRAMS = 264  # grid size the KV partitions aim for (2 one-consumer programs per SM of an H100 SXM, 132 SMs;
 # a two-consumer program takes an SM alone: 3 x 128 threads x up to 168 registers, so half as many)
@@ -288,7 +289,7 @@ class _Ops:
 # ------------------------------------------------------------------------------------------ the kernel
 def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_parts: int,
             group: int, scale: float, ops: _Ops, out_dtype, lookahead: bool, block_k: int, pingpong: bool,
-            registers: bool):
+            registers: bool, stages: int):
     """One (tile, kv head, partition) program: warpgroups 0 .. C-1 consume (64 rows each), warpgroup C produces
     (TMA), C = the tile's rows / 64 (`PREFILL_CONSUMERS` for prefill tiles, 1 for decode tiles).
 
@@ -308,8 +309,8 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
     # The K/V slots and P are dead once the consumer's loop ends (every TMA copy into a slot has landed: the consumer
     # waited for each; every wgmma reading them has completed: it read its accumulator), and the output staging is
     # live only after it: one SMEM region holds both (`_Ops.union`), so the staging costs no SMEM of its own.
-    loop = (plgpu.SMEM((STAGES, block_k, H), cdt, transforms=tr),  # k slots
-            plgpu.SMEM((STAGES, block_k, H), cdt, transforms=tr),  # v slots
+    loop = (plgpu.SMEM((stages, block_k, H), cdt, transforms=tr),  # k slots
+            plgpu.SMEM((stages, block_k, H), cdt, transforms=tr),  # v slots
             plgpu.SMEM((C, ROWS, block_k), cdt, transforms=tr))  # p, one per consumer
     # output staging: rows of G heads copied out per token (out_dtype; tiled only where G-row slices are whole
     # tiles: `_token_rows_tiled`), or the float32 partial, copied out whole: tiled and swizzled as the wgmma
@@ -327,25 +328,25 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
     copies = max(1, block_k // S)  # TMA copies per key block: one per page, or one slice of a large page
     barriers = [
         plgpu.Barrier(num_arrivals=2, num_barriers=C),  # a consumer's q and row limits landed
-        plgpu.Barrier(num_arrivals=copies, num_barriers=STAGES),  # k slot full
-        plgpu.Barrier(num_arrivals=copies, num_barriers=STAGES),  # v slot full
-        plgpu.Barrier(num_arrivals=C, num_barriers=STAGES),  # slot consumed (by every consumer)
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),  # k slot full
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),  # v slot full
+        plgpu.Barrier(num_arrivals=C, num_barriers=stages),  # slot consumed (by every consumer)
     ]
     if C > 1:
-        barriers += [plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # v slot's keys past the tile's zeroed
+        barriers += [plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # v slot's keys past the tile's zeroed
                      plgpu.Barrier(num_arrivals=C),  # every consumer's loop done (the staging overlays the ring)
                      plgpu.Barrier(num_arrivals=C)]  # the consumers' turns on the tensor cores (`pingpong`)
     tile = (layer_ref, seq_ref, full_ref, hi_ref)
     pl.run_scoped(functools.partial(_program, tile, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
                                     num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
                                     max_pages=max_pages, lookahead=lookahead, block_k=block_k,
-                                    pingpong=pingpong and C == 2, registers=registers),
+                                    pingpong=pingpong and C == 2, registers=registers, stages=stages),
                   *scratch, *barriers, collective_axes="wg")
 
 
 def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smems, union, lim_smems, m_smems,
              l_smems, q_bars, k_bar, v_bar, consumed, *sync, num_parts, group, scale, ops, page_size, max_pages,
-             lookahead, block_k, pingpong, registers):
+             lookahead, block_k, pingpong, registers, stages):
     (k_smem, v_smem, p_smems), o_smems = union
     C = q_smems.shape[0]  # consumer warpgroups; warpgroup C produces
     v_zeroed, loop_done, schedule = sync if C > 1 else (None, None, None)
@@ -381,7 +382,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                          for i in range(max(1, block_k // page_size)))
 
         def fill(step, pages):
-            slot = lax.rem(step, STAGES)
+            slot = lax.rem(step, stages)
             # The page-table loads (GMEM, dependent TMA copies after them) go first: with `lookahead`, the next
             # block's, before this block's wait, so their latency hides behind it; else this block's, all of them
             # before its copies rather than each just before its own.
@@ -390,7 +391,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             else:
                 pages, upcoming = pages_of(step), ()
 
-            @pl.when(step >= STAGES)
+            @pl.when(step >= stages)
             def _():
                 plgpu.barrier_wait(consumed.at[slot])
 
@@ -408,15 +409,15 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
         lax.fori_loop(0, hi - lo, fill, pages_of(0) if lookahead else ())
 
-        # Wait for the consumption of the last STAGES blocks too, which no fill waited for: then this warpgroup has
+        # Wait for the consumption of the last stages blocks too, which no fill waited for: then this warpgroup has
         # observed every phase of the "consumed" barriers before they go (jax's interpreter refuses a barrier
         # deallocated with phases a waiting thread skipped; the hardware would not mind). The producer is idle by
         # then; the consumer never waits for it.
         def drain(step, _):
-            plgpu.barrier_wait(consumed.at[lax.rem(step, STAGES)])
+            plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
             return ()
 
-        lax.fori_loop(jnp.maximum(hi - lo - STAGES, 0), hi - lo, drain, ())
+        lax.fori_loop(jnp.maximum(hi - lo - stages, 0), hi - lo, drain, ())
 
     @pl.when(wg < C)
     def _consumer():  # rows wg*64 .. wg*64+63 of the tile
@@ -430,7 +431,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
         def block(step, carry, masked: bool):
             m, l, acc = carry
-            slot = lax.rem(step - lo, STAGES)
+            slot = lax.rem(step - lo, stages)
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
@@ -565,7 +566,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
 # ------------------------------------------------------------------------------------------ the wrappers
 def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interpret: bool, out_dtype, into=None,
-                  approx_math: bool = True, lookahead: bool = True, pingpong: bool = False, registers: bool = False):
+                  approx_math: bool = True, lookahead: bool = True, pingpong: bool = False, registers: bool = False,
+                  stages: int = STAGES):
     """One kernel launch over the tiles of `launch` (`pa.Launch`: tokens i32[nt, BQ], T = empty slot, one sequence
     per tile, with their metadata for 64-row programs and the number of KV partitions, `num_parts`).
 
@@ -577,6 +579,8 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     num_parts > 1: the partials merged by log-sum-exp after the kernel, per tile slot: out f32[nt, BQ, N, H],
     lse f32[nt, BQ, N] (for `pa._scatter_into`).
     """
+    if stages not in STAGES_RANGE:
+        raise ValueError(f"stages (K/V slots in the ring) must be one of {STAGES_RANGE}, got {stages}")
     if registers and interpret:
         raise ValueError("registers=True (P in registers for P V, the accumulator updated in place) is compiled "
                          "only: jax's Mosaic GPU interpreter runs neither")
@@ -623,7 +627,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
         outs = pl.kernel(
             functools.partial(_kernel, num_parts=NP, group=G, scale=H ** -0.5 * LOG2E, ops=_Ops(interpret),
                               out_dtype=out_dtype, lookahead=lookahead, block_k=launch.block_k, pingpong=pingpong,
-                              registers=registers),
+                              registers=registers, stages=stages),
             out_type=out_shape,
             mesh=plgpu.Mesh(grid=(nt, K, NP), grid_names=("tile", "kvh", "part"), num_threads=C + 1,
                             thread_name="wg"),
@@ -641,7 +645,8 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
 
 
 def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret: bool, out_dtype=None,
-             approx_math: bool = True, lookahead: bool = True, pingpong: bool = False, registers: bool = False):
+             approx_math: bool = True, lookahead: bool = True, pingpong: bool = False, registers: bool = False,
+             stages: int = STAGES):
     """(out [T, N, H] in `out_dtype` (default q's dtype, or float32), lse f32[T, N]) of a step whose tokens are
     laid out in the launches of `tiles` (`plan_step`), no token in two.
 
@@ -664,7 +669,7 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
         if launch is None:
             continue
         kw = dict(interpret=interpret, out_dtype=out_dtype, approx_math=approx_math, lookahead=lookahead,
-                  pingpong=pingpong, registers=registers)
+                  pingpong=pingpong, registers=registers, stages=stages)
         if launch.num_parts == 1:
             into = _attend_tiles(*args, launch, into=into, **kw)
         else:
@@ -745,7 +750,7 @@ def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partit
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                       num_partitions: int | None = None, out_dtype=None, consumers: int = PREFILL_CONSUMERS,
                       block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
-                      pingpong: bool = False, registers: bool = False):
+                      pingpong: bool = False, registers: bool = False, stages: int = STAGES):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
     `models.attention.paged_attention` (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by
@@ -758,20 +763,21 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     tiles = pa._sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
                    out_dtype=out_dtype, consumers=consumers, block_k=block_k, approx_math=approx_math,
-                   lookahead=lookahead, pingpong=pingpong, registers=registers)
+                   lookahead=lookahead, pingpong=pingpong, registers=registers, stages=stages)
 
 
 @pa._jit
 def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                      num_partitions: int | None = None, out_dtype=None, block_k: int = BLOCK_K,
-                     approx_math: bool = True, lookahead: bool = True):
+                     approx_math: bool = True, lookahead: bool = True, stages: int = STAGES):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
     `prefill_attention`."""
     _check(q, k_cache, v_cache, meta, interpret)
     tiles = pa._token_tiles(jnp.ones(q.shape[0], bool), q.shape[0])
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
-                   out_dtype=out_dtype, block_k=block_k, approx_math=approx_math, lookahead=lookahead)
+                   out_dtype=out_dtype, block_k=block_k, approx_math=approx_math, lookahead=lookahead,
+                   stages=stages)
 
 
 def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
@@ -779,7 +785,7 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
                             kind: str = MIXED, out_dtype=None, tiles: pa.StepTiles | None = None,
                             consumers: int = PREFILL_CONSUMERS, block_k: int = BLOCK_K,
                             decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
-                            pingpong: bool = False, registers: bool = False):
+                            pingpong: bool = False, registers: bool = False, stages: int = STAGES):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
@@ -797,7 +803,8 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
         raise ValueError("tiles were planned with their own options (plan_step); got num_partitions, "
                          "decode_partitions, kind, consumers or a block size too")
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,
-                    approx_math=approx_math, lookahead=lookahead, pingpong=pingpong, registers=registers)
+                    approx_math=approx_math, lookahead=lookahead, pingpong=pingpong, registers=registers,
+                    stages=stages)
 
 
 paged_attention_mosaic = pa._jit(_paged_attention_mosaic, dynamic=("tiles",))

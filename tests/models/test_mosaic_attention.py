@@ -129,7 +129,9 @@ def race_detection(monkeypatch):
     pytest.param("decode", {}, id="decode"), pytest.param("prefill", {}, id="prefill"),
     pytest.param("decode", dict(lookahead=False), marks=pytest.mark.slow, id="decode-no-lookahead"),
     pytest.param("prefill", dict(lookahead=False), marks=pytest.mark.slow, id="prefill-no-lookahead"),
-    pytest.param("prefill", dict(pingpong=True), marks=pytest.mark.slow, id="prefill-pingpong")],
+    pytest.param("prefill", dict(pingpong=True), marks=pytest.mark.slow, id="prefill-pingpong"),
+    pytest.param("decode", dict(stages=3), marks=pytest.mark.slow, id="decode-stages3"),
+    pytest.param("prefill", dict(stages=4), marks=pytest.mark.slow, id="prefill-stages4")],
     ids=str)
 def test_a_program_refills_its_slots_without_races(kind, options, race_detection):
     """One partition over more key blocks than the ring has slots (STAGES = 2), so the producer refills slots the
@@ -139,7 +141,8 @@ def test_a_program_refills_its_slots_without_races(kind, options, race_detection
     Checked against the reference, with the race detector on and finding nothing. (No earlier interpreted case
     had more than two blocks in a program: the interpreter then refused the kernel, whose producer left the
     last "consumed" phases unobserved.) Also without the page-table lookahead, and with the two prefill consumers
-    taking turns on the schedule barrier (`pingpong`; a decode program has one consumer and no turns)."""
+    taking turns on the schedule barrier (`pingpong`; a decode program has one consumer and no turns), and with
+    rings of 3 and 4 slots (`stages`)."""
     rng = np.random.default_rng(11)
     seqs = [(300, 1, 0), (70, 1, 0)] if kind == "decode" else [(200, 20, 0), (9, 9, 0)]
     step = make_step(rng, seqs, num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
@@ -255,6 +258,7 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
              (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2),  # token order + a scatter
              (functools.partial(_ONE_PARTITION, out_dtype=jnp.float32), 2),  # a KVP rank's float32 partial
              (functools.partial(ma.paged_attention_mosaic, pingpong=True, block_k=128), 2),  # tuning options
+             (functools.partial(ma.paged_attention_mosaic, stages=3), 2),
              (functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True), 2),
              (functools.partial(_ONE_PARTITION, registers=True), 2))
     assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
@@ -284,10 +288,12 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
         paths = tuple((functools.partial(fn, kind=kind), 1) for fn, _ in OUTPUT_PATHS)
         with mgpu_core.artificial_shared_memory_limit(limit):
             assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
-    if head_dim <= 128:  # key blocks of 128 (an option): a prefill program still fits (one per SM), at 256 not
-        paths = tuple((functools.partial(fn, kind="prefill", block_k=128), 1) for fn, _ in OUTPUT_PATHS)
-        with mgpu_core.artificial_shared_memory_limit(H100_SMEM_PER_BLOCK):
-            assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
+    if head_dim <= 128:  # key blocks of 128, or a ring of 4 slots (options): a prefill program still fits (one per
+        # SM), at 256 not; a decode program with a ring of 3 fits one per SM
+        for kind, options in (("prefill", dict(block_k=128)), ("prefill", dict(stages=4)), ("decode", dict(stages=3))):
+            paths = tuple((functools.partial(fn, kind=kind, **options), 1) for fn, _ in OUTPUT_PATHS)
+            with mgpu_core.artificial_shared_memory_limit(H100_SMEM_PER_BLOCK):
+                assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
 
 
 # What the module says it supports beyond the 8B / 70B shapes: GQA groups 1 to 64, every page size class (below a
@@ -336,6 +342,8 @@ def test_what_the_kernels_refuse():
                              (dict(block_k=128), r"block_k 128: the page size \(192\) must divide it")):
         with pytest.raises(ValueError, match=message):
             run(ma.paged_attention_mosaic, step, interpret=True, **options)
+    with pytest.raises(ValueError, match=r"stages \(K/V slots in the ring\) must be one of \(2, 3, 4\), got 5"):
+        run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, stages=5)
     with pytest.raises(ValueError, match=r"registers=True .* is compiled only"):
         run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, registers=True)
     if not on_hopper_gpu():
@@ -392,6 +400,7 @@ COMPILED = {"decode": ma.decode_attention,
             "switch-block128": functools.partial(ma.paged_attention_mosaic, block_k=128, decode_block_k=128),
             "switch-no-lookahead": functools.partial(ma.paged_attention_mosaic, lookahead=False),
             "switch-pingpong": functools.partial(ma.paged_attention_mosaic, pingpong=True),
+            "switch-stages4": functools.partial(ma.paged_attention_mosaic, stages=4),
             # last: compiled only (the interpreter runs neither), never run on a GPU yet
             "switch-registers": functools.partial(ma.paged_attention_mosaic, registers=True),
             "switch-registers-pingpong": functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True)}
