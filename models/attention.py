@@ -21,6 +21,7 @@ kernel that was asked for and cannot run raises, it never falls back.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 
 import jax
@@ -100,6 +101,19 @@ def on_hopper_gpu() -> bool:
 def resolve_attention(impl: str) -> str:
     """The implementation that runs for `impl` on this machine (`auto`: pallas on an NVIDIA GPU, else reference)."""
     return resolve_attention_impl(impl, on_nvidia_gpu())
+
+
+def split_kernel_options(impl: str, options: dict) -> tuple[dict, dict]:
+    """(tiling options, which go to `plan_attention`; the others, code generation such as the Mosaic kernels'
+    `stages` or `approx_math`, which go to every layer's `attention(..., plan=...)` call) of the kernel options
+    `options` for `impl`, by the planner's own parameters. The reference takes none: all go to the call, which
+    raises naming them."""
+    impl = resolve_attention(impl)
+    if impl == REFERENCE:
+        return {}, dict(options)
+    planner = mosaic_attention.plan_step if impl in (MOSAIC, MOSAIC_INTERPRET) else pallas_attention.plan_step
+    tiling = inspect.signature(planner).parameters
+    return ({k: v for k, v in options.items() if k in tiling}, {k: v for k, v in options.items() if k not in tiling})
 
 
 def plan_attention(impl: str, meta: AttentionMetadata, *, num_heads: int, num_kv_heads: int, head_dim: int,

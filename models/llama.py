@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from models import rope
-from models.attention import AttentionMetadata, attention, plan_attention
+from models.attention import AttentionMetadata, attention, plan_attention, split_kernel_options
 from models.config import LlamaConfig
 from models.kernels import AUTO, MIXED, REFERENCE, check_attention_impl
 from shardings.collectives import from_last_stage, kvp_merge
@@ -59,14 +59,23 @@ class ModelSpec:
     dtype: str = "float32"  # parameter, activation and KV-cache dtype
     block_pages: int = 8  # KV pages per block of the reference attention's online softmax
     attention: str = AUTO  # a name of models.kernels.ATTENTION_IMPLS (auto: the GPU kernels on an NVIDIA GPU)
-    # The kernels' tiling options as (name, value) pairs (hashable), e.g. (("persistent", True),): what
-    # `models.attention.plan_attention` takes; none for the reference attention.
+    # The kernels' options as (name, value) pairs (hashable), e.g. (("persistent", True),) or (("stages", 3),):
+    # tiling options go to `models.attention.plan_attention` once per step, the others (code generation) to each
+    # layer's attention call (`split_kernel_options`); none for the reference attention.
     attention_options: tuple = ()
 
     def __post_init__(self):
         check_attention_impl(self.attention)
         if self.attention_options and self.attention == REFERENCE:
             raise ValueError(f"attention_options: the reference attention takes none, got {self.attention_options}")
+
+    @property
+    def plan_options(self) -> dict:
+        return split_kernel_options(self.attention, dict(self.attention_options))[0]
+
+    @property
+    def call_options(self) -> dict:
+        return split_kernel_options(self.attention, dict(self.attention_options))[1]
 
     @property
     def precision(self):
@@ -102,7 +111,8 @@ def _layer(spec: ModelSpec, batch: StepBatch, carry, layer, kind: str = MIXED, p
     # A KVP rank's out is a partial: float32 into the merge (the Mosaic kernels' own bf16 would round it first).
     partial = lax.axis_size(KVP) > 1
     o, lse = attention(spec.attention, q, k_cache, v_cache, idx, batch.attn, block_pages=spec.block_pages,
-                       precision=prec, kind=kind, out_dtype=jnp.float32 if partial else None, plan=plan)
+                       precision=prec, kind=kind, out_dtype=jnp.float32 if partial else None, plan=plan,
+                       **spec.call_options)
     o = kvp_merge(o, lse, batch.shared)
     attn = jnp.einsum("tnh,nhd->td", o.astype(dt), p["wo"], precision=prec)
     x = x + lax.psum(attn, TP)
@@ -133,7 +143,7 @@ def forward(spec: ModelSpec, params: dict, k_cache, v_cache, register, batch: St
     # read by every layer (None for the reference attention).
     plan = plan_attention(spec.attention, batch.attn, num_heads=params["layers"][0]["wq"].shape[-2],
                           num_kv_heads=k_cache.shape[3], head_dim=k_cache.shape[4], page_size=k_cache.shape[2],
-                          kind=kind, **dict(spec.attention_options)) if params["layers"] else None
+                          kind=kind, **spec.plan_options) if params["layers"] else None
     # One layer after another, each reading its own weight buffers ([1, ...] here: this stage's share of
     # `models.params.split_layers`' [spp, ...]); a scan over stacked weights would copy every layer's slice.
     # Each layer's ops carry its name (`layer_i`, this stage's i-th) in their HLO metadata and in profiles.

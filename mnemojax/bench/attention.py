@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import os
 import platform
 import shlex
@@ -64,8 +63,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mnemojax.bench import parse_with_small  # noqa: E402
-from models import mosaic_attention, pallas_attention  # noqa: E402
-from models.attention import AttentionMetadata, attention, plan_attention  # noqa: E402
+from models.attention import AttentionMetadata, attention, plan_attention, split_kernel_options  # noqa: E402
 from models.config import preset  # noqa: E402
 from models.kernels import (ATTENTION_IMPLS, DECODE, MOSAIC, MOSAIC_INTERPRET, PALLAS, PALLAS_INTERPRET,  # noqa: E402
                             PREFILL)
@@ -241,10 +239,7 @@ class PagedLayer:
         opts.update(options)
         # As the engine runs it: the step's plan (tilings, per-tile metadata) once, every layer's attention on it.
         # Tiling options go to the plan, the others (code generation) to each layer's call.
-        planner = (mosaic_attention if mosaic else pallas_attention).plan_step
-        tiling = inspect.signature(planner).parameters
-        self.plan_opts = {k: v for k, v in opts.items() if k in tiling}
-        self.call_opts = {k: v for k, v in opts.items() if k not in tiling}
+        self.plan_opts, self.call_opts = split_kernel_options(self.impl, opts)
         dims = dict(num_heads=args.num_heads, num_kv_heads=K, head_dim=H, page_size=S)
         # The step's kind, as the engine passes it: a step of chunks launches only the prefill tiles, a step of
         # one-token sequences only the decode tiles (a mixed step would add a launch over empty tiles).

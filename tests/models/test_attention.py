@@ -118,3 +118,20 @@ def test_auto_is_the_reference_off_nvidia_gpus():
         np.testing.assert_array_equal(g, w)
     with pytest.raises(TypeError, match="the reference attention takes no kernel options"):
         attention("auto", q, cache, cache, 0, meta, block_pages=1, block_q=2)
+
+
+def test_kernel_options_split_into_tiling_and_code_generation():
+    """`split_kernel_options`: what each planner takes goes to the step's plan, the rest to every layer's call; a
+    ModelSpec's `attention_options` are split the same way (its plan and call options)."""
+    from models.attention import split_kernel_options
+    from models.config import preset
+    from models.llama import ModelSpec
+
+    opts = dict(consumers=1, block_k=128, stages=3, pingpong=True, approx_math=False)
+    assert split_kernel_options("mosaic_interpret", opts) == (dict(consumers=1, block_k=128),
+                                                              dict(stages=3, pingpong=True, approx_math=False))
+    assert split_kernel_options("pallas_interpret", dict(persistent=True, block_q=16)) == (
+        dict(persistent=True, block_q=16), {})
+    assert split_kernel_options("reference", dict(stages=3)) == ({}, dict(stages=3))  # the call refuses them
+    spec = ModelSpec(preset("tiny"), attention="mosaic_interpret", attention_options=(("consumers", 1), ("stages", 3)))
+    assert (spec.plan_options, spec.call_options) == (dict(consumers=1), dict(stages=3))
