@@ -658,6 +658,9 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     has one partition."""
     T, N, H = q.shape
     out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
+    if pingpong and tiles.prefill is not None and tiles.prefill.lim_rows.shape[1] < 2 * ROWS:
+        raise ValueError("pingpong (the two prefill consumers taking turns) needs prefill programs of two consumers, "
+                         "got consumers=1")
     if out_dtype not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be q's dtype ({q.dtype}) or float32, got {out_dtype}")
     into = None

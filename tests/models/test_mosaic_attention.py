@@ -344,6 +344,9 @@ def test_what_the_kernels_refuse():
             run(ma.paged_attention_mosaic, step, interpret=True, **options)
     with pytest.raises(ValueError, match=r"stages \(K/V slots in the ring\) must be one of \(2, 3, 4\), got 5"):
         run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, stages=5)
+    with pytest.raises(ValueError, match=r"pingpong .* needs prefill programs of two consumers, got consumers=1"):
+        run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, pingpong=True,
+            consumers=1)
     with pytest.raises(ValueError, match=r"registers=True .* is compiled only"):
         run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, registers=True)
     if not on_hopper_gpu():
