@@ -19,8 +19,9 @@ One kernel, two tilings (as in `models.pallas_attention`):
 The grid is (tiles, kv heads, partitions). Each program (a CUDA block) holds C + 1 warpgroups:
   - a producer warpgroup (the last) copies the K and V blocks of its partition by TMA, page by page through the
     page table (one copy of `page_size` rows per page, or one slice of a page when pages are larger than a block),
-    into a ring of `stages` SMEM slots (STAGES = 2 by default), and waits on a "consumed" barrier (an arrival from every consumer) before
-    refilling a slot; with `lookahead` it loads the next block's page-table entries before that wait;
+    into a ring of `stages` SMEM slots (STAGES = 2 by default), and waits on a "consumed" barrier (an arrival
+    from every consumer) before refilling a slot; with `lookahead` it loads the next block's page-table entries
+    before that wait;
   - C consumer warpgroups, each with its own 64 rows of Q, P and accumulator, run the online softmax on every
     block: S = Q K^T by wgmma (K transposed by the wgmma descriptor), masking only in the key blocks at the
     causal edge and the sequence end, P rounded to the input dtype and stored to SMEM, P V by wgmma, then release
@@ -76,6 +77,7 @@ Compiled and run on an H200 (2026-11-26, jax 0.11.2): every launch kind and opti
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -118,6 +120,28 @@ def compiler_params(approx_math: bool = True):
     `approx_math`: exp2 / log2 by the hardware's approximate instructions (ex2.approx.ftz.f32: relative error
     ~2^-22, what Triton's exp2 uses), division approximate too; the interpreter computes them exactly."""
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=approx_math)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codegen:
+    """How the kernel is generated, not how the step is tiled (the kernels' code-generation options, one value
+    from the public functions' keywords to the kernel): `approx_math` (`compiler_params`), `lookahead` (the next
+    block's page-table entries loaded before the producer's wait), `pingpong` (two prefill consumers taking turns
+    at a schedule barrier), `registers` (P in registers for P V, the accumulator updated in place: compiled only),
+    `stages` (K/V slots in the ring)."""
+
+    approx_math: bool = True
+    lookahead: bool = True
+    pingpong: bool = False
+    registers: bool = False
+    stages: int = STAGES
+
+    def check(self, interpret: bool):
+        if self.stages not in STAGES_RANGE:
+            raise ValueError(f"stages (K/V slots in the ring) must be one of {STAGES_RANGE}, got {self.stages}")
+        if self.registers and interpret:
+            raise ValueError("registers=True (P in registers for P V, the accumulator updated in place) is compiled "
+                             "only: jax's Mosaic GPU interpreter runs neither")
 
 
 def _swizzled(dtype) -> tuple:
@@ -288,13 +312,12 @@ class _Ops:
 
 # ------------------------------------------------------------------------------------------ the kernel
 def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_parts: int,
-            group: int, scale: float, ops: _Ops, out_dtype, lookahead: bool, block_k: int, pingpong: bool,
-            registers: bool, stages: int):
+            group: int, scale: float, ops: _Ops, out_dtype, block_k: int, codegen: Codegen):
     """One (tile, kv head, partition) program: warpgroups 0 .. C-1 consume (64 rows each), warpgroup C produces
     (TMA), C = the tile's rows / 64 (`PREFILL_CONSUMERS` for prefill tiles, 1 for decode tiles).
 
     layer_ref i32[1]; seq_ref / full_ref / hi_ref i32[nt]: the tile's sequence, the keys all its rows see, the keys
-    its furthest row sees (the step's plan, shared by every layer); lim_ref i32[nt, 64] keys each row sees;
+    its furthest row sees (the step's plan, shared by every layer); lim_ref i32[nt, 64 C] keys each row sees;
     table_ref i32[B, M]; q_ref [nt, K, 64 C, H]; k_ref / v_ref the cache [L, P, S, K, H].
     When num_parts == 1, io_refs = (tok_ref i32[nt, BQ]: the tile's tokens, T = empty slot; out [T, N, H] in
     `out_dtype`; lse f32[T, N]): the program writes its rows normalised, in token order, each token's G heads
@@ -303,6 +326,7 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
     """
     _, _, S, _, H = k_ref.shape
     C = q_ref.shape[2] // ROWS
+    stages = codegen.stages
     max_pages = table_ref.shape[1]
     cdt = q_ref.dtype
     tr = _swizzled(cdt)
@@ -339,16 +363,17 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
     tile = (layer_ref, seq_ref, full_ref, hi_ref)
     pl.run_scoped(functools.partial(_program, tile, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
                                     num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
-                                    max_pages=max_pages, lookahead=lookahead, block_k=block_k,
-                                    pingpong=pingpong and C == 2, registers=registers, stages=stages),
+                                    max_pages=max_pages, block_k=block_k, codegen=codegen),
                   *scratch, *barriers, collective_axes="wg")
 
 
 def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smems, union, lim_smems, m_smems,
              l_smems, q_bars, k_bar, v_bar, consumed, *sync, num_parts, group, scale, ops, page_size, max_pages,
-             lookahead, block_k, pingpong, registers, stages):
+             block_k, codegen):
     (k_smem, v_smem, p_smems), o_smems = union
     C = q_smems.shape[0]  # consumer warpgroups; warpgroup C produces
+    stages, lookahead, registers = codegen.stages, codegen.lookahead, codegen.registers
+    pingpong = codegen.pingpong and C == 2  # a decode program's one consumer takes no turns
     v_zeroed, loop_done, schedule = sync if C > 1 else (None, None, None)
 
     def take_turn():
@@ -387,7 +412,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             # block's, before this block's wait, so their latency hides behind it; else this block's, all of them
             # before its copies rather than each just before its own.
             if lookahead:
-                pages, upcoming = pages, pages_of(step + 1)
+                upcoming = pages_of(step + 1)
             else:
                 pages, upcoming = pages_of(step), ()
 
@@ -566,8 +591,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
 # ------------------------------------------------------------------------------------------ the wrappers
 def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interpret: bool, out_dtype, into=None,
-                  approx_math: bool = True, lookahead: bool = True, pingpong: bool = False, registers: bool = False,
-                  stages: int = STAGES):
+                  codegen: Codegen = Codegen()):
     """One kernel launch over the tiles of `launch` (`pa.Launch`: tokens i32[nt, BQ], T = empty slot, one sequence
     per tile, with their metadata for 64-row programs and the number of KV partitions, `num_parts`).
 
@@ -579,11 +603,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     num_parts > 1: the partials merged by log-sum-exp after the kernel, per tile slot: out f32[nt, BQ, N, H],
     lse f32[nt, BQ, N] (for `pa._scatter_into`).
     """
-    if stages not in STAGES_RANGE:
-        raise ValueError(f"stages (K/V slots in the ring) must be one of {STAGES_RANGE}, got {stages}")
-    if registers and interpret:
-        raise ValueError("registers=True (P in registers for P V, the accumulator updated in place) is compiled "
-                         "only: jax's Mosaic GPU interpreter runs neither")
+    codegen.check(interpret)
     T, N, H = q.shape
     K = k_cache.shape[3]
     tile_tok = launch.tok
@@ -626,12 +646,11 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     with jax_config._check_vma(False):
         outs = pl.kernel(
             functools.partial(_kernel, num_parts=NP, group=G, scale=H ** -0.5 * LOG2E, ops=_Ops(interpret),
-                              out_dtype=out_dtype, lookahead=lookahead, block_k=launch.block_k, pingpong=pingpong,
-                              registers=registers, stages=stages),
+                              out_dtype=out_dtype, block_k=launch.block_k, codegen=codegen),
             out_type=out_shape,
             mesh=plgpu.Mesh(grid=(nt, K, NP), grid_names=("tile", "kvh", "part"), num_threads=C + 1,
                             thread_name="wg"),
-            compiler_params=None if interpret else compiler_params(approx_math),
+            compiler_params=None if interpret else compiler_params(codegen.approx_math),
             interpret=_interpret_params() if interpret else False,
             name="paged_attention_mosaic",
         )(*operands)
@@ -645,8 +664,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
 
 
 def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret: bool, out_dtype=None,
-             approx_math: bool = True, lookahead: bool = True, pingpong: bool = False, registers: bool = False,
-             stages: int = STAGES):
+             codegen: Codegen = Codegen()):
     """(out [T, N, H] in `out_dtype` (default q's dtype, or float32), lse f32[T, N]) of a step whose tokens are
     laid out in the launches of `tiles` (`plan_step`), no token in two.
 
@@ -658,7 +676,7 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     has one partition."""
     T, N, H = q.shape
     out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
-    if pingpong and tiles.prefill is not None and tiles.prefill.lim_rows.shape[1] < 2 * ROWS:
+    if codegen.pingpong and tiles.prefill is not None and tiles.prefill.lim_rows.shape[1] < 2 * ROWS:
         raise ValueError("pingpong (the two prefill consumers taking turns) needs prefill programs of two consumers, "
                          "got consumers=1")
     if out_dtype not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float32)):
@@ -671,8 +689,7 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     for launch in (tiles.decode, tiles.prefill):
         if launch is None:
             continue
-        kw = dict(interpret=interpret, out_dtype=out_dtype, approx_math=approx_math, lookahead=lookahead,
-                  pingpong=pingpong, registers=registers, stages=stages)
+        kw = dict(interpret=interpret, out_dtype=out_dtype, codegen=codegen)
         if launch.num_parts == 1:
             into = _attend_tiles(*args, launch, into=into, **kw)
         else:
@@ -740,13 +757,14 @@ def plan_step(meta, *, num_heads: int, num_kv_heads: int, page_size: int, kind: 
                                                  block_k=block_k, **dims), kind=kind)
 
 
-def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partitions, out_dtype, consumers=1,
-            block_k=BLOCK_K, **codegen):
+def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partitions, out_dtype, codegen: Codegen,
+            consumers=1, block_k=BLOCK_K):
     """Attention of every token of the step through the one launch over `tile_tok`."""
     launch = _launch(meta, tile_tok, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3],
                      page_size=k_cache.shape[2], num_partitions=num_partitions, consumers=consumers, block_k=block_k)
     tiles = pa.StepTiles(decode=None, prefill=launch, kind=MIXED)  # covers every token, as a mixed step's do
-    return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype, **codegen)
+    return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,
+                    codegen=codegen)
 
 
 @pa._jit
@@ -765,8 +783,8 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     bq = block_q_for(N, k_cache.shape[3], consumers)
     tiles = pa._sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
-                   out_dtype=out_dtype, consumers=consumers, block_k=block_k, approx_math=approx_math,
-                   lookahead=lookahead, pingpong=pingpong, registers=registers, stages=stages)
+                   out_dtype=out_dtype, consumers=consumers, block_k=block_k,
+                   codegen=Codegen(approx_math, lookahead, pingpong, registers, stages))
 
 
 @pa._jit
@@ -779,8 +797,7 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fals
     _check(q, k_cache, v_cache, meta, interpret)
     tiles = pa._token_tiles(jnp.ones(q.shape[0], bool), q.shape[0])
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
-                   out_dtype=out_dtype, block_k=block_k, approx_math=approx_math, lookahead=lookahead,
-                   stages=stages)
+                   out_dtype=out_dtype, block_k=block_k, codegen=Codegen(approx_math, lookahead, stages=stages))
 
 
 def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
@@ -806,8 +823,7 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
         raise ValueError("tiles were planned with their own options (plan_step); got num_partitions, "
                          "decode_partitions, kind, consumers or a block size too")
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,
-                    approx_math=approx_math, lookahead=lookahead, pingpong=pingpong, registers=registers,
-                    stages=stages)
+                    codegen=Codegen(approx_math, lookahead, pingpong, registers, stages))
 
 
 paged_attention_mosaic = pa._jit(_paged_attention_mosaic, dynamic=("tiles",))

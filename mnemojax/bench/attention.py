@@ -169,18 +169,18 @@ def hardware() -> list[str]:
             f"python {platform.python_version()}"]
 
 
-def median_time(fn, repeats: int, calls: int = 1) -> float:
+def median_time(fn, repeats: int, calls: int = 1, wait=jax.block_until_ready) -> float:
     """Median seconds of one `fn()` over `repeats` samples after one warm-up run. A sample runs `fn()` `calls` times
-    back to back and waits for the last (the device runs them in order): with calls = 1 each call's host dispatch and
-    wait are in its time; with more, the device time per call once the host keeps ahead of the device, as in an
-    engine's step, which waits once for all its layers."""
-    jax.block_until_ready(fn())
+    back to back and waits for the last (`wait(result)`; the device runs them in order): with calls = 1 each call's
+    host dispatch and wait are in its time; with more, the device time per call once the host keeps ahead of the
+    device, as in an engine's step, which waits once for all its layers."""
+    wait(fn())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(calls - 1):
             fn()
-        jax.block_until_ready(fn())
+        wait(fn())
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
@@ -371,15 +371,7 @@ def torch_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, st
             k, v = (x.repeat_interleave(N // K, dim=1) for x in (k, v))
             variant = "flash lower-right, kv repeated"
             run()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):  # as `median_time`: `calls` back to back, one wait
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                run()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) / args.calls)
-        return statistics.median(times), variant
+        return median_time(run, repeats, args.calls, wait=lambda _: torch.cuda.synchronize()), variant
     except Exception as e:  # reported in the table, not fatal
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
 
@@ -410,9 +402,6 @@ def progress(row: dict) -> str:
     base = "; ".join(f"{name} {fmt(t and t * 1e3)} ms" for name, (t, _) in row["base"].items())
     return f"{row['ms']:.3f} ms, {rate}, plan {row['plan_ms']:.3f} ms" + (f"; {base}" if base else "")
 
-
-def args_contexts(args) -> list[int]:
-    return ints(args.contexts)
 
 
 def main(argv=None) -> dict:
@@ -470,7 +459,7 @@ def measure(args, impl, n, chunks, ref_chunk, itemsize, results, base_for):
             tflops=attn_flops(args.num_heads, args.head_dim, c, n) / t / 1e12,
             gbps=attn_bytes(args, itemsize, c, n, impl=impl) / t / 1e9, base=base_for(c, n)))
         print(f"  {impl} context {n} chunk {c}: {progress(results['prefill'][-1])}", flush=True)
-        if args.profile and n == max(args_contexts(args)):
+        if args.profile and n == max(ints(args.contexts)):
             print(layer.profile(c, n).table(top=12), flush=True)
     print(f"  {impl} context {n} whole-prefill attention s: "
           + ", ".join(f"chunk {c} {s:.3f}" for c, s in totals.items()), flush=True)
@@ -488,7 +477,7 @@ def measure(args, impl, n, chunks, ref_chunk, itemsize, results, base_for):
                                       gbps=attn_bytes(args, itemsize, 1, n, batch=B, impl=impl) / t / 1e9,
                                       base=base_for(1, n, B)))
         print(f"  {impl} context {n} decode B={B}: {progress(results['decode'][-1])}", flush=True)
-        if args.profile and n == max(args_contexts(args)):
+        if args.profile and n == max(ints(args.contexts)):
             print(dec.profile(1, n).table(top=12), flush=True)
         del dec
     del layer

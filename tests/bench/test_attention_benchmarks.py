@@ -180,8 +180,10 @@ def test_median_time_per_call_of_calls_back_to_back():
         _time.sleep(0.002)
         return jax.numpy.zeros(())
 
-    per_call = mod.median_time(fn, repeats=3, calls=5)
+    waits = []
+    per_call = mod.median_time(fn, repeats=3, calls=5, wait=waits.append)
     assert len(count) == 1 + 3 * 5  # the warm-up, then 3 samples of 5 calls
+    assert len(waits) == 1 + 3  # one wait for the warm-up and one per sample (torch's baseline waits this way too)
     assert 0.002 <= per_call < 0.009  # per call: a sample of 5 takes at least 0.010
     args = mod.parse_args(["--small", "--calls", "4"])
     assert args.calls == 4
