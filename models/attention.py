@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from models import mosaic_attention, pallas_attention
-from models.kernels import (MIXED, MOSAIC, MOSAIC_INTERPRET, NEG_INF, PALLAS, PALLAS_INTERPRET, REFERENCE, STEP_KINDS,
-                            resolve_attention_impl)
+from models.kernels import (MIXED, MOSAIC, MOSAIC_INTERPRET, NEG_INF, PALLAS, PALLAS_INTERPRET, REFERENCE,
+                            STEP_KINDS, resolve_attention_impl)
 
 
 @jax.tree_util.register_dataclass
@@ -131,8 +131,8 @@ def plan_attention(impl: str, meta: AttentionMetadata, *, num_heads: int, num_kv
             raise TypeError(f"the reference attention takes no kernel options, got {sorted(kernel_options)}")
         return None
     if impl in (MOSAIC, MOSAIC_INTERPRET):
-        return mosaic_attention.plan_step(meta, num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=page_size,
-                                          kind=kind, **kernel_options)
+        return mosaic_attention.plan_step(meta, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                          page_size=page_size, kind=kind, **kernel_options)
     return pallas_attention.plan_step(meta, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                       page_size=page_size, kind=kind, **kernel_options)
 

@@ -19,22 +19,29 @@ One kernel, two tilings (as in `models.pallas_attention`):
 The grid is (tiles, kv heads, partitions). Each program (a CUDA block) holds C + 1 warpgroups:
   - a producer warpgroup (the last) copies the K and V blocks of its partition by TMA, page by page through the
     page table (one copy of `page_size` rows per page, or one slice of a page when pages are larger than a block),
-    into a ring of `stages` SMEM slots (STAGES = 2 by default), and waits on a "consumed" barrier (an arrival
-    from every consumer) before refilling a slot; with `lookahead` it loads the next block's page-table entries
-    before that wait;
+    into a ring of `stages` SMEM slots, and waits on a "consumed" barrier (an arrival from every consumer) before
+    refilling a slot; with `lookahead` it loads the next block's page-table entries before that wait;
   - C consumer warpgroups, each with its own 64 rows of Q, P and accumulator, run the online softmax on every
     block: S = Q K^T by wgmma (K transposed by the wgmma descriptor), masking only in the key blocks at the
-    causal edge and the sequence end, P rounded to the input dtype and stored to SMEM, P V by wgmma, then release
-    the slot. The block holding the tile's last visible key may hold unwritten slots past it: consumer 0 zeroes
+    causal edge and the sequence end, P rounded to the input dtype, P V by wgmma (compiled: P in registers and the
+    accumulator updated in place, as in FlashAttention-3; interpreted: P through SMEM), then release the slot. The block holding the tile's last visible key may hold unwritten slots past it: consumer 0 zeroes
     them in the shared slot and the others wait on a barrier for that before their P V.
 Two consumers per prefill program (measured on an H200: chunk 2048 from ~270 to ~435 TFLOP/s) double the rows each
 K/V block's load serves: a 64-row program does 64 FLOPs per byte it loads from L2, which caps it near what both this
 kernel with one consumer and the Triton kernels reached.
+Code generation per launch (`Codegen.for_launch`, each a keyword that overrides it), as measured fastest on an H200:
+P in registers when compiled, and then the two prefill consumers taking turns on the tensor cores (`pingpong`, as
+FlashAttention-3 and jax's `attention_mgpu`); memory-bound launches (decode tiles, split-K launches: few tiles at a
+long context) with the deepest ring that fits the SMEM (4 slots at head dims 64 and 128), compute-bound ones
+(two-consumer prefill tiles, one partition) with 2 slots; prefill key blocks of 128 at head dim 64
+(`prefill_block_k`), else 64.
 The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once every consumer's
-loop ends, which the consumers wait for with a barrier when C > 1). A decode program takes 54,328 / 95,288 /
-177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count), so two fit on an H100 SM (228 KB) at 64 and 128, as
-TARGET_PROGRAMS assumes; with separate staging head dim 256 and a float32 output exceeded a block's 227 KB. A
-two-consumer prefill program takes 70,744 / 119,896 / 218,200 bytes and holds an SM alone (its registers too).
+loop ends, which the consumers wait for with a barrier when C > 1). With 2 slots a decode program takes 54,328 /
+95,288 / 177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count; with separate staging head dim 256 and a float32
+output exceeded a block's 227 KB), and a two-consumer prefill program 70,744 / 119,896 / 218,200 and holds an SM
+alone (its registers too); each further slot adds 4 x 64 x head dim bytes (`program_smem_bytes`): a decode program
+with the default 4 slots at head dim 128 (160,824 bytes) also holds an SM alone, so its TARGET_PROGRAMS run in two
+waves (measured faster than 2 slots with two programs per SM: 1M context, 1.04 against 1.13 ms).
 With one partition the consumer normalises and writes (out, lse) itself, in token order: the tile's token i
 (index `tile_tok[t, i]`, read from GMEM) owns rows i*G .. i*G+G-1, a [G, H] box that one TMA copy takes from the
 SMEM staging (in q's dtype) to out[tok, kvh*G : kvh*G+G, :], and its G lse floats by a second TMA copy when G % 4
@@ -62,9 +69,10 @@ which simulates SMEM, barriers, TMA copies and wgmma on the CPU. What it lacks, 
   - `plgpu.layout_cast`, `plgpu.broadcasted_iota(layout=...)`, `plgpu.load(layout=...)` have no CPU rule: under
     the interpreter they are the plain jnp operations (layouts are a register-allocation hint, no value change);
   - `pl.run_state` / accumulating into a register-initialised ACC, and wgmma with its A operand in registers, do
-    not run: so by default every wgmma here starts from a fresh zero ACC (the running output is rescaled and added
-    in registers) and P goes through SMEM; `registers=True` (compiled only: it raises under the interpreter) keeps
-    P in registers and accumulates in place, as FlashAttention-3 does (unmeasured);
+    not run: so interpreted, every wgmma here starts from a fresh zero ACC (the running output is rescaled and
+    added in registers) and P goes through SMEM (`registers` defaults to False there, and True raises); compiled,
+    P stays in registers and the P V wgmma accumulates in place, as FlashAttention-3 does (`registers`, default
+    True there: the `gpu` tests check it against the float32 reference, which the CPU cannot);
   - jax 0.10 only: a `plgpu.RefUnion` hangs the interpreter: the staging and the ring are separate buffers there
     (the same values; jax 0.11's interpreter runs the union, and its race detector checks the disjoint lifetimes);
   - `copy_smem_to_gmem(..., predicate=...)` raises "predicate not supported": the token-order copies of an empty
@@ -105,11 +113,13 @@ PREFILL_CONSUMERS = 2  # consumer warpgroups of a prefill program: 128 rows shar
 BLOCK_K = 64  # keys per block of the online softmax (the default; `block_k` / `decode_block_k`: BLOCK_KS)
 BLOCK_KS = (64, 128)  # key blocks the kernel takes: P is [64, block_k] (whole 64-column swizzle tiles), and two
 # 128-key K/V slots of head dim 128 still fit a two-consumer program's SMEM
-STAGES = 2  # K/V SMEM slots in flight between the producer and the consumers (the default; `stages`: 2 to 4)
+STAGES = 2  # K/V SMEM slots in flight between the producer and the consumers (compute-bound launches' default;
+# memory-bound ones: `deepest_ring`; `stages`: 2 to 4)
 STAGES_RANGE = (2, 3, 4)
 HEAD_DIMS = (64, 128, 256)
-TARGET_PROGRAMS = 264  # grid size the KV partitions aim for (2 one-consumer programs per SM of an H100 SXM, 132 SMs;
-# a two-consumer program takes an SM alone: 3 x 128 threads x up to 168 registers, so half as many)
+TARGET_PROGRAMS = 264  # grid size the KV partitions aim for (two waves of one-consumer programs on an H100 or H200,
+# 132 SMs: one wave at 2 slots and head dim <= 128, two programs per SM; two at the default 4 slots, one per SM, as
+# measured; a two-consumer program takes an SM alone: 3 x 128 threads x up to 168 registers, so half as many)
 
 
 def compiler_params(approx_math: bool = True):
@@ -122,26 +132,72 @@ def compiler_params(approx_math: bool = True):
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=approx_math)
 
 
+SMEM_PER_BLOCK = 227 * 1024  # the most SMEM a CUDA block may take on Hopper (an SM has 228 KB)
+SMEM_MARGIN = 8 * 1024  # what Mosaic's count adds to `program_smem_bytes` (row limits, m and l staging, barriers,
+# alignment): 5,176 bytes at every head dim and consumer count measured
+
+
+def program_smem_bytes(*, consumers: int, head_dim: int, block_k: int, stages: int, itemsize: int = 2) -> int:
+    """SMEM of one program's big buffers: Q (64 rows per consumer), and over one region (`_Ops.union`) the K/V ring
+    with P, or the output staging (at most float32). Mosaic's count of a whole program is 5,176 bytes more (e.g.
+    95,288 for a decode program at head dim 128 with 2 slots of 64 keys): `SMEM_MARGIN` covers it."""
+    q = consumers * ROWS * head_dim * itemsize
+    ring = 2 * stages * block_k * head_dim * itemsize + consumers * ROWS * block_k * itemsize
+    staging = consumers * ROWS * head_dim * 4
+    return q + max(ring, staging)
+
+
+def deepest_ring(*, consumers: int, head_dim: int, block_k: int) -> int:
+    """The most K/V slots (of `STAGES_RANGE`) whose program still fits a block's SMEM."""
+    fits = [s for s in STAGES_RANGE if program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k,
+                                                          stages=s) + SMEM_MARGIN <= SMEM_PER_BLOCK]
+    return max(fits, default=STAGES)
+
+
 @dataclasses.dataclass(frozen=True)
 class Codegen:
     """How the kernel is generated, not how the step is tiled (the kernels' code-generation options, one value
     from the public functions' keywords to the kernel): `approx_math` (`compiler_params`), `lookahead` (the next
     block's page-table entries loaded before the producer's wait), `pingpong` (two prefill consumers taking turns
     at a schedule barrier), `registers` (P in registers for P V, the accumulator updated in place: compiled only),
-    `stages` (K/V slots in the ring)."""
+    `stages` (K/V slots in the ring). None (the default of the last three): chosen per launch (`for_launch`)."""
 
     approx_math: bool = True
     lookahead: bool = True
-    pingpong: bool = False
-    registers: bool = False
-    stages: int = STAGES
+    pingpong: bool | None = None
+    registers: bool | None = None
+    stages: int | None = None
 
     def check(self, interpret: bool):
-        if self.stages not in STAGES_RANGE:
+        if self.stages is not None and self.stages not in STAGES_RANGE:
             raise ValueError(f"stages (K/V slots in the ring) must be one of {STAGES_RANGE}, got {self.stages}")
         if self.registers and interpret:
             raise ValueError("registers=True (P in registers for P V, the accumulator updated in place) is compiled "
                              "only: jax's Mosaic GPU interpreter runs neither")
+
+    def for_launch(self, *, interpret: bool, consumers: int, num_parts: int, head_dim: int, block_k: int
+                   ) -> "Codegen":
+        """The options of one launch: those given, and for those left to the kernel (None) what measured fastest
+        on an H200 (docs/benchmarks.md, 2026-11-26, fourteenth session; Llama-3-8B shape at 1M keys):
+          - `registers`: compiled, yes (chunk 2048 83.6 -> 78.9 ms, chunk 32 2.30 -> 2.02 ms); interpreted, no
+            (the interpreter runs neither P in registers nor the in-place accumulator);
+          - `stages`: for memory-bound launches (one-consumer programs: decode tiles, and consumers=1 prefill
+            tiles, whose 64 rows do 64 FLOPs per byte they load; or split over several KV partitions: few tiles
+            at a long context) the deepest ring that fits the SMEM (`deepest_ring`: 4 slots at head dims 64 and
+            128; decode 1.12 -> 1.04 ms, chunk 32 with ping-pong 2.37 -> 1.91 ms), else 2 (chunk 2048 with 4:
+            83.0 against 75.5 ms);
+          - `pingpong`: with P in registers, two-consumer programs take turns (chunk 2048 78.9 -> 75.5 ms; chunk 32
+            with the ring of 4 2.01 -> 1.93 ms, though with 2 slots it was slower: 2.02 -> 2.37 ms)."""
+        registers = (not interpret) if self.registers is None else self.registers
+        memory_bound = consumers == 1 or num_parts > 1
+        stages = self.stages
+        if stages is None:
+            stages = (deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k) if memory_bound
+                      else STAGES)
+        pingpong = self.pingpong
+        if pingpong is None:
+            pingpong = registers and consumers == PREFILL_CONSUMERS
+        return dataclasses.replace(self, registers=registers, stages=stages, pingpong=pingpong)
 
 
 def _swizzled(dtype) -> tuple:
@@ -162,6 +218,14 @@ def _cdiv(a, b):
 
 def supported_page_size(page_size: int, block_k: int = BLOCK_K) -> bool:
     return page_size % 8 == 0 and (block_k % page_size == 0 or page_size % block_k == 0)
+
+
+def prefill_block_k(head_dim: int, page_size: int) -> int:
+    """Keys per block of the prefill tiles when none is asked for: 128 at head dim 64 (a 64-key block there
+    carries half the wgmma work per softmax, barrier and wait of one at head dim 128: measured on an H200, the
+    llama3.2-1b shape's chunk 8192 at 1M 253 -> 199 ms, 277 -> 352 TFLOP/s) where the page size allows it; else
+    64 (at head dim 128, 128-key blocks measured slower: chunk 2048 at 1M 84 -> 120 ms, with P through SMEM)."""
+    return 128 if head_dim == 64 and supported_page_size(page_size, 128) else BLOCK_K
 
 
 def check_block_k(name: str, block_k: int):
@@ -619,6 +683,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     qt = pa._tile_rows(q, tile_tok, K, rows)  # the Triton kernels' layout
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)  # a constant when the layer loop is unrolled: no kernel
     NP = launch.num_parts
+    codegen = codegen.for_launch(interpret=interpret, consumers=C, num_parts=NP, head_dim=H, block_k=launch.block_k)
     lim_rows = launch.lim_rows
     f32 = jnp.float32
     operands = [layer, launch.seq, launch.full, launch.hi, lim_rows, meta.page_table.astype(jnp.int32), qt, k_cache,
@@ -738,9 +803,9 @@ def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, page_size: int
                      block_k=block_k, num_parts=num_partitions, programs=0)
 
 
-def plan_step(meta, *, num_heads: int, num_kv_heads: int, page_size: int, kind: str = MIXED,
+def plan_step(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, kind: str = MIXED,
               num_partitions: int | None = None, decode_partitions: int | None = None,
-              consumers: int = PREFILL_CONSUMERS, block_k: int = BLOCK_K, decode_block_k: int = BLOCK_K
+              consumers: int = PREFILL_CONSUMERS, block_k: int | None = None, decode_block_k: int = BLOCK_K
               ) -> pa.StepTiles:
     """A step's launches for `paged_attention_mosaic` (options as its own; heads and page size as the kernels see
     them): the tilings and per-tile metadata from the step's layout alone, computed once per step by the model
@@ -748,6 +813,7 @@ def plan_step(meta, *, num_heads: int, num_kv_heads: int, page_size: int, kind: 
     if kind not in (MIXED, DECODE, PREFILL):
         raise ValueError(f"kind must be one of {(MIXED, DECODE, PREFILL)}, got {kind!r}")
     _check_consumers(consumers)
+    block_k = prefill_block_k(head_dim, page_size) if block_k is None else block_k
     dec, pre = pa.step_tilings(meta, kind=kind, block_q=block_q_for(num_heads, num_kv_heads, consumers))
     dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=page_size)
     return pa.StepTiles(
@@ -770,8 +836,8 @@ def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partit
 @pa._jit
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                       num_partitions: int | None = None, out_dtype=None, consumers: int = PREFILL_CONSUMERS,
-                      block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
-                      pingpong: bool = False, registers: bool = False, stages: int = STAGES):
+                      block_k: int | None = None, approx_math: bool = True, lookahead: bool = True,
+                      pingpong: bool | None = None, registers: bool | None = None, stages: int | None = None):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
     `models.attention.paged_attention` (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by
@@ -782,6 +848,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     B = meta.page_table.shape[0]
     bq = block_q_for(N, k_cache.shape[3], consumers)
     tiles = pa._sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
+    block_k = prefill_block_k(H, k_cache.shape[2]) if block_k is None else block_k
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
                    out_dtype=out_dtype, consumers=consumers, block_k=block_k,
                    codegen=Codegen(approx_math, lookahead, pingpong, registers, stages))
@@ -790,7 +857,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
 @pa._jit
 def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                      num_partitions: int | None = None, out_dtype=None, block_k: int = BLOCK_K,
-                     approx_math: bool = True, lookahead: bool = True, stages: int = STAGES):
+                     approx_math: bool = True, lookahead: bool = True, stages: int | None = None):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
     `prefill_attention`."""
@@ -803,9 +870,10 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fals
 def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                             num_partitions: int | None = None, decode_partitions: int | None = None,
                             kind: str = MIXED, out_dtype=None, tiles: pa.StepTiles | None = None,
-                            consumers: int = PREFILL_CONSUMERS, block_k: int = BLOCK_K,
+                            consumers: int = PREFILL_CONSUMERS, block_k: int | None = None,
                             decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
-                            pingpong: bool = False, registers: bool = False, stages: int = STAGES):
+                            pingpong: bool | None = None, registers: bool | None = None,
+                            stages: int | None = None):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
@@ -815,11 +883,12 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
     (`plan_step`, which takes the partitions and `kind` instead: giving them here too raises)."""
     _check(q, k_cache, v_cache, meta, interpret)
     if tiles is None:
-        tiles = plan_step(meta, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3], page_size=k_cache.shape[2],
+        tiles = plan_step(meta, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3], head_dim=q.shape[2],
+                          page_size=k_cache.shape[2],
                           kind=kind, num_partitions=num_partitions, decode_partitions=decode_partitions,
                           consumers=consumers, block_k=block_k, decode_block_k=decode_block_k)
     elif (num_partitions is not None or decode_partitions is not None or kind != MIXED
-          or consumers != PREFILL_CONSUMERS or block_k != BLOCK_K or decode_block_k != BLOCK_K):
+          or consumers != PREFILL_CONSUMERS or block_k is not None or decode_block_k != BLOCK_K):
         raise ValueError("tiles were planned with their own options (plan_step); got num_partitions, "
                          "decode_partitions, kind, consumers or a block size too")
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from models import mosaic_attention as ma
-from models.attention import attention, on_hopper_gpu, paged_attention
+from models.attention import AttentionMetadata, attention, on_hopper_gpu, paged_attention
 from models.kernels import NEG_INF
 from tests.models.test_pallas_attention import (assert_close, assert_lowers_for_cuda, check_compiled, dense,
                                                 equations, f32, make_step, poison_unwritten, run)
@@ -131,22 +131,24 @@ def race_detection(monkeypatch):
     pytest.param("prefill", dict(lookahead=False), marks=pytest.mark.slow, id="prefill-no-lookahead"),
     pytest.param("prefill", dict(pingpong=True), marks=pytest.mark.slow, id="prefill-pingpong"),
     pytest.param("decode", dict(stages=3), marks=pytest.mark.slow, id="decode-stages3"),
+    pytest.param("decode", dict(stages=2), marks=pytest.mark.slow, id="decode-stages2"),
     pytest.param("prefill", dict(stages=4), marks=pytest.mark.slow, id="prefill-stages4")],
     ids=str)
 def test_a_program_refills_its_slots_without_races(kind, options, race_detection):
-    """One partition over more key blocks than the ring has slots (STAGES = 2), so the producer refills slots the
-    consumer released (it waits on "consumed" for each) and waits for the last ones at the end, and the output
-    staging, which shares SMEM with the slots, is written after: 300 keys (5 blocks) for the decode, a 20-token
-    chunk at 200 keys (4 blocks, the last two at the causal edge) beside a 9-token first chunk for the prefill.
+    """One partition over more key blocks than the ring has slots (by default 2 for the one-partition prefill, 4
+    for the decode), so the producer refills slots the consumer released (it waits on "consumed" for each) and waits
+    for the last ones at the end, and the output staging, which shares SMEM with the slots, is written after: 300
+    keys (5 blocks) for the decode, a 20-token chunk at 200 keys (4 blocks, the last two at the causal edge) beside
+    a 9-token first chunk for the prefill (64-key blocks: at this head dim, 64, the default would be 128).
     Checked against the reference, with the race detector on and finding nothing. (No earlier interpreted case
     had more than two blocks in a program: the interpreter then refused the kernel, whose producer left the
     last "consumed" phases unobserved.) Also without the page-table lookahead, and with the two prefill consumers
     taking turns on the schedule barrier (`pingpong`; a decode program has one consumer and no turns), and with
-    rings of 3 and 4 slots (`stages`)."""
+    rings of 2 to 4 slots (`stages`)."""
     rng = np.random.default_rng(11)
     seqs = [(300, 1, 0), (70, 1, 0)] if kind == "decode" else [(200, 20, 0), (9, 9, 0)]
     step = make_step(rng, seqs, num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
-    fn = ma.decode_attention if kind == "decode" else ma.prefill_attention
+    fn = ma.decode_attention if kind == "decode" else functools.partial(ma.prefill_attention, block_k=64)
     check(fn, step, num_partitions=1, **options)
     assert not race_detection()
 
@@ -273,27 +275,61 @@ H100_SMEM_PER_SM, H100_SMEM_PER_BLOCK, SMEM_RESERVED_PER_BLOCK = 228 * 1024, 227
 @pytest.mark.parametrize("head_dim", [pytest.param(64, id="hd64-llama3.2-1b"), pytest.param(128, id="hd128-8b-70b"),
                                       pytest.param(256, id="hd256")])
 def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
-    """Mosaic GPU's lowering sums the kernel's SMEM and refuses a kernel over the limit. Decode programs (one
-    consumer warpgroup) at head dims 64 and 128: two must fit on one SM (the KV partitions aim for
-    TARGET_PROGRAMS, two per SM); at 256, one. Prefill programs (PREFILL_CONSUMERS = 2 consumer warpgroups, an SM's
-    registers alone): one. Every output path: split-K partials (float32), token order in the model's dtype, a
-    KVP rank's float32 partial. Head dim 256 with a float32 output once needed 242,744 bytes (the output staging
-    beside the K/V slots), over the 227 KB a block may take."""
+    """Mosaic GPU's lowering sums the kernel's SMEM and refuses a kernel over the limit. Every output path (split-K
+    partials in float32, token order in the model's dtype, a KVP rank's float32 partial) with the default code
+    generation (`Codegen.for_launch`: the deepest ring that fits for memory-bound launches) lowers within the
+    module's own count (`program_smem_bytes` + SMEM_MARGIN, what `deepest_ring` trusts) and within an SM's share:
+    decode programs (one consumer warpgroup) two per SM at head dim 64 (4 slots), one at 128 (4 slots: 160,824
+    bytes) and 256 (2 slots); two-consumer prefill programs (an SM's registers alone) one. Head dim 256 with a
+    float32 output once needed 242,744 bytes (the output staging beside the K/V slots), over the 227 KB a block
+    may take."""
     from jax.experimental.mosaic.gpu import core as mgpu_core
 
-    assert ma.TARGET_PROGRAMS == 2 * 132  # two one-consumer programs on each of an H100 SXM's 132 SMs
+    assert ma.TARGET_PROGRAMS == 2 * 132  # two waves of one-consumer programs on an H100 / H200's 132 SMs
     assert ma.PREFILL_CONSUMERS == 2
-    for kind, per_sm in (("decode", 2 if head_dim <= 128 else 1), ("prefill", 1)):
-        limit = min(H100_SMEM_PER_BLOCK, H100_SMEM_PER_SM // per_sm - SMEM_RESERVED_PER_BLOCK)
+    for kind, consumers, per_sm in (("decode", 1, 2 if head_dim == 64 else 1), ("prefill", 2, 1)):
+        block_k = ma.BLOCK_K if kind == "decode" else ma.prefill_block_k(head_dim, 16)  # 128 at head dim 64
+        ring = ma.deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k)
+        assert ring == (4 if head_dim <= 128 else 2)
+        counted = ma.program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=ring)
+        limit = min(H100_SMEM_PER_BLOCK, H100_SMEM_PER_SM // per_sm - SMEM_RESERVED_PER_BLOCK,
+                    counted + ma.SMEM_MARGIN)
         paths = tuple((functools.partial(fn, kind=kind), 1) for fn, _ in OUTPUT_PATHS)
         with mgpu_core.artificial_shared_memory_limit(limit):
             assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
-    if head_dim <= 128:  # key blocks of 128, or a ring of 4 slots (options): a prefill program still fits (one per
-        # SM), at 256 not; a decode program with a ring of 3 fits one per SM
+    if head_dim <= 128:  # key blocks of 128, or a ring of 4 slots with one partition (options): a prefill program
+        # still fits (one per SM), at 256 not; a decode program with a ring of 3 fits one per SM
         for kind, options in (("prefill", dict(block_k=128)), ("prefill", dict(stages=4)), ("decode", dict(stages=3))):
             paths = tuple((functools.partial(fn, kind=kind, **options), 1) for fn, _ in OUTPUT_PATHS)
             with mgpu_core.artificial_shared_memory_limit(H100_SMEM_PER_BLOCK):
                 assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
+
+
+def test_code_generation_is_chosen_per_launch():
+    """What each launch gets for the options left to the kernel (None), as measured fastest on an H200, and that a
+    given option wins: memory-bound launches (decode tiles, split-K) the deepest ring, compute-bound ones (two
+    consumers, one partition) 2 slots; two consumers with P in registers take turns (ping-pong); the interpreter
+    neither P in registers nor, then, ping-pong."""
+    def pick(codegen=ma.Codegen(), *, interpret=False, consumers=2, num_parts=1, head_dim=128, block_k=64):
+        c = codegen.for_launch(interpret=interpret, consumers=consumers, num_parts=num_parts, head_dim=head_dim,
+                               block_k=block_k)
+        return c.registers, c.stages, c.pingpong
+
+    assert pick() == (True, 2, True)  # a long chunk's prefill tiles
+    assert pick(num_parts=16) == (True, 4, True)  # one 32-token chunk at a long context, split-K
+    assert pick(consumers=1, num_parts=33) == (True, 4, False)  # decode tiles
+    assert pick(consumers=1, num_parts=1, head_dim=64) == (True, 4, False)
+    assert pick(consumers=1, num_parts=33, head_dim=256) == (True, 2, False)  # a third slot would not fit
+    assert pick(num_parts=16, head_dim=128, block_k=128) == (True, 2, True)  # 128-key slots: 2 fit
+    assert pick(interpret=True) == (False, 2, False)
+    assert pick(interpret=True, num_parts=4) == (False, 4, False)
+    assert pick(ma.Codegen(registers=False, stages=3, pingpong=True), num_parts=16) == (False, 3, True)
+    assert pick(ma.Codegen(registers=False), num_parts=16) == (False, 4, False)
+    assert pick(ma.Codegen(pingpong=False)) == (True, 2, False)
+    # the count behind the ring: 2 slots of 64 keys at head dim 128, one consumer, is Mosaic's 95,288 bytes less
+    # what it adds (row limits, m / l staging, barriers): 5,176 bytes, within SMEM_MARGIN
+    assert ma.program_smem_bytes(consumers=1, head_dim=128, block_k=64, stages=2) == 95_288 - 5_176
+    assert 5_176 <= ma.SMEM_MARGIN
 
 
 # What the module says it supports beyond the 8B / 70B shapes: GQA groups 1 to 64, every page size class (below a
@@ -421,6 +457,34 @@ def test_compiled_kernels_on_hopper_match_float32_reference(kernel, num_heads):
     step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=8, head_dim=128, page=16, dtype=jnp.bfloat16,
                      pad_rows=3)
     check_compiled(step, (COMPILED[kernel],))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
+@pytest.mark.parametrize("block_k", [pytest.param(None, id="default-128"), pytest.param(64, id="block64")])
+def test_compiled_kernels_at_head_dim_64_on_hopper_match_float32_reference(block_k):
+    """The compiled kernels at the llama3.2-1b attention shape (32 q heads, 8 kv heads, head dim 64, page 16), whose
+    prefill tiles take 128-key blocks by default (`prefill_block_k`), and with 64-key blocks asked for."""
+    rng = np.random.default_rng(64)
+    seqs = [(5000, 512, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (1, 1, 0), (0, 3, 0), (900, 17, 3000)]
+    step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=64, page=16, dtype=jnp.bfloat16, pad_rows=3)
+    check_compiled(step, (functools.partial(ma.paged_attention_mosaic, block_k=block_k),))
+
+
+def test_prefill_blocks_default_to_128_keys_at_head_dim_64():
+    """The default prefill key block: 128 at head dim 64 where the page size allows it, else 64; decode blocks
+    stay 64; an asked-for block wins."""
+    assert ma.prefill_block_k(64, 16) == 128 and ma.prefill_block_k(64, 256) == 128
+    assert ma.prefill_block_k(64, 192) == 64  # 192 neither divides 128 nor is a multiple of it
+    assert ma.prefill_block_k(128, 16) == 64 and ma.prefill_block_k(256, 16) == 64
+    step = make_step(np.random.default_rng(0), [(300, 20, 0), (90, 1, 0)], num_heads=32, num_kv_heads=8, head_dim=64,
+                     page=16)
+    meta = AttentionMetadata(**{k: v for k, v in step.items() if k not in ("q", "k_cache", "v_cache", "layer")})
+    dims = dict(num_heads=32, num_kv_heads=8, page_size=16)
+    tiles = ma.plan_step(meta, head_dim=64, **dims)
+    assert (tiles.prefill.block_k, tiles.decode.block_k) == (128, 64)
+    assert ma.plan_step(meta, head_dim=128, **dims).prefill.block_k == 64
+    assert ma.plan_step(meta, head_dim=64, block_k=64, **dims).prefill.block_k == 64
 
 
 @pytest.mark.parametrize("kind,want", [("mixed", 2), ("decode", 1), ("prefill", 1)])
