@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from models import mosaic_attention, pallas_attention
-from models.kernels import (MIXED, MOSAIC, MOSAIC_INTERPRET, NEG_INF, PALLAS, PALLAS_INTERPRET, REFERENCE,
+from models.kernels import (AUTO, MIXED, MOSAIC, MOSAIC_INTERPRET, NEG_INF, PALLAS, PALLAS_INTERPRET, REFERENCE,
                             STEP_KINDS, resolve_attention_impl)
 
 
@@ -98,9 +98,17 @@ def on_hopper_gpu() -> bool:
     return bool(_HOPPER_KINDS.search(target.kind)) if target.abstract else target.capability.startswith("9")
 
 
-def resolve_attention(impl: str) -> str:
-    """The implementation that runs for `impl` on this machine (`auto`: pallas on an NVIDIA GPU, else reference)."""
-    return resolve_attention_impl(impl, on_nvidia_gpu())
+def resolve_attention(impl: str, *, dtype=None, num_heads: int | None = None, num_kv_heads: int | None = None,
+                      head_dim: int | None = None, page_size: int | None = None) -> str:
+    """The implementation that runs for `impl` on this machine. `auto`: `mosaic` on a Hopper GPU when the model is
+    given (its dtype, heads, head dim and page size: the engine's loader gives them) and the Mosaic kernels
+    support it (`mosaic_attention.supports`), else `pallas` on an NVIDIA GPU, else `reference`. The model-level
+    functions below resolve `auto` without a model: `pallas` on an NVIDIA GPU, whatever the call's shapes."""
+    model = (dtype, num_heads, num_kv_heads, head_dim, page_size)
+    mosaic = (impl == AUTO and None not in model and on_hopper_gpu()
+              and mosaic_attention.supports(dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                            head_dim=head_dim, page_size=page_size))
+    return resolve_attention_impl(impl, on_nvidia_gpu(), mosaic=mosaic)
 
 
 def split_kernel_options(impl: str, options: dict) -> tuple[dict, dict]:

@@ -257,6 +257,18 @@ def check_shapes(q, k_cache, v_cache):
                          f"got {N} / {K}")
 
 
+def supports(*, dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> bool:
+    """Whether the kernels run attention of this shape (`check_shapes` would not raise): what `attention="auto"`
+    asks before choosing them for a model."""
+    q = jax.ShapeDtypeStruct((1, num_heads, head_dim), dtype)
+    cache = jax.ShapeDtypeStruct((1, 1, page_size, num_kv_heads, head_dim), dtype)
+    try:
+        check_shapes(q, cache, cache)
+    except ValueError:
+        return False
+    return True
+
+
 # ------------------------------------------------------------------------------------------ interpreter
 def _interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams

@@ -203,10 +203,9 @@ class Bench:
 
     @property
     def attention(self) -> str:
-        """The attention kernels the engine runs ("reference" on a CPU, "pallas" on an NVIDIA GPU)."""
-        from models.attention import resolve_attention
-
-        return resolve_attention(self.config.attention)
+        """The attention kernels the engine runs ("reference" on a CPU; on an NVIDIA GPU "mosaic" on Hopper for a
+        model they support, else "pallas": `mnemojax.engine.loader.engine_attention`)."""
+        return self.engine.executor.spec.attention
 
     def first_token(self, n: int) -> float:
         """Seconds from a new request's arrival to its first token through the engine's own loop (admission,

@@ -20,8 +20,9 @@ class LLM:
 
     Keyword arguments are the fields of `EngineConfig`: model ("tiny" or another preset, or a Hugging Face
     Llama directory), dtype, max_model_len, page_size, num_pages, chunk_size, max_num_batched_tokens,
-    max_num_seqs, seed, block_pages, attention ("auto": the Pallas GPU kernels on an NVIDIA GPU, the reference
-    elsewhere), and the parallel and scheduling settings.
+    max_num_seqs, seed, block_pages, attention ("auto": the Mosaic GPU kernels on a Hopper GPU for a bf16/f16
+    model they support, else the Pallas GPU kernels on an NVIDIA GPU, the reference elsewhere), and the parallel
+    and scheduling settings.
     """
 
     def __init__(self, model: str = "tiny", **kwargs):

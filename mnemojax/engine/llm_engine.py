@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.engine.executor import Executor, Launched
 from mnemojax.scheduling.kv_manager import KVCacheManager
-from mnemojax.engine.loader import LoadedModel, load
+from mnemojax.engine.loader import LoadedModel, engine_attention, load
 from mnemojax.scheduling.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mnemojax.scheduling.request import Request
 from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
@@ -26,7 +26,6 @@ from mnemojax.scheduling.calibration import Calibrator
 from mnemojax.scheduling.predictor import HARDWARE, default_profile, make_predictor
 from mnemojax.scheduling.scheduler import Scheduler
 from models.config import LlamaConfig
-from models.attention import resolve_attention
 from models.kernels import ATTENTION_IMPLS, AUTO, MOSAIC, PALLAS, REFERENCE, check_attention_impl
 
 logger = logging.getLogger(__name__)
@@ -59,9 +58,10 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
     block_pages: int = 8
     """KV pages per block of the reference attention."""
     attention: str = dataclasses.field(default=AUTO, metadata={"choices": ATTENTION_IMPLS})
-    """Attention kernels: auto (pallas on an NVIDIA GPU, reference elsewhere), reference (jax.numpy, any backend),
-    pallas (Pallas GPU kernels, NVIDIA only: raises elsewhere), pallas_interpret (the same kernels interpreted;
-    slow, for tests)."""
+    """Attention kernels: auto (mosaic on a Hopper GPU for a bf16/f16 model whose shapes and page size they
+    support, else pallas on an NVIDIA GPU, reference elsewhere), reference (jax.numpy, any backend), pallas (Pallas
+    Triton GPU kernels, NVIDIA only: raises elsewhere), mosaic (Pallas Mosaic GPU kernels, Hopper only, bf16/f16),
+    pallas_interpret / mosaic_interpret (the same kernels interpreted; slow, for tests)."""
     hardware: str | None = dataclasses.field(default=None, metadata={"choices": HARDWARE_NAMES})
     """Runtime predictor preset (default: detected from the device)."""
     predictor_profile: str | None = None
@@ -197,7 +197,7 @@ class LLMEngine:
     def _make_predictor(config: EngineConfig, mc: LlamaConfig):
         hardware = config.hardware or detect_hardware()
         pages_per_seq = -(-(config.max_model_len or mc.max_position_embeddings) // config.page_size)
-        runs = resolve_attention(config.attention)  # cost the kernels this engine runs, whatever the preset's are
+        runs = engine_attention(config, mc)  # cost the kernels this engine runs, whatever the preset's are
         # the executor runs every micro-batch at the pipeline register's size when spp > 1
         return make_predictor(config, mc, hardware=hardware, dtype_bytes=jnp.dtype(config.dtype).itemsize,
                               profile=config.predictor_profile or default_profile(hardware),

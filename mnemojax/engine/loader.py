@@ -87,10 +87,19 @@ def load(config) -> LoadedModel:
     else:
         num_pages = config.num_pages or 1 + 4 * -(-max_model_len // config.page_size)
     tokenizer = load_tokenizer(config.model) if (config.model == "tiny" or not is_preset) else None
-    attention = resolve_attention(config.attention)
+    attention = engine_attention(config, mc)
     logger.info("attention: %s%s", attention, " (auto)" if attention != config.attention else "")
     spec = ModelSpec(mc, config.dtype, config.block_pages, attention)
     return LoadedModel(mc, max_model_len, mesh, table, spec, params, tokenizer, num_pages)
+
+
+def engine_attention(config, mc: LlamaConfig) -> str:
+    """The attention implementation the engine runs for `config.attention` and this model: `auto` resolved
+    against the model (`models.attention.resolve_attention`: on a Hopper GPU the Mosaic kernels when they support
+    its dtype, heads, head dim and the page size; else the Pallas kernels on an NVIDIA GPU; else the reference).
+    The loader's ModelSpec and the predictor's cost model both take it from here."""
+    return resolve_attention(config.attention, dtype=config.dtype, num_heads=mc.num_heads,
+                             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=config.page_size)
 
 
 def _pages_from_memory(config, mc: LlamaConfig, mesh) -> int:

@@ -155,7 +155,8 @@ class Profile:
     paged kernel (each request's own causal work); "reference" as the plain-jnp blockwise kernel (every padded row
     runs the longest sequence's blocks: the kernel as it was fitted; it now runs each 256-row block over only its
     own rows' keys, so this overestimates steps that mix lengths until the model and profiles/cpu.json are redone);
-    "auto" as what it runs on the predicted hardware (pallas on an NVIDIA GPU, the reference elsewhere); "mosaic"
+    "auto" as the Pallas kernels on an NVIDIA GPU, the reference elsewhere (a profile does not know the model: the
+    engine passes what it resolved, mosaic on Hopper for a model those kernels support, `attention=`); "mosaic"
     like "pallas" (its efficiencies unmeasured). "pallas_interpret" and "mosaic_interpret" (interpreters, for
     tests) have no cost model."""
     block_tokens: int = 128

@@ -6,7 +6,7 @@ import pytest
 
 from mnemojax import SamplingParams
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
-from mnemojax.engine.loader import load
+from mnemojax.engine.loader import engine_attention, load
 from models.config import preset
 
 CFG = EngineConfig(model="tiny", max_model_len=64, page_size=4, chunk_size=16, max_num_batched_tokens=32)
@@ -28,6 +28,22 @@ def test_engines_share_loaded_parts_and_agree():
     assert a.executor.params is b.executor.params is loaded.params  # nothing loaded twice
     prompt = list(range(40, 60))
     assert _run(a, prompt) == _run(b, prompt) == _run(LLMEngine(CFG), prompt)
+
+
+def test_the_engine_resolves_auto_against_its_model(monkeypatch):
+    """`engine_attention`: what the loader's ModelSpec and the predictor take. On a (pretended) Hopper GPU, auto is
+    the Mosaic kernels for a bf16 Llama-3-8B with pages of 16, the Pallas kernels for float32 or for the tiny
+    model (head dim 16); a named implementation is itself; on this CPU, the reference."""
+    from models import attention as attn_mod
+
+    assert engine_attention(CFG, preset("tiny")) == "reference"
+    monkeypatch.setattr(attn_mod, "on_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(attn_mod, "on_hopper_gpu", lambda: True)
+    bf16 = dataclasses.replace(CFG, dtype="bfloat16", page_size=16)
+    assert engine_attention(bf16, preset("llama3-8b")) == "mosaic"
+    assert engine_attention(dataclasses.replace(bf16, dtype="float32"), preset("llama3-8b")) == "pallas"
+    assert engine_attention(bf16, preset("tiny")) == "pallas"
+    assert engine_attention(dataclasses.replace(bf16, attention="pallas"), preset("llama3-8b")) == "pallas"
 
 
 @pytest.mark.parametrize("tp,spp,want_layers,want_heads", [(1, 1, 4, 2), (2, 1, 4, 1), (1, 3, 2, 2), (4, 1, 4, 1)])

@@ -97,11 +97,34 @@ def test_kernel_names_and_what_auto_means():
     assert ATTENTION_IMPLS == ("auto", "reference", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
     assert resolve_attention_impl("auto", nvidia_gpu=False) == "reference"
     assert resolve_attention_impl("auto", nvidia_gpu=True) == "pallas"
+    assert resolve_attention_impl("auto", nvidia_gpu=True, mosaic=True) == "mosaic"  # Hopper, a model they support
     for name in ATTENTION_IMPLS[1:]:  # only auto chooses: a named implementation is itself everywhere
-        assert resolve_attention_impl(name, nvidia_gpu=False) == resolve_attention_impl(name, nvidia_gpu=True) == name
+        assert (resolve_attention_impl(name, nvidia_gpu=False) == resolve_attention_impl(name, nvidia_gpu=True)
+                == resolve_attention_impl(name, nvidia_gpu=True, mosaic=True) == name)
     with pytest.raises(ValueError, match="unknown attention implementation 'flash'; valid: auto, reference, pallas, "
                                          "pallas_interpret, mosaic, mosaic_interpret$"):
         resolve_attention_impl("flash", nvidia_gpu=True)
+
+
+def test_auto_is_mosaic_on_hopper_for_the_models_they_support(monkeypatch):
+    """`resolve_attention` with a model: on a Hopper GPU the Mosaic kernels where they run its dtype, heads, head
+    dim and page size, else the Pallas kernels; without a model (the model-level calls) the Pallas kernels; on
+    another NVIDIA GPU the Pallas kernels. (The GPU is pretended: the tests run on a CPU.)"""
+    from models import attention as attn_mod
+
+    monkeypatch.setattr(attn_mod, "on_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(attn_mod, "on_hopper_gpu", lambda: True)
+    llama8b = dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    assert resolve_attention("auto", dtype="bfloat16", **llama8b) == "mosaic"
+    assert resolve_attention("auto", dtype="float16", **dict(llama8b, num_heads=64, page_size=128)) == "mosaic"
+    assert resolve_attention("auto", dtype="bfloat16", **dict(llama8b, head_dim=64)) == "mosaic"  # llama3.2-1b
+    for unsupported in (dict(dtype="float32"), dict(head_dim=96), dict(page_size=24), dict(num_heads=24)):
+        assert resolve_attention("auto", **dict(dict(llama8b, dtype="bfloat16"), **unsupported)) == "pallas"
+    assert resolve_attention("auto") == "pallas"  # no model given
+    assert resolve_attention("auto", dtype="bfloat16", num_heads=32, num_kv_heads=8, head_dim=128) == "pallas"
+    assert resolve_attention("pallas", dtype="bfloat16", **llama8b) == "pallas"  # a named one is itself
+    monkeypatch.setattr(attn_mod, "on_hopper_gpu", lambda: False)  # an A100, say
+    assert resolve_attention("auto", dtype="bfloat16", **llama8b) == "pallas"
 
 
 @pytest.mark.skipif(on_nvidia_gpu(), reason="auto is the Pallas kernels on an NVIDIA GPU")

@@ -471,6 +471,19 @@ def test_compiled_kernels_at_head_dim_64_on_hopper_match_float32_reference(block
     check_compiled(step, (functools.partial(ma.paged_attention_mosaic, block_k=block_k),))
 
 
+def test_supports_says_what_check_shapes_accepts():
+    """`supports` (what attention="auto" asks of a model) agrees with the kernels' own check: the Llama-3 shapes
+    in bf16 / f16 with their page sizes yes; float32, another head dim, a page size that neither divides the 64-key
+    block nor is a multiple of it, a GQA group that is not a power of two, no."""
+    ok = dict(dtype=jnp.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    assert ma.supports(**ok)
+    assert ma.supports(**dict(ok, num_heads=64, page_size=128)) and ma.supports(**dict(ok, head_dim=64))
+    assert ma.supports(**dict(ok, dtype=jnp.float16, page_size=8))
+    for bad in (dict(dtype=jnp.float32), dict(head_dim=96), dict(page_size=24), dict(page_size=4),
+                dict(num_heads=24), dict(num_heads=128, num_kv_heads=1)):
+        assert not ma.supports(**dict(ok, **bad)), bad
+
+
 def test_prefill_blocks_default_to_128_keys_at_head_dim_64():
     """The default prefill key block: 128 at head dim 64 where the page size allows it, else 64; decode blocks
     stay 64; an asked-for block wins."""
