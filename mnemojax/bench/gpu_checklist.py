@@ -39,16 +39,13 @@ STAGES = (
     Stage("correctness", (("-m", "pytest", "-q", "-m", "gpu", "tests/models"),), 300, 120,
           env=(("JAX_PLATFORMS", "cuda,cpu"),),
           why="every compiled kernel and option against the float32 reference, and the engine's greedy tokens "
-              "with the compiled kernels (the gate for attention='auto' choosing mosaic on Hopper)"),
+              "with the compiled kernels (attention='auto' chooses mosaic on Hopper)"),
     Stage("long", (("scripts/bench_step.py", "--long", "--attention", "mosaic", "--decode_contexts", "32768"),),
           590, 450, why="issue 15: the llama3.2-1b exact 1M-token prefill (TTFT, target <= 150 s) and its decode"),
-    Stage("attention", (("scripts/bench_attention.py", "--impl",
-                         "mosaic,pallas,mosaic+block_k=128+decode_block_k=128,mosaic+pingpong=true,mosaic+stages=4,"
-                         "mosaic+registers=true,mosaic+registers=true+pingpong=true",
-                         "--chunks", "32,256,2048", "--calls", "10"),), 540, 240,
+    Stage("attention", (("scripts/bench_attention.py", "--impl", "mosaic,pallas", "--chunks", "32,256,2048",
+                         "--calls", "10"),), 540, 240,
           why="issue 15: Llama-3-8B chunk-size curves at 256K and 1M, decode, against cuDNN, torch SDPA and jax's "
-              "FA3-style Mosaic kernel, one layer on the step's plan for the step's kind; the tuning options "
-              "(key blocks of 128, the consumers' ping-pong, a ring of 4, P in registers) beside the defaults"),
+              "FA3-style Mosaic kernel, one layer on the step's plan for the step's kind"),
     Stage("attention-70b", (("scripts/bench_attention.py", "--impl", "mosaic,pallas", "--model_shape", "llama3-70b",
                              "--chunks", "32,256,2048", "--decode_batches", "1", "--calls", "10"),), 540, 240,
           why="issue 15: the 70B shape (64 q heads) at 256K and 1M"),
