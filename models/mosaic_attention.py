@@ -34,7 +34,9 @@ P in registers when compiled, and then the two prefill consumers taking turns on
 FlashAttention-3 and jax's `attention_mgpu`); memory-bound launches (decode tiles, split-K launches: few tiles at a
 long context) with the deepest ring that fits the SMEM (4 slots at head dims 64 and 128), compute-bound ones
 (two-consumer prefill tiles, one partition) with 2 slots; prefill key blocks of 128 at head dim 64
-(`prefill_block_k`), else 64.
+(`prefill_block_k`), else 64. Off and unmeasured: `release_k` (the K slot freed after Q K^T on its own barrier)
+and `max_registers` (`plgpu.set_max_registers`: consumers 232 per thread, the producer 40), both as jax's
+`attention_mgpu` does.
 The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once every consumer's
 loop ends, which the consumers wait for with a barrier when C > 1). With 2 slots a decode program takes 54,328 /
 95,288 / 177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count; with separate staging head dim 256 and a float32
@@ -160,13 +162,19 @@ class Codegen:
     from the public functions' keywords to the kernel): `approx_math` (`compiler_params`), `lookahead` (the next
     block's page-table entries loaded before the producer's wait), `pingpong` (two prefill consumers taking turns
     at a schedule barrier), `registers` (P in registers for P V, the accumulator updated in place: compiled only),
-    `stages` (K/V slots in the ring). None (the default of the last three): chosen per launch (`for_launch`)."""
+    `stages` (K/V slots in the ring). None (the default of those three): chosen per launch (`for_launch`).
+    `release_k` (the K slot released after Q K^T, the V slot after P V: separate "consumed" barriers, so the
+    producer refills K while P V runs, as jax's `attention_mgpu`) and `max_registers` (two-consumer programs
+    redistribute registers: each consumer thread up to 232, the producer's down to 40, `plgpu.set_max_registers`, as
+    FlashAttention-3 and `attention_mgpu`): off, unmeasured."""
 
     approx_math: bool = True
     lookahead: bool = True
     pingpong: bool | None = None
     registers: bool | None = None
     stages: int | None = None
+    release_k: bool = False
+    max_registers: bool = False
 
     def check(self, interpret: bool):
         if self.stages is not None and self.stages not in STAGES_RANGE:
@@ -430,8 +438,10 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
         plgpu.Barrier(num_arrivals=2, num_barriers=C),  # a consumer's q and row limits landed
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),  # k slot full
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),  # v slot full
-        plgpu.Barrier(num_arrivals=C, num_barriers=stages),  # slot consumed (by every consumer)
+        plgpu.Barrier(num_arrivals=C, num_barriers=stages),  # slot consumed (by every consumer; `release_k`: V)
     ]
+    if codegen.release_k:
+        barriers.append(plgpu.Barrier(num_arrivals=C, num_barriers=stages))  # K slot consumed (`release_k`)
     if C > 1:
         barriers += [plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # v slot's keys past the tile's zeroed
                      plgpu.Barrier(num_arrivals=C),  # every consumer's loop done (the staging overlays the ring)
@@ -444,13 +454,16 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
 
 
 def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smems, union, lim_smems, m_smems,
-             l_smems, q_bars, k_bar, v_bar, consumed, *sync, num_parts, group, scale, ops, page_size, max_pages,
+             l_smems, q_bars, k_bar, v_bar, consumed, *more, num_parts, group, scale, ops, page_size, max_pages,
              block_k, codegen):
     (k_smem, v_smem, p_smems), o_smems = union
     C = q_smems.shape[0]  # consumer warpgroups; warpgroup C produces
     stages, lookahead, registers = codegen.stages, codegen.lookahead, codegen.registers
     pingpong = codegen.pingpong and C == 2  # a decode program's one consumer takes no turns
+    release_k = codegen.release_k
+    k_consumed, sync = (more[0], more[1:]) if release_k else (consumed, more)  # the K slot's release
     v_zeroed, loop_done, schedule = sync if C > 1 else (None, None, None)
+    max_registers = codegen.max_registers and C == PREFILL_CONSUMERS
 
     def take_turn():
         """`pingpong` (two consumers): arrive at the schedule barrier and wait for the other consumer to arrive
@@ -475,6 +488,9 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
     @pl.when(wg == C)
     def _producer():
+        if max_registers:  # a TMA issuer needs few: the consumers take them (`max_registers`)
+            plgpu.set_max_registers(40, action="decrease")
+
         def pages_of(step):
             """The page-table entries of the partition's block `step` (columns clamped: one past the last block
             reads a real column, unused)."""
@@ -492,20 +508,32 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             else:
                 pages, upcoming = pages_of(step), ()
 
-            @pl.when(step >= stages)
-            def _():
-                plgpu.barrier_wait(consumed.at[slot])
+            def wait_free(barrier):
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(barrier.at[slot])
 
             first = (lo + step) * block_k  # local index of the block's first key
-            if page_size <= block_k:
-                for i, page in enumerate(pages):
-                    rows = pl.ds(i * page_size, page_size)
-                    plgpu.copy_gmem_to_smem(k_ref.at[layer, page, :, kvh, :], k_smem.at[slot, rows], k_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[layer, page, :, kvh, :], v_smem.at[slot, rows], v_bar.at[slot])
-            else:
+
+            def copies(ref, smem, bar):  # (source, destination, barrier) of each TMA copy of the block
+                if page_size <= block_k:
+                    return [(ref.at[layer, page, :, kvh, :], smem.at[slot, pl.ds(i * page_size, page_size)],
+                             bar.at[slot]) for i, page in enumerate(pages)]
                 rows = pl.ds(lax.rem(first, page_size), block_k)
-                plgpu.copy_gmem_to_smem(k_ref.at[layer, pages[0], rows, kvh, :], k_smem.at[slot], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[layer, pages[0], rows, kvh, :], v_smem.at[slot], v_bar.at[slot])
+                return [(ref.at[layer, pages[0], rows, kvh, :], smem.at[slot], bar.at[slot])]
+
+            k_copies, v_copies = copies(k_ref, k_smem, k_bar), copies(v_ref, v_smem, v_bar)
+            wait_free(k_consumed)  # without `release_k` the one "consumed" barrier frees K and V
+            if release_k:  # K as soon as its slot is free, V once its own is
+                for c in k_copies:
+                    plgpu.copy_gmem_to_smem(*c)
+                wait_free(consumed)
+                for c in v_copies:
+                    plgpu.copy_gmem_to_smem(*c)
+            else:
+                for kc, vc in zip(k_copies, v_copies):
+                    plgpu.copy_gmem_to_smem(*kc)
+                    plgpu.copy_gmem_to_smem(*vc)
             return upcoming
 
         lax.fori_loop(0, hi - lo, fill, pages_of(0) if lookahead else ())
@@ -516,12 +544,16 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
         # then; the consumer never waits for it.
         def drain(step, _):
             plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+            if release_k:
+                plgpu.barrier_wait(k_consumed.at[lax.rem(step, stages)])
             return ()
 
         lax.fori_loop(jnp.maximum(hi - lo - stages, 0), hi - lo, drain, ())
 
     @pl.when(wg < C)
     def _consumer():  # rows wg*64 .. wg*64+63 of the tile
+        if max_registers:
+            plgpu.set_max_registers(232, action="increase")
         q_smem, p_smem, o_smem, lim_smem, m_smem, l_smem, q_bar = (
             x.at[wg] for x in (q_smems, p_smems, o_smems, lim_smems, m_smems, l_smems, q_bars))
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
@@ -542,6 +574,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32)) * scale  # base-2 logits
+            if release_k:  # Q K^T has completed (its accumulator read): the K slot is free
+                plgpu.barrier_arrive(k_consumed.at[slot])
             if masked:
                 idx = step * block_k + ops.iota((ROWS, block_k), 1)
                 visible = idx < lax.broadcast_in_dim(lim, (ROWS, block_k), [0])
@@ -753,9 +787,11 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     has one partition."""
     T, N, H = q.shape
     out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
-    if codegen.pingpong and tiles.prefill is not None and tiles.prefill.lim_rows.shape[1] < 2 * ROWS:
-        raise ValueError("pingpong (the two prefill consumers taking turns) needs prefill programs of two consumers, "
-                         "got consumers=1")
+    if tiles.prefill is not None and tiles.prefill.lim_rows.shape[1] < 2 * ROWS:
+        for name in ("pingpong", "max_registers"):
+            if getattr(codegen, name):
+                raise ValueError(f"{name} (the two prefill consumers taking turns, or their registers) needs prefill "
+                                 "programs of two consumers, got consumers=1")
     if out_dtype not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be q's dtype ({q.dtype}) or float32, got {out_dtype}")
     into = None
@@ -849,7 +885,8 @@ def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partit
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                       num_partitions: int | None = None, out_dtype=None, consumers: int = PREFILL_CONSUMERS,
                       block_k: int | None = None, approx_math: bool = True, lookahead: bool = True,
-                      pingpong: bool | None = None, registers: bool | None = None, stages: int | None = None):
+                      pingpong: bool | None = None, registers: bool | None = None, stages: int | None = None,
+                      release_k: bool = False, max_registers: bool = False):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
     `models.attention.paged_attention` (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by
@@ -863,20 +900,22 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     block_k = prefill_block_k(H, k_cache.shape[2]) if block_k is None else block_k
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
                    out_dtype=out_dtype, consumers=consumers, block_k=block_k,
-                   codegen=Codegen(approx_math, lookahead, pingpong, registers, stages))
+                   codegen=Codegen(approx_math, lookahead, pingpong, registers, stages, release_k, max_registers))
 
 
 @pa._jit
 def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                      num_partitions: int | None = None, out_dtype=None, block_k: int = BLOCK_K,
-                     approx_math: bool = True, lookahead: bool = True, stages: int | None = None):
+                     approx_math: bool = True, lookahead: bool = True, stages: int | None = None,
+                     release_k: bool = False):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
     `prefill_attention`."""
     _check(q, k_cache, v_cache, meta, interpret)
     tiles = pa._token_tiles(jnp.ones(q.shape[0], bool), q.shape[0])
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
-                   out_dtype=out_dtype, block_k=block_k, codegen=Codegen(approx_math, lookahead, stages=stages))
+                   out_dtype=out_dtype, block_k=block_k, codegen=Codegen(approx_math, lookahead, stages=stages,
+                                                                                     release_k=release_k))
 
 
 def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
@@ -885,7 +924,7 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
                             consumers: int = PREFILL_CONSUMERS, block_k: int | None = None,
                             decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
                             pingpong: bool | None = None, registers: bool | None = None,
-                            stages: int | None = None):
+                            stages: int | None = None, release_k: bool = False, max_registers: bool = False):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
@@ -904,7 +943,7 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
         raise ValueError("tiles were planned with their own options (plan_step); got num_partitions, "
                          "decode_partitions, kind, consumers or a block size too")
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,
-                    codegen=Codegen(approx_math, lookahead, pingpong, registers, stages))
+                    codegen=Codegen(approx_math, lookahead, pingpong, registers, stages, release_k, max_registers))
 
 
 paged_attention_mosaic = pa._jit(_paged_attention_mosaic, dynamic=("tiles",))

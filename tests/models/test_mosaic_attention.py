@@ -130,6 +130,10 @@ def race_detection(monkeypatch):
     pytest.param("decode", dict(lookahead=False), marks=pytest.mark.slow, id="decode-no-lookahead"),
     pytest.param("prefill", dict(lookahead=False), marks=pytest.mark.slow, id="prefill-no-lookahead"),
     pytest.param("prefill", dict(pingpong=True), marks=pytest.mark.slow, id="prefill-pingpong"),
+    pytest.param("prefill", dict(release_k=True), id="prefill-release-k"),
+    pytest.param("decode", dict(release_k=True), marks=pytest.mark.slow, id="decode-release-k"),
+    pytest.param("prefill", dict(release_k=True, max_registers=True, pingpong=True), marks=pytest.mark.slow,
+                 id="prefill-release-k-max-registers-pingpong"),
     pytest.param("decode", dict(stages=3), marks=pytest.mark.slow, id="decode-stages3"),
     pytest.param("decode", dict(stages=2), marks=pytest.mark.slow, id="decode-stages2"),
     pytest.param("prefill", dict(stages=4), marks=pytest.mark.slow, id="prefill-stages4")],
@@ -143,8 +147,9 @@ def test_a_program_refills_its_slots_without_races(kind, options, race_detection
     Checked against the reference, with the race detector on and finding nothing. (No earlier interpreted case
     had more than two blocks in a program: the interpreter then refused the kernel, whose producer left the
     last "consumed" phases unobserved.) Also without the page-table lookahead, and with the two prefill consumers
-    taking turns on the schedule barrier (`pingpong`; a decode program has one consumer and no turns), and with
-    rings of 2 to 4 slots (`stages`)."""
+    taking turns on the schedule barrier (`pingpong`; a decode program has one consumer and no turns), with
+    rings of 2 to 4 slots (`stages`), and with the K slot released after Q K^T on its own barrier (`release_k`: the
+    producer waits on two barriers per block; `max_registers` beside it is a no-op in the interpreter)."""
     rng = np.random.default_rng(11)
     seqs = [(300, 1, 0), (70, 1, 0)] if kind == "decode" else [(200, 20, 0), (9, 9, 0)]
     step = make_step(rng, seqs, num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
@@ -262,6 +267,7 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
              (functools.partial(ma.paged_attention_mosaic, pingpong=True, block_k=128), 2),  # tuning options
              (functools.partial(ma.paged_attention_mosaic, stages=3), 2),
              (functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True), 2),
+             (functools.partial(ma.paged_attention_mosaic, release_k=True, max_registers=True), 2),
              (functools.partial(_ONE_PARTITION, registers=True), 2))
     assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
 
@@ -383,6 +389,9 @@ def test_what_the_kernels_refuse():
     with pytest.raises(ValueError, match=r"pingpong .* needs prefill programs of two consumers, got consumers=1"):
         run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, pingpong=True,
             consumers=1)
+    with pytest.raises(ValueError, match=r"max_registers .* needs prefill programs of two consumers, got consumers=1"):
+        run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, max_registers=True,
+            consumers=1)
     with pytest.raises(ValueError, match=r"registers=True .* is compiled only"):
         run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, registers=True)
     if not on_hopper_gpu():
@@ -429,8 +438,8 @@ def test_engine_with_compiled_kernels_on_hopper_matches_reference(tmp_path):
 
 
 # The compiled kernels, each its own test (one that fails to compile or disagrees leaves the others' results), in
-# this order: one-consumer programs first, then the two-consumer prefill programs, then the options (those measured
-# on the H200 first: block128, pingpong and registers have not run on a GPU).
+# this order: one-consumer programs first, then the two-consumer prefill programs, then the options (those run on
+# the H200 first; release_k and max_registers have not run on a GPU).
 COMPILED = {"decode": ma.decode_attention,
             "prefill-c1": functools.partial(ma.prefill_attention, consumers=1),
             "prefill": ma.prefill_attention,
@@ -442,7 +451,12 @@ COMPILED = {"decode": ma.decode_attention,
             "switch-stages4": functools.partial(ma.paged_attention_mosaic, stages=4),
             # last: compiled only (the interpreter runs neither), never run on a GPU yet
             "switch-registers": functools.partial(ma.paged_attention_mosaic, registers=True),
-            "switch-registers-pingpong": functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True)}
+            "switch-registers-pingpong": functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True),
+            # never run on a GPU yet
+            "switch-release-k": functools.partial(ma.paged_attention_mosaic, release_k=True),
+            "switch-max-registers": functools.partial(ma.paged_attention_mosaic, max_registers=True),
+            "switch-release-k-max-registers": functools.partial(ma.paged_attention_mosaic, release_k=True,
+                                                                max_registers=True)}
 
 
 @pytest.mark.gpu
