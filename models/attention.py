@@ -111,6 +111,14 @@ def resolve_attention(impl: str, *, dtype=None, num_heads: int | None = None, nu
     return resolve_attention_impl(impl, on_nvidia_gpu(), mosaic=mosaic)
 
 
+def resolve_for_model(impl: str, config, dtype, page_size: int) -> str:
+    """`resolve_attention` for the model `config` (`models.config.LlamaConfig`) run in `dtype` with KV pages of
+    `page_size`: what `auto` means for it on the device the code is for (`target_device`). The engine's loader asks
+    this, and the benchmarks that build a model themselves, so that their `auto` is the engine's."""
+    return resolve_attention(impl, dtype=dtype, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                             head_dim=config.head_dim, page_size=page_size)
+
+
 def split_kernel_options(impl: str, options: dict) -> tuple[dict, dict]:
     """(tiling options, which go to `plan_attention`; the others, code generation such as the Mosaic kernels'
     `stages` or `approx_math`, which go to every layer's `attention(..., plan=...)` call) of the kernel options

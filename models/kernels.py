@@ -16,11 +16,12 @@ MOSAIC_INTERPRET = "mosaic_interpret"
 ATTENTION_IMPLS = (AUTO, REFERENCE, PALLAS, PALLAS_INTERPRET, MOSAIC, MOSAIC_INTERPRET)
 """auto: `mosaic` on a Hopper GPU for a model the Mosaic kernels support (bf16/f16, their head dims, page sizes and
 GQA groups: the engine resolves it once for the model it loads), else `pallas` on an NVIDIA GPU, else `reference`
-(the only name that chooses: an explicitly named implementation that cannot run raises); reference: `models.attention.paged_attention` (plain jax.numpy, any
-backend); pallas: the Pallas Triton kernels of `models.pallas_attention`, compiled (NVIDIA GPU only);
-pallas_interpret: the same kernels in Pallas' interpreter (any backend: slow, for tests); mosaic: the Pallas Mosaic GPU
-kernels of `models.mosaic_attention` (wgmma, TMA, warp specialisation), compiled (NVIDIA Hopper GPU only, bf16/f16
-caches); mosaic_interpret: the same kernels in jax's Mosaic GPU interpreter (any backend: very slow, for tests).
+(the only name that chooses: an explicitly named implementation that cannot run raises); reference:
+`models.attention.paged_attention` (plain jax.numpy, any backend); pallas: the Pallas Triton kernels of
+`models.pallas_attention`, compiled (NVIDIA GPU only); pallas_interpret: the same kernels in Pallas' interpreter
+(any backend: slow, for tests); mosaic: the Pallas Mosaic GPU kernels of `models.mosaic_attention` (wgmma, TMA, warp
+specialisation), compiled (NVIDIA Hopper GPU only, bf16/f16 caches); mosaic_interpret: the same kernels in jax's
+Mosaic GPU interpreter (any backend: very slow, for tests).
 On an H200 `mosaic` is the faster prefill (the Llama-3-8B prefill step at 32K 1.46x faster than `pallas`), decodes
 as fast within 4%, and the engine's greedy tokens with it match the reference's (README, "Attention";
 docs/benchmarks.md, issue 15). Where the model is not known (a bare `models.attention.attention("auto", ...)`),

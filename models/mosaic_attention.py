@@ -21,11 +21,12 @@ The grid is (tiles, kv heads, partitions). Each program (a CUDA block) holds C +
     page table (one copy of `page_size` rows per page, or one slice of a page when pages are larger than a block),
     into a ring of `stages` SMEM slots, and waits on a "consumed" barrier (an arrival from every consumer) before
     refilling a slot; with `lookahead` it loads the next block's page-table entries before that wait;
-  - C consumer warpgroups, each with its own 64 rows of Q, P and accumulator, run the online softmax on every
-    block: S = Q K^T by wgmma (K transposed by the wgmma descriptor), masking only in the key blocks at the
-    causal edge and the sequence end, P rounded to the input dtype, P V by wgmma (compiled: P in registers and the
-    accumulator updated in place, as in FlashAttention-3; interpreted: P through SMEM), then release the slot. The block holding the tile's last visible key may hold unwritten slots past it: consumer 0 zeroes
-    them in the shared slot and the others wait on a barrier for that before their P V.
+  - C consumer warpgroups, each with its own 64 rows of Q, P and accumulator, run the online softmax on every block:
+    S = Q K^T by wgmma (K transposed by the wgmma descriptor), masking only in the key blocks at the causal edge and
+    the sequence end, P rounded to the input dtype, P V by wgmma (compiled: P in registers and the accumulator
+    updated in place, as in FlashAttention-3; interpreted: P through SMEM), then release the slot. The block holding
+    the tile's last visible key may hold unwritten slots past it: consumer 0 zeroes them in the shared slot and the
+    others wait on a barrier for that before their P V.
 Two consumers per prefill program (measured on an H200: chunk 2048 from ~270 to ~435 TFLOP/s) double the rows each
 K/V block's load serves: a 64-row program does 64 FLOPs per byte it loads from L2, which caps it near what both this
 kernel with one consumer and the Triton kernels reached.
@@ -43,7 +44,8 @@ loop ends, which the consumers wait for with a barrier when C > 1). With 2 slots
 output exceeded a block's 227 KB), and a two-consumer prefill program 70,744 / 119,896 / 218,200 and holds an SM
 alone (its registers too); each further slot adds 4 x 64 x head dim bytes (`program_smem_bytes`): a decode program
 with the default 4 slots at head dim 128 (160,824 bytes) also holds an SM alone, so its TARGET_PROGRAMS run in two
-waves (measured faster than 2 slots with two programs per SM: 1M context, 1.04 against 1.13 ms).
+waves (at 1M keys 1.04 ms, against 1.12 with 2 slots and two programs per SM, P in registers both; at head dim 64 a
+4-slot decode program still fits two per SM).
 With one partition the consumer normalises and writes (out, lse) itself, in token order: the tile's token i
 (index `tile_tok[t, i]`, read from GMEM) owns rows i*G .. i*G+G-1, a [G, H] box that one TMA copy takes from the
 SMEM staging (in q's dtype) to out[tok, kvh*G : kvh*G+G, :], and its G lse floats by a second TMA copy when G % 4
@@ -119,9 +121,10 @@ STAGES = 2  # K/V SMEM slots in flight between the producer and the consumers (c
 # memory-bound ones: `deepest_ring`; `stages`: 2 to 4)
 STAGES_RANGE = (2, 3, 4)
 HEAD_DIMS = (64, 128, 256)
-TARGET_PROGRAMS = 264  # grid size the KV partitions aim for (two waves of one-consumer programs on an H100 or H200,
-# 132 SMs: one wave at 2 slots and head dim <= 128, two programs per SM; two at the default 4 slots, one per SM, as
-# measured; a two-consumer program takes an SM alone: 3 x 128 threads x up to 168 registers, so half as many)
+TARGET_PROGRAMS = 264  # grid size the KV partitions aim for (one-consumer programs on an H100 or H200, 132 SMs: one
+# wave where two fit an SM, at 2 slots and head dim <= 128 or 4 slots at 64; two waves at the default 4 slots at head
+# dim 128, one per SM, as measured; a two-consumer program takes an SM alone: 3 x 128 threads x up to 168 registers,
+# so half as many)
 
 
 def compiler_params(approx_math: bool = True):
@@ -136,13 +139,13 @@ def compiler_params(approx_math: bool = True):
 
 SMEM_PER_BLOCK = 227 * 1024  # the most SMEM a CUDA block may take on Hopper (an SM has 228 KB)
 SMEM_MARGIN = 8 * 1024  # what Mosaic's count adds to `program_smem_bytes` (row limits, m and l staging, barriers,
-# alignment): 5,176 bytes at every head dim and consumer count measured
+# alignment): 5,176 bytes for a one-consumer program, 5,208 for a two-consumer one, 8 per slot more with `release_k`
 
 
 def program_smem_bytes(*, consumers: int, head_dim: int, block_k: int, stages: int, itemsize: int = 2) -> int:
     """SMEM of one program's big buffers: Q (64 rows per consumer), and over one region (`_Ops.union`) the K/V ring
-    with P, or the output staging (at most float32). Mosaic's count of a whole program is 5,176 bytes more (e.g.
-    95,288 for a decode program at head dim 128 with 2 slots of 64 keys): `SMEM_MARGIN` covers it."""
+    with P, or the output staging (at most float32). Mosaic's count of a whole program is ~5.2 KB more (e.g.
+    95,288 for a decode program at head dim 128 with 2 slots of 64 keys, 5,176 more): `SMEM_MARGIN` covers it."""
     q = consumers * ROWS * head_dim * itemsize
     ring = 2 * stages * block_k * head_dim * itemsize + consumers * ROWS * block_k * itemsize
     staging = consumers * ROWS * head_dim * 4
@@ -195,7 +198,8 @@ class Codegen:
             128; decode 1.12 -> 1.04 ms, chunk 32 with ping-pong 2.37 -> 1.91 ms), else 2 (chunk 2048 with 4:
             83.0 against 75.5 ms);
           - `pingpong`: with P in registers, two-consumer programs take turns (chunk 2048 78.9 -> 75.5 ms; chunk 32
-            with the ring of 4 2.01 -> 1.93 ms, though with 2 slots it was slower: 2.02 -> 2.37 ms)."""
+            with the ring of 4 2.01 -> 1.93 ms), but memory-bound ones only with a ring of 3 or more slots (with 2,
+            chunk 32 was slower: 2.02 -> 2.37 ms)."""
         registers = (not interpret) if self.registers is None else self.registers
         memory_bound = consumers == 1 or num_parts > 1
         stages = self.stages
@@ -204,7 +208,7 @@ class Codegen:
                       else STAGES)
         pingpong = self.pingpong
         if pingpong is None:
-            pingpong = registers and consumers == PREFILL_CONSUMERS
+            pingpong = registers and consumers == PREFILL_CONSUMERS and (not memory_bound or stages >= 3)
         return dataclasses.replace(self, registers=registers, stages=stages, pingpong=pingpong)
 
 
@@ -268,6 +272,8 @@ def check_shapes(q, k_cache, v_cache):
 def supports(*, dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> bool:
     """Whether the kernels run attention of this shape (`check_shapes` would not raise): what `attention="auto"`
     asks before choosing them for a model."""
+    if plgpu is None:  # pragma: no cover - depends on the jax version
+        return False
     q = jax.ShapeDtypeStruct((1, num_heads, head_dim), dtype)
     cache = jax.ShapeDtypeStruct((1, 1, page_size, num_kv_heads, head_dim), dtype)
     try:

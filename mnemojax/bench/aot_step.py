@@ -409,6 +409,20 @@ class Compiled:
     seconds: float
 
 
+def resolve_auto(model: str, dtype: str, page_size: int, mesh) -> str:
+    """What attention `auto` is for `model` on the target whose devices the abstract `mesh` holds: the engine's rule
+    (`models.attention.resolve_for_model`), asked under that mesh so that `models.attention.target_device` sees the
+    target rather than this machine."""
+    import jax
+
+    from models.attention import resolve_for_model
+    from models.config import preset
+    from models.kernels import AUTO
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        return resolve_for_model(AUTO, preset(model), dtype, page_size)
+
+
 def compile_step(executor, T: int, R: int, kind: str, devices) -> Compiled:
     """The step of shape (T, R, kind) compiled for `devices` (compile-only or real), and what it launches."""
     from shardings.mesh import make_mesh
@@ -485,6 +499,12 @@ def main(argv=None) -> None:
           f"jax {jax.__version__}")
     rows = []
     for impl in args.attention.split(","):
+        if impl == "auto":  # as the engine resolves it on the target, for this model (`resolve_for_model`)
+            from shardings.mesh import make_mesh
+
+            target = make_mesh(args.kvp, args.spp, args.tp, devices=devices).abstract_mesh
+            impl = resolve_auto(args.model, args.dtype, 16, target)  # 16: abstract_executor's page size
+            print(f"attention auto: {impl} on {devices[0].device_kind} for {args.model} {args.dtype}", flush=True)
         executor = abstract_executor(args.model, args.dtype, impl, kvp=args.kvp, spp=args.spp, tp=args.tp,
                                      max_num_seqs=args.max_num_seqs or max(args.batch, 8),
                                      max_num_batched_tokens=args.max_num_batched_tokens,

@@ -63,7 +63,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mnemojax.bench import parse_with_small  # noqa: E402
-from models.attention import AttentionMetadata, attention, plan_attention, split_kernel_options  # noqa: E402
+from models.attention import (AttentionMetadata, attention, plan_attention, resolve_attention,  # noqa: E402
+                              split_kernel_options)
 from models.config import preset  # noqa: E402
 from models.kernels import (ATTENTION_IMPLS, DECODE, MOSAIC, MOSAIC_INTERPRET, PALLAS, PALLAS_INTERPRET,  # noqa: E402
                             PREFILL)
@@ -233,6 +234,8 @@ class PagedLayer:
         perm = np.random.default_rng(seed).permutation(batch * self.pages) + 1
         self.table = jnp.asarray(perm.reshape(batch, self.pages), jnp.int32)
         self.impl, options = split_label(impl or args.impls[0])
+        self.impl = resolve_attention(self.impl, dtype=args.dtype, num_heads=args.num_heads,  # `auto` as the engine's
+                                      num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, page_size=args.page_size)
         mosaic = self.impl in (MOSAIC, MOSAIC_INTERPRET)
         opts = {name: getattr(args, name) for name in ("block_q", "block_k", "decode_block_k")
                 if getattr(args, name) is not None and not mosaic}  # Triton options

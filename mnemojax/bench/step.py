@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from mnemojax.bench import parse_with_small  # noqa: E402
 from mnemojax.bench.attention import (PERSISTENT, check_label, copy_bandwidth, hardware, matmul_ceiling,  # noqa: E402
                                       median_time, split_label)
-from models.attention import AttentionMetadata  # noqa: E402
+from models.attention import AttentionMetadata, resolve_for_model  # noqa: E402
 from models.config import PRESETS, LlamaConfig, preset  # noqa: E402
 from models.kernels import ATTENTION_IMPLS  # noqa: E402
 from models.llama import ModelSpec, StepBatch, forward  # noqa: E402
@@ -127,6 +127,7 @@ class Model:
         self.page_size = args.page_size
         self.max_pages = -(-max_tokens // args.page_size)
         impl, options = split_label(attention)
+        impl = resolve_for_model(impl, c, args.dtype, args.page_size)  # `auto` as the engine resolves it
         self.spec = ModelSpec(c, args.dtype, args.block_pages, impl, attention_options=tuple(sorted(options.items())))
         table = ShardingTable()
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)  # noqa: E731

@@ -165,7 +165,7 @@ class LLMEngine:
         self._last_wait_end = 0.0  # when the last collect's wait ended
         if config.precompile:
             self.precompile()
-        self.predictor = self._make_predictor(config, self.model_config) \
+        self.predictor = self._make_predictor(config, self.model_config, runs=loaded.spec.attention) \
             if config.target_batch_time_ms is not None else None
         self.scheduler = Scheduler(config, self.kv, self.predictor, clock=clock,
                                    eos_token_ids=self.model_config.eos_token_ids, spp=config.spp,
@@ -194,10 +194,12 @@ class LLMEngine:
         return took
 
     @staticmethod
-    def _make_predictor(config: EngineConfig, mc: LlamaConfig):
+    def _make_predictor(config: EngineConfig, mc: LlamaConfig, runs: str | None = None):
+        """The runtime predictor for this engine; `runs`: the attention its executor runs (default: what `config`
+        resolves to for `mc`), costed whatever the preset's profile says."""
         hardware = config.hardware or detect_hardware()
         pages_per_seq = -(-(config.max_model_len or mc.max_position_embeddings) // config.page_size)
-        runs = engine_attention(config, mc)  # cost the kernels this engine runs, whatever the preset's are
+        runs = engine_attention(config, mc) if runs is None else runs
         # the executor runs every micro-batch at the pipeline register's size when spp > 1
         return make_predictor(config, mc, hardware=hardware, dtype_bytes=jnp.dtype(config.dtype).itemsize,
                               profile=config.predictor_profile or default_profile(hardware),

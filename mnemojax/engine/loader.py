@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from models import checkpoint, orbax_io
-from models.attention import resolve_attention
+from models.attention import resolve_for_model
 from models.config import PRESETS, LlamaConfig, preset
 from models.llama import ModelSpec
 from models.params import init_params, mesh_layout, split_layers, to_mesh_layout
@@ -95,11 +95,10 @@ def load(config) -> LoadedModel:
 
 def engine_attention(config, mc: LlamaConfig) -> str:
     """The attention implementation the engine runs for `config.attention` and this model: `auto` resolved
-    against the model (`models.attention.resolve_attention`: on a Hopper GPU the Mosaic kernels when they support
+    against the model (`models.attention.resolve_for_model`: on a Hopper GPU the Mosaic kernels when they support
     its dtype, heads, head dim and the page size; else the Pallas kernels on an NVIDIA GPU; else the reference).
     The loader's ModelSpec and the predictor's cost model both take it from here."""
-    return resolve_attention(config.attention, dtype=config.dtype, num_heads=mc.num_heads,
-                             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, page_size=config.page_size)
+    return resolve_for_model(config.attention, mc, config.dtype, config.page_size)
 
 
 def _pages_from_memory(config, mc: LlamaConfig, mesh) -> int:

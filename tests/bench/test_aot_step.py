@@ -8,7 +8,7 @@ from jax import lax
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from mnemojax.bench.aot_step import (abstract_executor, count_launches, layer_weight_shapes, main, parse_hlo,
-                                     weight_copies)
+                                     resolve_auto, weight_copies)
 from models.attention import TargetDevice, on_hopper_gpu, on_nvidia_gpu, target_device
 from models.kernels import DECODE, MIXED, PREFILL
 from shardings.mesh import KVP, SPP, TP
@@ -221,3 +221,13 @@ def test_all_shapes_compiles_every_shape_the_engine_compiles_at_start_up(capsys)
     rows = [tuple(line.split()[1:4]) for line in out.split("\n") if line.startswith("reference ")]
     assert rows == [(kind, str(T), str(R)) for T, R, kind in shapes] and len(rows) >= 4
     assert f"reference: {len(shapes)} step shapes compiled in " in out
+
+
+def test_auto_resolves_as_the_engine_would_on_the_target():
+    """`--attention auto` compiles what the engine would run on the target: the Mosaic kernels on an H100 for a
+    bf16 Llama-3-8B, the Triton ones for float32 or on an A100, the reference on a CPU."""
+    assert resolve_auto("llama3-8b", "bfloat16", 16, _mesh(H100)) == "mosaic"
+    assert resolve_auto("llama3-8b", "float32", 16, _mesh(H100)) == "pallas"
+    assert resolve_auto("llama3-8b", "bfloat16", 16, _mesh(A100)) == "pallas"
+    cpu = AbstractDevice(device_kind="cpu", num_cores=None, platform="cpu")
+    assert resolve_auto("llama3-8b", "bfloat16", 16, _mesh(cpu)) == "reference"

@@ -33,9 +33,11 @@ def test_engines_share_loaded_parts_and_agree():
 def test_the_engine_resolves_auto_against_its_model(monkeypatch):
     """`engine_attention`: what the loader's ModelSpec and the predictor take. On a (pretended) Hopper GPU, auto is
     the Mosaic kernels for a bf16 Llama-3-8B with pages of 16, the Pallas kernels for float32 or for the tiny
-    model (head dim 16); a named implementation is itself; on this CPU, the reference."""
+    model (head dim 16); a named implementation is itself; on a CPU, the reference."""
     from models import attention as attn_mod
 
+    monkeypatch.setattr(attn_mod, "on_nvidia_gpu", lambda: False)  # a CPU, whatever runs the tests
+    monkeypatch.setattr(attn_mod, "on_hopper_gpu", lambda: False)
     assert engine_attention(CFG, preset("tiny")) == "reference"
     monkeypatch.setattr(attn_mod, "on_nvidia_gpu", lambda: True)
     monkeypatch.setattr(attn_mod, "on_hopper_gpu", lambda: True)

@@ -49,15 +49,17 @@ def check(fn, step, *, other_kind=None, **kw):
     assert err < 4e-3
 
 
-# (heads, kv heads, page, partitions, sequences (keys after the step, query tokens, kv_start)).
+# (heads, kv heads, page, partitions, sequences (keys after the step, query tokens, kv_start)). Head dim 64, so
+# prefill blocks of 128 keys by default (`prefill_block_k`), but where a case says 64.
 PREFILL = {
     # G=4 (16-token tiles): a 21-token chunk mid-prompt (two tiles, the first sees 16 keys unmasked), a first
     # chunk, a KVP shard's view; page 16, one partition (the in-kernel normalisation). Rows shuffled.
     "g4-page16-np1": (4, 1, 16, 1, [(37, 21, 0), (5, 5, 0), (29, 6, 37)]),
-    # G=2 (32-token tiles): a 33-token chunk at 70 keys (a block fully visible, then the causal edge), pages of 8
-    # (8 TMA copies a block), two partitions merged after the kernel.
+    # G=2 (32-token tiles): a 33-token chunk at 70 keys (the causal edge inside the one 128-key block), pages of 8
+    # (16 TMA copies a block), two partitions merged after the kernel.
     "g2-page8-np2": (2, 1, 8, 2, [(70, 33, 0)]),
-    # Two kv heads of G=4, pages of 128 (a block is a slice of a page), a 3-token chunk at 150 keys, 2 partitions.
+    # Two kv heads of G=4, pages of 128 and 64-key blocks (a block is a slice of a page), a 3-token chunk at 150
+    # keys, 2 partitions.
     "g4-k2-page128-np2": (8, 2, 128, 2, [(150, 3, 0)]),
 }
 
@@ -70,7 +72,7 @@ def test_prefill_kernel_matches_reference(case):
     rng = np.random.default_rng(len(case))
     step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64, page=page,
                      dtype=jnp.bfloat16, shuffle=True)
-    check(ma.prefill_attention, step, num_partitions=parts)
+    check(ma.prefill_attention, step, num_partitions=parts, block_k=64 if page > 64 else None)
 
 
 @pytest.mark.slow
@@ -142,8 +144,8 @@ def test_a_program_refills_its_slots_without_races(kind, options, race_detection
     """One partition over more key blocks than the ring has slots (by default 2 for the one-partition prefill, 4
     for the decode), so the producer refills slots the consumer released (it waits on "consumed" for each) and waits
     for the last ones at the end, and the output staging, which shares SMEM with the slots, is written after: 300
-    keys (5 blocks) for the decode, a 20-token chunk at 200 keys (4 blocks, the last two at the causal edge) beside
-    a 9-token first chunk for the prefill (64-key blocks: at this head dim, 64, the default would be 128).
+    keys (5 blocks) for the decode, a 20-token chunk at 300 keys (5 blocks, the last at the causal edge) beside a
+    9-token first chunk for the prefill (64-key blocks: at this head dim, 64, the default would be 128).
     Checked against the reference, with the race detector on and finding nothing. (No earlier interpreted case
     had more than two blocks in a program: the interpreter then refused the kernel, whose producer left the
     last "consumed" phases unobserved.) Also without the page-table lookahead, and with the two prefill consumers
@@ -151,7 +153,7 @@ def test_a_program_refills_its_slots_without_races(kind, options, race_detection
     rings of 2 to 4 slots (`stages`), and with the K slot released after Q K^T on its own barrier (`release_k`: the
     producer waits on two barriers per block; `max_registers` beside it is a no-op in the interpreter)."""
     rng = np.random.default_rng(11)
-    seqs = [(300, 1, 0), (70, 1, 0)] if kind == "decode" else [(200, 20, 0), (9, 9, 0)]
+    seqs = [(300, 1, 0), (70, 1, 0)] if kind == "decode" else [(300, 20, 0), (9, 9, 0)]
     step = make_step(rng, seqs, num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
     fn = ma.decode_attention if kind == "decode" else functools.partial(ma.prefill_attention, block_k=64)
     check(fn, step, num_partitions=1, **options)
@@ -314,8 +316,8 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
 def test_code_generation_is_chosen_per_launch():
     """What each launch gets for the options left to the kernel (None), as measured fastest on an H200, and that a
     given option wins: memory-bound launches (decode tiles, split-K) the deepest ring, compute-bound ones (two
-    consumers, one partition) 2 slots; two consumers with P in registers take turns (ping-pong); the interpreter
-    neither P in registers nor, then, ping-pong."""
+    consumers, one partition) 2 slots; two consumers with P in registers take turns (ping-pong), memory-bound ones
+    only with 3 slots or more; the interpreter neither P in registers nor, then, ping-pong."""
     def pick(codegen=ma.Codegen(), *, interpret=False, consumers=2, num_parts=1, head_dim=128, block_k=64):
         c = codegen.for_launch(interpret=interpret, consumers=consumers, num_parts=num_parts, head_dim=head_dim,
                                block_k=block_k)
@@ -326,7 +328,9 @@ def test_code_generation_is_chosen_per_launch():
     assert pick(consumers=1, num_parts=33) == (True, 4, False)  # decode tiles
     assert pick(consumers=1, num_parts=1, head_dim=64) == (True, 4, False)
     assert pick(consumers=1, num_parts=33, head_dim=256) == (True, 2, False)  # a third slot would not fit
-    assert pick(num_parts=16, head_dim=128, block_k=128) == (True, 2, True)  # 128-key slots: 2 fit
+    assert pick(num_parts=16, head_dim=128, block_k=128) == (True, 2, False)  # 128-key slots: 2 fit, no turns
+    assert pick(num_parts=16, head_dim=256) == (True, 2, False)  # memory-bound with 2 slots: no turns (slower)
+    assert pick(head_dim=256) == (True, 2, True)  # compute-bound: turns
     assert pick(interpret=True) == (False, 2, False)
     assert pick(interpret=True, num_parts=4) == (False, 4, False)
     assert pick(ma.Codegen(registers=False, stages=3, pingpong=True), num_parts=16) == (False, 3, True)
@@ -401,9 +405,10 @@ def test_what_the_kernels_refuse():
             run(functools.partial(attention, "mosaic"), step, block_pages=1)
 
 
-def _engine_tokens(tmp_path, impls, max_tokens: int = 3):
+def _engine_tokens(tmp_path, impls, max_tokens: int = 3, runs: dict | None = None):
     """Greedy tokens of LLM on a tiny bf16 checkpoint of head dim 64 (the kernels' smallest) for each attention
-    implementation in `impls`: two prompts, prefill chunks and decodes in one step."""
+    implementation in `impls`: two prompts, prefill chunks and decodes in one step. `runs`, when given, gets the
+    implementation each engine resolved its `attention` to."""
     from mnemojax import LLM, SamplingParams
     from tests.hf_utils import make_hf_checkpoint
 
@@ -416,6 +421,8 @@ def _engine_tokens(tmp_path, impls, max_tokens: int = 3):
         llm = LLM(model=str(ckpt), attention=impl, dtype="bfloat16", page_size=16, chunk_size=16,
                   max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2)
         outs[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if runs is not None:
+            runs[impl] = llm.engine.executor.spec.attention
     assert all(len(t) == max_tokens for t in outs[impls[0]])
     return outs
 
@@ -431,10 +438,14 @@ def test_engine_with_interpreted_mosaic_kernels_matches_reference(tmp_path):
 @pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
 def test_engine_with_compiled_kernels_on_hopper_matches_reference(tmp_path):
     """The engine end to end on the GPU: the same greedy tokens with attention="mosaic" and "pallas" as with the
-    reference (8 tokens: several decode steps), what making "mosaic" the default on Hopper waits for."""
-    outs = _engine_tokens(tmp_path, ("reference", "mosaic", "pallas"), max_tokens=8)
+    reference (8 tokens: several decode steps), and "auto" resolved to "mosaic" for this bf16 model (head dim 64,
+    G = 2, pages of 16) on Hopper."""
+    runs = {}
+    outs = _engine_tokens(tmp_path, ("reference", "mosaic", "pallas", "auto"), max_tokens=8, runs=runs)
+    assert runs == {"reference": "reference", "mosaic": "mosaic", "pallas": "pallas", "auto": "mosaic"}
     assert outs["mosaic"] == outs["reference"]
     assert outs["pallas"] == outs["reference"]
+    assert outs["auto"] == outs["mosaic"]
 
 
 # The compiled kernels, each its own test (one that fails to compile or disagrees leaves the others' results), in
