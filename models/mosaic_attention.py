@@ -208,8 +208,10 @@ class Codegen:
                       else STAGES)
         pingpong = self.pingpong
         if pingpong is None:
-            pingpong = registers and consumers == PREFILL_CONSUMERS and (not memory_bound or stages >= 3)
-        return dataclasses.replace(self, registers=registers, stages=stages, pingpong=pingpong)
+            pingpong = registers and (not memory_bound or stages >= 3)
+        two = consumers == PREFILL_CONSUMERS  # turns and a register split need two consumers: a decode has one
+        return dataclasses.replace(self, registers=registers, stages=stages, pingpong=pingpong and two,
+                                   max_registers=self.max_registers and two)
 
 
 def _swizzled(dtype) -> tuple:
@@ -465,11 +467,9 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
     (k_smem, v_smem, p_smems), o_smems = union
     C = q_smems.shape[0]  # consumer warpgroups; warpgroup C produces
     stages, lookahead, registers = codegen.stages, codegen.lookahead, codegen.registers
-    pingpong = codegen.pingpong and C == 2  # a decode program's one consumer takes no turns
-    release_k = codegen.release_k
+    pingpong, max_registers, release_k = codegen.pingpong, codegen.max_registers, codegen.release_k  # `for_launch`
     k_consumed, sync = (more[0], more[1:]) if release_k else (consumed, more)  # the K slot's release
     v_zeroed, loop_done, schedule = sync if C > 1 else (None, None, None)
-    max_registers = codegen.max_registers and C == PREFILL_CONSUMERS
 
     def take_turn():
         """`pingpong` (two consumers): arrive at the schedule barrier and wait for the other consumer to arrive

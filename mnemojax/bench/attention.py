@@ -406,7 +406,6 @@ def progress(row: dict) -> str:
     return f"{row['ms']:.3f} ms, {rate}, plan {row['plan_ms']:.3f} ms" + (f"; {base}" if base else "")
 
 
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     print("command:", shlex.join([os.path.basename(sys.argv[0]) if argv is None else "bench_attention.py",

@@ -336,6 +336,10 @@ def test_code_generation_is_chosen_per_launch():
     assert pick(ma.Codegen(registers=False, stages=3, pingpong=True), num_parts=16) == (False, 3, True)
     assert pick(ma.Codegen(registers=False), num_parts=16) == (False, 4, False)
     assert pick(ma.Codegen(pingpong=False)) == (True, 2, False)
+    # a decode launch (one consumer) of a step given the two-consumer options takes neither
+    decode = ma.Codegen(pingpong=True, max_registers=True).for_launch(interpret=False, consumers=1, num_parts=33,
+                                                                      head_dim=128, block_k=64)
+    assert (decode.pingpong, decode.max_registers) == (False, False)
     # the count behind the ring: 2 slots of 64 keys at head dim 128, one consumer, is Mosaic's 95,288 bytes less
     # what it adds (row limits, m / l staging, barriers): 5,176 bytes, within SMEM_MARGIN
     assert ma.program_smem_bytes(consumers=1, head_dim=128, block_k=64, stages=2) == 95_288 - 5_176
