@@ -36,8 +36,9 @@ FlashAttention-3 and jax's `attention_mgpu`); memory-bound launches (decode tile
 long context) with the deepest ring that fits the SMEM (4 slots at head dims 64 and 128), compute-bound ones
 (two-consumer prefill tiles, one partition) with 2 slots; prefill key blocks of 128 at head dim 64
 (`prefill_block_k`), else 64. Off and unmeasured: `release_k` (the K slot freed after Q K^T on its own barrier)
-and `max_registers` (`plgpu.set_max_registers`: consumers 232 per thread, the producer 40), both as jax's
-`attention_mgpu` does.
+and `max_registers` (`plgpu.set_max_registers`: consumers 232 per thread, the producer 40), `fma_softmax` (one
+multiply-add per score for the exponent), `wait_k_in_pv` (the next K waited for during P V) and `fenced_softmax`
+(the softmax finished before the turn is handed over), each as jax's `attention_mgpu` does.
 The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once every consumer's
 loop ends, which the consumers wait for with a barrier when C > 1). With 2 slots a decode program takes 54,328 /
 95,288 / 177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count; with separate staging head dim 256 and a float32
@@ -169,7 +170,15 @@ class Codegen:
     `release_k` (the K slot released after Q K^T, the V slot after P V: separate "consumed" barriers, so the
     producer refills K while P V runs, as jax's `attention_mgpu`) and `max_registers` (two-consumer programs
     redistribute registers: each consumer thread up to 232, the producer's down to 40, `plgpu.set_max_registers`, as
-    FlashAttention-3 and `attention_mgpu`): off, unmeasured."""
+    FlashAttention-3 and `attention_mgpu`): off, unmeasured. Also off and unmeasured, the rest of what
+    `attention_mgpu` does in its consumers' loop and ours did not: `fma_softmax` (the row max taken of the raw
+    scores and scaled after, the same value since the scale is positive and rounding monotonic, so each score's
+    exponent is one multiply-add, `s * scale - m`, rather than a multiply and then a subtraction; blocks at the
+    causal edge keep the multiply, their mask works on scaled scores), `wait_k_in_pv` (the next block's K waited
+    for while this block's P V wgmma runs, the first block's before the loop, rather than at the top of each
+    block) and `fenced_softmax` (the accumulator's rescale, P's conversion and l finished, behind an optimization
+    barrier, before the consumer hands the tensor cores over at the schedule barrier and waits for V, rather than
+    after: `attention_mgpu`'s order, which its authors measured to matter "quite significantly")."""
 
     approx_math: bool = True
     lookahead: bool = True
@@ -178,6 +187,9 @@ class Codegen:
     stages: int | None = None
     release_k: bool = False
     max_registers: bool = False
+    fma_softmax: bool = False
+    wait_k_in_pv: bool = False
+    fenced_softmax: bool = False
 
     def check(self, interpret: bool):
         if self.stages is not None and self.stages not in STAGES_RANGE:
@@ -567,11 +579,19 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
         plgpu.copy_gmem_to_smem(lim_ref.at[t, rows], lim_smem, q_bar)
         plgpu.barrier_wait(q_bar)
         lim = ops.load_rows(lim_smem)
+        wait_k_in_pv, fenced = codegen.wait_k_in_pv, codegen.fenced_softmax
+
+        def wait_k(step):  # block `step`'s K slot full
+            plgpu.barrier_wait(k_bar.at[lax.rem(step - lo, stages)])
+
+        def wait_next_k(step):  # `wait_k_in_pv`: the next block's K, while this block's P V runs
+            pl.when(step + 1 < hi)(functools.partial(wait_k, step + 1))
 
         def block(step, carry, masked: bool):
             m, l, acc = carry
             slot = lax.rem(step - lo, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
+            if not wait_k_in_pv:  # else waited for during the previous block's P V (the first: before the loop)
+                wait_k(step)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -579,19 +599,29 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                     take_turn()
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32)) * scale  # base-2 logits
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))  # raw scores
             if release_k:  # Q K^T has completed (its accumulator read): the K slot is free
                 plgpu.barrier_arrive(k_consumed.at[slot])
-            if masked:
-                idx = step * block_k + ops.iota((ROWS, block_k), 1)
-                visible = idx < lax.broadcast_in_dim(lim, (ROWS, block_k), [0])
-                s = jnp.where(visible, s, NEG_INF)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            # m is kept in base-2 logits (scores x scale, the softmax scale with log2(e) folded in)
+            if codegen.fma_softmax and not masked:  # max(s) x scale == max(s x scale); then one FMA a score
+                m_new = jnp.maximum(m, s.max(axis=1) * scale)
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            else:
+                s = s * scale
+                if masked:
+                    idx = step * block_k + ops.iota((ROWS, block_k), 1)
+                    visible = idx < lax.broadcast_in_dim(lim, (ROWS, block_k), [0])
+                    s = jnp.where(visible, s, NEG_INF)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                if masked:
+                    p = jnp.where(visible, p, 0.0)
             alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            if masked:
-                p = jnp.where(visible, p, 0.0)
             l = l * alpha + p.sum(axis=1)
+            if fenced:  # everything of the softmax done before the turn is handed over (`fenced_softmax`)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(cdt)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
             if pingpong:
                 plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may take the tensor cores
             plgpu.barrier_wait(v_bar.at[slot])
@@ -615,9 +645,10 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                     @pl.when(partial & (wg > 0))
                     def _():
                         plgpu.barrier_wait(v_zeroed.at[slot])
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if registers:  # P V with P in registers, accumulated in place (FlashAttention-3's; compiled only)
+            if not fenced:
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(cdt)
+            if registers:  # P V with P in registers, accumulated in place (FlashAttention-3's; compiled only)
                 if masked:
                     plgpu.commit_smem()  # the zeroed V slot
                 if pingpong:
@@ -625,17 +656,21 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
                 def pv_in_place(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    if wait_k_in_pv:
+                        wait_next_k(step)
 
                 acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(consumed.at[slot])
                 return m_new, l, acc
-            ops.store(p_smem, p.astype(cdt))
+            ops.store(p_smem, p16)
             plgpu.commit_smem()
             if pingpong:
                 plgpu.barrier_wait(schedule)  # until the other consumer's turn is done
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                if wait_k_in_pv:
+                    wait_next_k(step)
                 return acc_ref[...]
 
             out = pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
@@ -646,6 +681,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
         carry = (ops.cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row),
                  ops.cast(jnp.zeros((ROWS,), jnp.float32), row),
                  ops.cast(jnp.zeros((ROWS, head_dim), jnp.float32), None if ops.interpret else plgpu.Layout.WGMMA))
+        if wait_k_in_pv:
+            pl.when(hi > lo)(functools.partial(wait_k, lo))
         if pingpong:
             pl.when(wg == 1)(take_turn)  # consumer 0 goes first
         carry = lax.fori_loop(lo, split, functools.partial(block, masked=False), carry)
@@ -892,7 +929,8 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
                       num_partitions: int | None = None, out_dtype=None, consumers: int = PREFILL_CONSUMERS,
                       block_k: int | None = None, approx_math: bool = True, lookahead: bool = True,
                       pingpong: bool | None = None, registers: bool | None = None, stages: int | None = None,
-                      release_k: bool = False, max_registers: bool = False):
+                      release_k: bool = False, max_registers: bool = False, fma_softmax: bool = False,
+                      wait_k_in_pv: bool = False, fenced_softmax: bool = False):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
     `models.attention.paged_attention` (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by
@@ -906,22 +944,25 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     block_k = prefill_block_k(H, k_cache.shape[2]) if block_k is None else block_k
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
                    out_dtype=out_dtype, consumers=consumers, block_k=block_k,
-                   codegen=Codegen(approx_math, lookahead, pingpong, registers, stages, release_k, max_registers))
+                   codegen=Codegen(approx_math, lookahead, pingpong, registers, stages, release_k, max_registers,
+                                   fma_softmax, wait_k_in_pv, fenced_softmax))
 
 
 @pa._jit
 def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                      num_partitions: int | None = None, out_dtype=None, block_k: int = BLOCK_K,
                      approx_math: bool = True, lookahead: bool = True, stages: int | None = None,
-                     release_k: bool = False):
+                     release_k: bool = False, fma_softmax: bool = False, wait_k_in_pv: bool = False,
+                     fenced_softmax: bool = False):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
     `prefill_attention`."""
     _check(q, k_cache, v_cache, meta, interpret)
     tiles = pa._token_tiles(jnp.ones(q.shape[0], bool), q.shape[0])
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
-                   out_dtype=out_dtype, block_k=block_k, codegen=Codegen(approx_math, lookahead, stages=stages,
-                                                                                     release_k=release_k))
+                   out_dtype=out_dtype, block_k=block_k,
+                   codegen=Codegen(approx_math, lookahead, stages=stages, release_k=release_k,
+                                   fma_softmax=fma_softmax, wait_k_in_pv=wait_k_in_pv, fenced_softmax=fenced_softmax))
 
 
 def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
@@ -930,7 +971,8 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
                             consumers: int = PREFILL_CONSUMERS, block_k: int | None = None,
                             decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
                             pingpong: bool | None = None, registers: bool | None = None,
-                            stages: int | None = None, release_k: bool = False, max_registers: bool = False):
+                            stages: int | None = None, release_k: bool = False, max_registers: bool = False,
+                            fma_softmax: bool = False, wait_k_in_pv: bool = False, fenced_softmax: bool = False):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
@@ -949,7 +991,8 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
         raise ValueError("tiles were planned with their own options (plan_step); got num_partitions, "
                          "decode_partitions, kind, consumers or a block size too")
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,
-                    codegen=Codegen(approx_math, lookahead, pingpong, registers, stages, release_k, max_registers))
+                    codegen=Codegen(approx_math, lookahead, pingpong, registers, stages, release_k, max_registers,
+                                    fma_softmax, wait_k_in_pv, fenced_softmax))
 
 
 paged_attention_mosaic = pa._jit(_paged_attention_mosaic, dynamic=("tiles",))

@@ -35,20 +35,38 @@ class Stage:
     why: str = ""
 
 
+# jax's attention_mgpu consumer loop in ours (tests/models/test_mosaic_attention.py's MGPU_LOOP)
+MGPU_LOOP = ("mosaic+block_k=128+release_k=true+max_registers=true+fma_softmax=true+wait_k_in_pv=true"
+             "+fenced_softmax=true")
+NEW_OPTIONS = ("mosaic+block_k=128", "mosaic+release_k=true", "mosaic+max_registers=true", "mosaic+fma_softmax=true",
+               "mosaic+wait_k_in_pv=true", "mosaic+fenced_softmax=true", MGPU_LOOP)
+
 STAGES = (
+    Stage("new-correct", (("-m", "pytest", "-q", "-m", "gpu", "tests/models/test_mosaic_attention.py", "-k",
+                           "release or max_registers or fma or wait_k or fenced or mgpu or engine"),), 300, 120,
+          env=(("JAX_PLATFORMS", "cuda,cpu"),),
+          why="the Mosaic options never run on a GPU (release_k, max_registers, fma_softmax, wait_k_in_pv, "
+              "fenced_softmax, all of them with 128-key blocks) against the float32 reference, and the engine's "
+              "greedy tokens with attention='auto' (mosaic on Hopper)"),
+    Stage("new-speed", (("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + NEW_OPTIONS),
+                         "--contexts", "1048576", "--chunks", "32,2048", "--decode_batches", "1", "--samples", "3",
+                         "--calls", "10", "--repeats", "3"),
+                        ("scripts/bench_attention.py", "--impl", f"mosaic,mosaic+fma_softmax=true,{MGPU_LOOP}",
+                         "--model_shape", "llama3.2-1b", "--contexts", "1048576", "--chunks", "8192",
+                         "--decode_batches", "", "--samples", "2", "--calls", "3", "--no_baselines")), 420, 200,
+          why="issue 15: those options one at a time and together against the defaults, Llama-3-8B shape at 1M "
+              "(chunks 32 and 2048, decode) with cuDNN, torch SDPA and jax's attention_mgpu in the same run; the "
+              "llama3.2-1b shape's chunk 8192 (its TTFT's attention)"),
     Stage("correctness", (("-m", "pytest", "-q", "-m", "gpu", "tests/models"),), 300, 120,
           env=(("JAX_PLATFORMS", "cuda,cpu"),),
           why="every compiled kernel and option against the float32 reference, and the engine's greedy tokens "
               "with the compiled kernels (attention='auto' chooses mosaic on Hopper)"),
     Stage("long", (("scripts/bench_step.py", "--long", "--attention", "mosaic", "--decode_contexts", "32768"),),
           590, 450, why="issue 15: the llama3.2-1b exact 1M-token prefill (TTFT, target <= 150 s) and its decode"),
-    Stage("attention", (("scripts/bench_attention.py", "--impl",
-                         "mosaic,pallas,mosaic+release_k=true,mosaic+max_registers=true,"
-                         "mosaic+release_k=true+max_registers=true,mosaic+block_k=128",
-                         "--chunks", "32,256,2048", "--calls", "10"),), 540, 240,
+    Stage("attention", (("scripts/bench_attention.py", "--impl", "mosaic,pallas", "--chunks", "32,256,2048",
+                         "--calls", "10"),), 540, 240,
           why="issue 15: Llama-3-8B chunk-size curves at 256K and 1M, decode, against cuDNN, torch SDPA and jax's "
-              "FA3-style Mosaic kernel, one layer on the step's plan for the step's kind; the options not yet "
-              "measured (K released after Q K^T, the consumers' registers, 128-key blocks with P in registers)"),
+              "FA3-style Mosaic kernel, one layer on the step's plan for the step's kind"),
     Stage("attention-70b", (("scripts/bench_attention.py", "--impl", "mosaic,pallas", "--model_shape", "llama3-70b",
                              "--chunks", "32,256,2048", "--decode_batches", "1", "--calls", "10"),), 540, 240,
           why="issue 15: the 70B shape (64 q heads) at 256K and 1M"),

@@ -1,9 +1,27 @@
 """scripts/gpu_checklist.py: every stage's command parses with its own script's arguments (a typo would cost a
 GPU session's minutes), and the runner's mechanics on the CPU with stand-in stages: logs as printed, a failing
 command's code, a command stopped at its time limit keeping what it printed, stages past the budget skipped."""
+import inspect
+
 import pytest
 
 from mnemojax.bench import attention, gpu_checklist, profile_predictor, profile_step, step
+from models import mosaic_attention, pallas_attention
+from models.attention import split_kernel_options
+
+
+def check_kernel_options(label: str):
+    """Each option of a bench_attention label (`impl+name=value`) is a parameter of the step's planner or of the
+    kernels' call for that implementation, so a misspelt option fails here rather than on the GPU."""
+    impl, options = attention.split_label(label)
+    kernels = {"mosaic": (mosaic_attention.plan_step, mosaic_attention._paged_attention_mosaic),
+               "pallas": (pallas_attention.plan_step, pallas_attention._paged_attention_pallas)}
+    if impl not in kernels:
+        assert not options, label
+        return
+    planner, call = (inspect.signature(f).parameters for f in kernels[impl])
+    tiling, codegen = split_kernel_options(impl, options)
+    assert set(tiling) <= set(planner) and set(codegen) <= set(call), (label, set(codegen) - set(call))
 
 
 def test_every_stage_command_parses_with_its_script():
@@ -18,8 +36,11 @@ def test_every_stage_command_parses_with_its_script():
                 assert args[:5] == ["-m", "pytest", "-q", "-m", "gpu"]
                 assert dict(stage.env)["JAX_PLATFORMS"] == "cuda,cpu"
                 continue
-            parsers[args[0]](args[1:])
+            parsed = parsers[args[0]](args[1:])
             seen.add(args[0])
+            if args[0] == "scripts/bench_attention.py":
+                for label in parsed.impls:
+                    check_kernel_options(label)
     assert seen == set(parsers)
     assert gpu_checklist.command_args(("--out", "{out}/p.json"), "/x") == ["--out", "/x/p.json"]
 

@@ -9,6 +9,7 @@ key block. Inputs are fresh random bf16 values; the reference runs on the same v
 lse agree to float32 rounding and out to the bf16 rounding of P (2^-9 max|v|; asserted 2^-8).
 The GPU test (compiled kernels at Llama-3 shapes) skips without a Hopper GPU.
 """
+import collections
 import functools
 
 import jax
@@ -136,6 +137,11 @@ def race_detection(monkeypatch):
     pytest.param("decode", dict(release_k=True), marks=pytest.mark.slow, id="decode-release-k"),
     pytest.param("prefill", dict(release_k=True, max_registers=True, pingpong=True), marks=pytest.mark.slow,
                  id="prefill-release-k-max-registers-pingpong"),
+    pytest.param("prefill", dict(fma_softmax=True, wait_k_in_pv=True, fenced_softmax=True), id="prefill-mgpu-loop"),
+    pytest.param("decode", dict(fma_softmax=True, wait_k_in_pv=True, fenced_softmax=True), marks=pytest.mark.slow,
+                 id="decode-mgpu-loop"),
+    pytest.param("prefill", dict(wait_k_in_pv=True, release_k=True, pingpong=True, stages=3), marks=pytest.mark.slow,
+                 id="prefill-wait-k-in-pv-release-k-pingpong-stages3"),
     pytest.param("decode", dict(stages=3), marks=pytest.mark.slow, id="decode-stages3"),
     pytest.param("decode", dict(stages=2), marks=pytest.mark.slow, id="decode-stages2"),
     pytest.param("prefill", dict(stages=4), marks=pytest.mark.slow, id="prefill-stages4")],
@@ -150,8 +156,10 @@ def test_a_program_refills_its_slots_without_races(kind, options, race_detection
     had more than two blocks in a program: the interpreter then refused the kernel, whose producer left the
     last "consumed" phases unobserved.) Also without the page-table lookahead, and with the two prefill consumers
     taking turns on the schedule barrier (`pingpong`; a decode program has one consumer and no turns), with
-    rings of 2 to 4 slots (`stages`), and with the K slot released after Q K^T on its own barrier (`release_k`: the
-    producer waits on two barriers per block; `max_registers` beside it is a no-op in the interpreter)."""
+    rings of 2 to 4 slots (`stages`), with the K slot released after Q K^T on its own barrier (`release_k`: the
+    producer waits on two barriers per block; `max_registers` beside it is a no-op in the interpreter), and with
+    the rest of `attention_mgpu`'s consumer loop (`fma_softmax`, `wait_k_in_pv`: each K waited for once, the next
+    during P V, and `fenced_softmax`)."""
     rng = np.random.default_rng(11)
     seqs = [(300, 1, 0), (70, 1, 0)] if kind == "decode" else [(300, 20, 0), (9, 9, 0)]
     step = make_step(rng, seqs, num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
@@ -255,6 +263,13 @@ OUTPUT_PATHS = ((ma.paged_attention_mosaic, 2), (_ONE_PARTITION, 2),
                 (functools.partial(_ONE_PARTITION, out_dtype=jnp.float32), 2))
 
 
+# attention_mgpu's consumer loop as a whole (which matched cuDNN on the H200 where ours was 1.27x slower): 128-key
+# blocks, P in registers, ping-pong, K released after Q K^T, the register split, one FMA a score, the next K waited
+# for during P V, the softmax finished before the turn is handed over
+MGPU_LOOP = dict(block_k=128, registers=True, pingpong=True, release_k=True, max_registers=True, fma_softmax=True,
+                 wait_k_in_pv=True, fenced_softmax=True)
+
+
 @pytest.mark.parametrize("num_heads,page", [pytest.param(32, 16, id="8b-page16"),
                                             pytest.param(64, 128, id="70b-page128", marks=pytest.mark.slow)])
 def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
@@ -270,6 +285,9 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
              (functools.partial(ma.paged_attention_mosaic, stages=3), 2),
              (functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True), 2),
              (functools.partial(ma.paged_attention_mosaic, release_k=True, max_registers=True), 2),
+             (functools.partial(ma.paged_attention_mosaic, fma_softmax=True, wait_k_in_pv=True, fenced_softmax=True,
+                                registers=False), 2),
+             (functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP), 2),
              (functools.partial(_ONE_PARTITION, registers=True), 2))
     assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
 
@@ -307,7 +325,8 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
             assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
     if head_dim <= 128:  # key blocks of 128, or a ring of 4 slots with one partition (options): a prefill program
         # still fits (one per SM), at 256 not; a decode program with a ring of 3 fits one per SM
-        for kind, options in (("prefill", dict(block_k=128)), ("prefill", dict(stages=4)), ("decode", dict(stages=3))):
+        for kind, options in (("prefill", dict(block_k=128)), ("prefill", dict(stages=4)), ("decode", dict(stages=3)),
+                              ("prefill", MGPU_LOOP)):
             paths = tuple((functools.partial(fn, kind=kind, **options), 1) for fn, _ in OUTPUT_PATHS)
             with mgpu_core.artificial_shared_memory_limit(H100_SMEM_PER_BLOCK):
                 assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
@@ -374,6 +393,30 @@ def test_compiled_kernels_name_lane_lowering_semantics():
     assert len(launches) == 2  # the mixed step's prefill and decode launches
     for e in launches:
         assert e.params["compiler_params"].lowering_semantics is ma.plgpu.LoweringSemantics.Lane
+
+
+def _kernel_primitives(step, **options) -> collections.Counter:
+    """The primitives of the compiled prefill launch's kernel body (nested jaxprs included) for `options`."""
+    jaxpr = jax.make_jaxpr(lambda s: run(ma.paged_attention_mosaic, s, kind="prefill", **options))(step).jaxpr
+    (launch,) = _kernel_launches(jaxpr)
+    return collections.Counter(str(e.primitive) for body in launch.params["jaxprs"]
+                               for e in equations(getattr(body, "jaxpr", body), opaque=()))
+
+
+def test_each_loop_option_changes_the_kernel_as_it_says():
+    """`fma_softmax`, `wait_k_in_pv` and `fenced_softmax` each reach the kernel and change only what they say:
+    one more multiply (the row max scaled, in the unmasked blocks' loop; the masked blocks keep theirs), one more
+    wait (the first block's K before the loops; each block's wait moves into its P V, under a condition), an
+    optimization barrier in each of the two loops' blocks."""
+    step = make_step(np.random.default_rng(5), [(40, 1, 0), (23, 7, 0)], num_heads=4, num_kv_heads=1, head_dim=64,
+                     page=16, dtype=jnp.bfloat16)
+    base = _kernel_primitives(step)
+    fma = _kernel_primitives(step, fma_softmax=True) - base
+    assert fma == collections.Counter(mul=1) and not base - _kernel_primitives(step, fma_softmax=True)
+    wait = _kernel_primitives(step, wait_k_in_pv=True)
+    assert wait["barrier_wait"] == base["barrier_wait"] + 1 and wait["cond"] > base["cond"]
+    fenced = _kernel_primitives(step, fenced_softmax=True)
+    assert fenced - base == collections.Counter(optimization_barrier=2) and not base - fenced
 
 
 def test_what_the_kernels_refuse():
@@ -454,7 +497,8 @@ def test_engine_with_compiled_kernels_on_hopper_matches_reference(tmp_path):
 
 # The compiled kernels, each its own test (one that fails to compile or disagrees leaves the others' results), in
 # this order: one-consumer programs first, then the two-consumer prefill programs, then the options (those run on
-# the H200 first; release_k and max_registers have not run on a GPU).
+# the H200 first; release_k, max_registers, fma_softmax, wait_k_in_pv, fenced_softmax and MGPU_LOOP have not run on
+# a GPU).
 COMPILED = {"decode": ma.decode_attention,
             "prefill-c1": functools.partial(ma.prefill_attention, consumers=1),
             "prefill": ma.prefill_attention,
@@ -471,7 +515,11 @@ COMPILED = {"decode": ma.decode_attention,
             "switch-release-k": functools.partial(ma.paged_attention_mosaic, release_k=True),
             "switch-max-registers": functools.partial(ma.paged_attention_mosaic, max_registers=True),
             "switch-release-k-max-registers": functools.partial(ma.paged_attention_mosaic, release_k=True,
-                                                                max_registers=True)}
+                                                                max_registers=True),
+            "switch-fma-softmax": functools.partial(ma.paged_attention_mosaic, fma_softmax=True),
+            "switch-wait-k-in-pv": functools.partial(ma.paged_attention_mosaic, wait_k_in_pv=True),
+            "switch-fenced-softmax": functools.partial(ma.paged_attention_mosaic, fenced_softmax=True),
+            "switch-mgpu-loop": functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP)}
 
 
 @pytest.mark.gpu
