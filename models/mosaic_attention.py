@@ -12,11 +12,15 @@ One kernel, two tilings (as in `models.pallas_attention`):
   - prefill tiles: the tokens of each sequence cut into tiles of C x 64 // G tokens (C = PREFILL_CONSUMERS = 2
     consumer warpgroups of 64 rows), the G query heads of a kv head packed into the rows (row = token x head of
     the group), so the group shares every K/V load, and both consumers share each block the producer loads;
-    split-K over KV partitions (all of a tile's key blocks in one partition by default for prefill, more
-    partitions for few tiles, e.g. one 32-token chunk at a long context);
+    split-K over KV partitions when the step holds few tiles (e.g. one 32-token chunk at a long context);
   - decode tiles: one token per tile, its G heads as the rows of one consumer, split-K over partitions
     (FlashDecoding).
-The grid is (tiles, kv heads, partitions). Each program (a CUDA block) holds C + 1 warpgroups:
+The grid is (work items, kv heads): an item is a (tile, partition) of the step's plan (`_work_items`), the
+partitions chosen per step from the tiles that hold tokens and their key blocks, not from the static tile count:
+the tiles of a launch share the programs that fill the GPU (`TARGET_PROGRAMS`), so one chunk's tile at a long
+context takes 16 partitions at the Llama-3 shapes (8 kv heads, 128 programs) whatever the step's other sequence
+slots, which the engine's page table has one of per request it can hold. Programs past the step's items do
+nothing. Each program (a CUDA block) holds C + 1 warpgroups:
   - a producer warpgroup (the last) copies the K and V blocks of its partition by TMA, page by page through the
     page table (one copy of `page_size` rows per page, or one slice of a page when pages are larger than a block),
     into a ring of `stages` SMEM slots, and waits on a "consumed" barrier (an arrival from every consumer) before
@@ -54,9 +58,10 @@ SMEM staging (in q's dtype) to out[tok, kvh*G : kvh*G+G, :], and its G lse float
 two launches (decode tiles, prefill tiles) then write into the same buffers: the second takes the first's outputs
 as mutable refs (`jax.new_ref`, aliased in and out of the kernel), every token written by exactly one tile; a
 one-kind step (`kind` decode or prefill) starts them at (0, NEG_INF), what a token of the other kind gets. So no
-slice, transpose, merge or scatter follows the kernel. With several partitions the kernel writes the float32 partial
-(acc, m, l) per tile and `models.pallas_attention._merge` combines them exactly right after it, then `_scatter_into`
-puts the tiles' rows in token order (or into the token-order buffers of a one-partition launch of the same step).
+slice, transpose, merge or scatter follows the kernel. A tile split over several partitions writes a float32 partial
+(acc, m, l) per partition, at its item's index (below the most partitions a tile may take, `num_parts`: the partial
+buffers are that small), and `_merge_items` combines each split tile's partials exactly right after the kernel
+and `_scatter_into` puts their rows in token order into the same buffers.
 
 Supported (anything else raises, no fallback): bfloat16 or float16 q and cache (wgmma's 16-bit inputs; float32
 accumulation, float32 softmax); head dim 64, 128 or 256 (a multiple of the 128-byte swizzle, at most wgmma's
@@ -122,10 +127,12 @@ STAGES = 2  # K/V SMEM slots in flight between the producer and the consumers (c
 # memory-bound ones: `deepest_ring`; `stages`: 2 to 4)
 STAGES_RANGE = (2, 3, 4)
 HEAD_DIMS = (64, 128, 256)
-TARGET_PROGRAMS = 264  # grid size the KV partitions aim for (one-consumer programs on an H100 or H200, 132 SMs: one
-# wave where two fit an SM, at 2 slots and head dim <= 128 or 4 slots at 64; two waves at the default 4 slots at head
-# dim 128, one per SM, as measured; a two-consumer program takes an SM alone: 3 x 128 threads x up to 168 registers,
-# so half as many)
+TARGET_PROGRAMS = 264  # programs the KV partitions of a launch's tiles aim for, at most (one-consumer programs on an
+# H100 or H200, 132 SMs: one wave where two fit an SM, at 2 slots and head dim <= 128 or 4 slots at 64; two waves at
+# the default 4 slots at head dim 128, one per SM, as measured; a two-consumer program takes an SM alone: 3 x 128
+# threads x up to 168 registers, so half as many). The most partitions a tile may take: this // consumers // kv
+# heads, rounded down (16 for two-consumer programs at 8 kv heads: 128 programs, one wave; rounded up, 17 made 136,
+# four programs in a second wave)
 
 
 def compiler_params(approx_math: bool = True):
@@ -211,7 +218,9 @@ class Codegen:
             83.0 against 75.5 ms);
           - `pingpong`: with P in registers, two-consumer programs take turns (chunk 2048 78.9 -> 75.5 ms; chunk 32
             with the ring of 4 2.01 -> 1.93 ms), but memory-bound ones only with a ring of 3 or more slots (with 2,
-            chunk 32 was slower: 2.02 -> 2.37 ms)."""
+            chunk 32 was slower: 2.02 -> 2.37 ms).
+        `num_parts`: the partitions the launch's tiles are expected to take (the split is chosen per step, so the
+        caller gives more than one when the step's tokens could not fill the partitions' worth of tiles)."""
         registers = (not interpret) if self.registers is None else self.registers
         memory_bound = consumers == 1 or num_parts > 1
         stages = self.stages
@@ -415,19 +424,22 @@ class _Ops:
 
 
 # ------------------------------------------------------------------------------------------ the kernel
-def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs, num_parts: int,
-            group: int, scale: float, ops: _Ops, out_dtype, block_k: int, codegen: Codegen):
-    """One (tile, kv head, partition) program: warpgroups 0 .. C-1 consume (64 rows each), warpgroup C produces
-    (TMA), C = the tile's rows / 64 (`PREFILL_CONSUMERS` for prefill tiles, 1 for decode tiles).
+def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs,
+            num_parts: int, group: int, scale: float, ops: _Ops, out_dtype, block_k: int, codegen: Codegen):
+    """One (work item, kv head) program, the item a (tile, partition) of the step's plan: warpgroups 0 .. C-1
+    consume (64 rows each), warpgroup C produces (TMA), C = the tile's rows / 64 (`PREFILL_CONSUMERS` for prefill
+    tiles, 1 for decode tiles).
 
     layer_ref i32[1]; seq_ref / full_ref / hi_ref i32[nt]: the tile's sequence, the keys all its rows see, the keys
-    its furthest row sees (the step's plan, shared by every layer); lim_ref i32[nt, 64 C] keys each row sees;
-    table_ref i32[B, M]; q_ref [nt, K, 64 C, H]; k_ref / v_ref the cache [L, P, S, K, H].
-    When num_parts == 1, io_refs = (tok_ref i32[nt, BQ]: the tile's tokens, T = empty slot; out [T, N, H] in
-    `out_dtype`; lse f32[T, N]): the program writes its rows normalised, in token order, each token's G heads
-    straight to their place (token i of the tile is rows i*G .. i*G+G-1); empty slots write nothing. Otherwise
-    io_refs are the partial (acc [nt, K, NP, 64 C, H], m [nt, K, NP, 64 C] base-2, l [nt, K, NP, 64 C]), float32.
-    """
+    its furthest row sees (the step's plan, shared by every layer); items_ref i32[3, W]: each program's tile (nt:
+    none, the program does nothing), partition and its tile's partitions (`_work_items`); lim_ref i32[nt, 64 C]
+    keys each row sees; table_ref i32[B, M]; q_ref [nt, K, 64 C, H]; k_ref / v_ref the cache [L, P, S, K, H].
+    io_refs = (tok_ref i32[nt, BQ]: the tile's tokens, T = empty slot; out [T, N, H] in `out_dtype`; lse f32[T, N]):
+    a program whose tile has one partition writes its rows normalised, in token order, each token's G heads
+    straight to their place (token i of the tile is rows i*G .. i*G+G-1); empty slots write nothing. When tiles
+    may be split (num_parts > 1: the most partitions a tile may take), io_refs also hold the partials (acc
+    [num_parts, K, 64 C, H], m [num_parts, K, 64 C] base-2, l [num_parts, K, 64 C], float32), where a program whose
+    tile has several partitions writes its own at its item's index (< num_parts: see `_work_items`)."""
     _, _, S, _, H = k_ref.shape
     C = q_ref.shape[2] // ROWS
     stages = codegen.stages
@@ -444,11 +456,13 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
     # tiles: `_token_rows_tiled`), or the float32 partial, copied out whole: tiled and swizzled as the wgmma
     # operands are, so the store from registers is free of bank conflicts (jax 0.12 refuses the untiled store of
     # a float32 WGMMA-layout array)
-    staging = (plgpu.SMEM((C, ROWS, H), out_dtype, transforms=_swizzled(out_dtype) if _token_rows_tiled(group) else ())
-               if num_parts == 1 else plgpu.SMEM((C, ROWS, H), jnp.float32, transforms=_swizzled(jnp.float32)))
+    staging = (plgpu.SMEM((C, ROWS, H), out_dtype,
+                          transforms=_swizzled(out_dtype) if _token_rows_tiled(group) else ()),)
+    if num_parts > 1:  # a split tile's partition: the float32 partial
+        staging += (plgpu.SMEM((C, ROWS, H), jnp.float32, transforms=_swizzled(jnp.float32)),)
     scratch = [
         plgpu.SMEM((C, ROWS, H), cdt, transforms=tr),  # q
-        ops.union(loop, staging),
+        ops.union(loop, *staging),
         plgpu.SMEM((C, ROWS), jnp.int32),  # keys each row sees
         plgpu.SMEM((C, ROWS), jnp.float32),  # lse / m staging
         plgpu.SMEM((C, ROWS), jnp.float32),  # l staging
@@ -466,7 +480,7 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
         barriers += [plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # v slot's keys past the tile's zeroed
                      plgpu.Barrier(num_arrivals=C),  # every consumer's loop done (the staging overlays the ring)
                      plgpu.Barrier(num_arrivals=C)]  # the consumers' turns on the tensor cores (`pingpong`)
-    tile = (layer_ref, seq_ref, full_ref, hi_ref)
+    tile = (layer_ref, seq_ref, full_ref, hi_ref, items_ref)
     pl.run_scoped(functools.partial(_program, tile, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
                                     num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
                                     max_pages=max_pages, block_k=block_k, codegen=codegen),
@@ -476,7 +490,7 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, lim_ref, table_ref, q_ref, k_r
 def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smems, union, lim_smems, m_smems,
              l_smems, q_bars, k_bar, v_bar, consumed, *more, num_parts, group, scale, ops, page_size, max_pages,
              block_k, codegen):
-    (k_smem, v_smem, p_smems), o_smems = union
+    (k_smem, v_smem, p_smems), o_smems, *f_smems = union  # the ring and P; the token-order, float32 staging
     C = q_smems.shape[0]  # consumer warpgroups; warpgroup C produces
     stages, lookahead, registers = codegen.stages, codegen.lookahead, codegen.registers
     pingpong, max_registers, release_k = codegen.pingpong, codegen.max_registers, codegen.release_k  # `for_launch`
@@ -490,21 +504,25 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-    t, kvh, part = lax.axis_index("tile"), lax.axis_index("kvh"), lax.axis_index("part")
+    item, kvh = lax.axis_index("item"), lax.axis_index("kvh")
     wg = lax.axis_index("wg")
-    layer_ref, seq_ref, full_ref, hi_ref = tile_refs
-    layer, seq, kv_full, kv_hi = layer_ref[0], seq_ref[t], full_ref[t], hi_ref[t]
+    layer_ref, seq_ref, full_ref, hi_ref, items_ref = tile_refs
+    nt = seq_ref.shape[0]
+    tile, part, parts = items_ref[0, item], items_ref[1, item], items_ref[2, item]
+    valid = tile < nt  # else a program past the step's work items: it does nothing
+    t = jnp.minimum(tile, nt - 1)
+    layer, seq, kv_full, kv_hi = layer_ref[0], seq_ref[t], full_ref[t], jnp.where(valid, hi_ref[t], 0)
     head_dim = q_smems.shape[-1]
     cdt = q_smems.dtype
 
     # This partition's share of the tile's key blocks, and where the unmasked ones end.
     n_blocks = _cdiv(kv_hi, block_k)
-    per_part = _cdiv(n_blocks, num_parts)
+    per_part = _cdiv(n_blocks, jnp.maximum(parts, 1))
     lo = jnp.minimum(part * per_part, n_blocks)
     hi = jnp.minimum(lo + per_part, n_blocks)
     split = jnp.clip(lax.div(kv_full, block_k), lo, hi)
 
-    @pl.when(wg == C)
+    @pl.when((wg == C) & valid)
     def _producer():
         if max_registers:  # a TMA issuer needs few: the consumers take them (`max_registers`)
             plgpu.set_max_registers(40, action="decrease")
@@ -568,12 +586,13 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
         lax.fori_loop(jnp.maximum(hi - lo - stages, 0), hi - lo, drain, ())
 
-    @pl.when(wg < C)
+    @pl.when((wg < C) & valid)
     def _consumer():  # rows wg*64 .. wg*64+63 of the tile
         if max_registers:
             plgpu.set_max_registers(232, action="increase")
         q_smem, p_smem, o_smem, lim_smem, m_smem, l_smem, q_bar = (
             x.at[wg] for x in (q_smems, p_smems, o_smems, lim_smems, m_smems, l_smems, q_bars))
+        f_smem = f_smems[0].at[wg] if f_smems else None
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
         plgpu.copy_gmem_to_smem(q_ref.at[t, kvh, rows], q_smem, q_bar)
         plgpu.copy_gmem_to_smem(lim_ref.at[t, rows], lim_smem, q_bar)
@@ -693,8 +712,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             plgpu.barrier_arrive(loop_done)
             plgpu.barrier_wait(loop_done)
 
-        if num_parts == 1:  # the merge is the normalisation: (out, lse) straight from the kernel, in token order
-            tok_ref, out_ref, lse_ref = io_refs
+        def write_normalised():  # one partition: the merge is the normalisation, (out, lse) in token order
+            tok_ref, out_ref, lse_ref = io_refs[:3]
             num_tokens, G = out_ref.shape[0], group
             empty = l == 0.0
             safe = jnp.where(empty, 1.0, l)
@@ -730,31 +749,36 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             lax.fori_loop(0, bq, write_token, ())
             if not lse_by_tma:
                 lax.fori_loop(0, bq * G, write_lse, ())
-        else:
-            acc_ref, m_ref, l_ref = io_refs
-            ops.store(o_smem, acc)
+
+        def write_partial():  # several partitions: this one's float32 partial, merged after the kernel
+            acc_ref, m_ref, l_ref = io_refs[3:]
+            ops.store(f_smem, acc)
             ops.store(m_smem, m)
             ops.store(l_smem, l)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, acc_ref.at[t, kvh, part, rows])
-            plgpu.copy_smem_to_gmem(m_smem, m_ref.at[t, kvh, part, rows])
-            plgpu.copy_smem_to_gmem(l_smem, l_ref.at[t, kvh, part, rows])
+            plgpu.copy_smem_to_gmem(f_smem, acc_ref.at[item, kvh, rows])
+            plgpu.copy_smem_to_gmem(m_smem, m_ref.at[item, kvh, rows])
+            plgpu.copy_smem_to_gmem(l_smem, l_ref.at[item, kvh, rows])
+
+        if num_parts == 1:
+            write_normalised()
+        else:
+            pl.when(parts == 1)(write_normalised)
+            pl.when(parts > 1)(write_partial)
         plgpu.wait_smem_to_gmem(0)
 
 
 # ------------------------------------------------------------------------------------------ the wrappers
 def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interpret: bool, out_dtype, into=None,
                   codegen: Codegen = Codegen()):
-    """One kernel launch over the tiles of `launch` (`pa.Launch`: tokens i32[nt, BQ], T = empty slot, one sequence
-    per tile, with their metadata for 64-row programs and the number of KV partitions, `num_parts`).
-
-    num_parts == 1: the kernel normalises and writes each token's rows in token order: returns out [T, N, H] in
-    `out_dtype` and lse f32[T, N]. Only the rows of the tiles' tokens are written: into `into` = (out, lse) when
-    given (passed to the kernel as mutable refs, i.e. aliased in and out: the other rows keep their values),
+    """One kernel launch over the work items of `launch` (`pa.Launch` of `_launch`: tokens i32[nt, BQ], T = empty
+    slot, one sequence per tile, with their metadata for 64-row programs; `work` the programs' items, i32[3, W];
+    `num_parts` the most partitions a tile may take). Returns ((out [T, N, H] in `out_dtype`, lse f32[T, N]) with
+    the rows of the tokens of tiles of one partition written, normalised by the kernel; the merged rows of the
+    tiles split over several, for `pa._scatter_into`, or None when no tile may be split). Into `into` = (out, lse)
+    when given (passed to the kernel as mutable refs, i.e. aliased in and out: the other rows keep their values),
     else into fresh buffers whose other rows are undefined (uninitialised memory on a GPU, NaN in the
     interpreter), so the caller must cover every token.
-    num_parts > 1: the partials merged by log-sum-exp after the kernel, per tile slot: out f32[nt, BQ, N, H],
-    lse f32[nt, BQ, N] (for `pa._scatter_into`).
     """
     codegen.check(interpret)
     T, N, H = q.shape
@@ -764,36 +788,34 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     G = N // K
     rows = launch.lim_rows.shape[1]
     C = rows // ROWS  # consumer warpgroups
-    if rows % ROWS or not 1 <= C <= PREFILL_CONSUMERS or launch.work is not None:
-        raise ValueError(f"a Mosaic launch has programs of 64 x (1 .. {PREFILL_CONSUMERS}) rows on the static grid "
-                         f"(plan_step), got {rows} rows")
+    if rows % ROWS or not 1 <= C <= PREFILL_CONSUMERS or launch.work is None or launch.programs:
+        raise ValueError(f"a Mosaic launch has programs of 64 x (1 .. {PREFILL_CONSUMERS}) rows over the work "
+                         f"items of its plan (mosaic_attention.plan_step), got {rows} rows")
     if bq * G > rows or bq % C:
         raise ValueError(f"a tile of {bq} tokens x {G} heads does not fit the kernel's {C} x {ROWS} rows")
     qt = pa._tile_rows(q, tile_tok, K, rows)  # the Triton kernels' layout
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)  # a constant when the layer loop is unrolled: no kernel
-    NP = launch.num_parts
-    codegen = codegen.for_launch(interpret=interpret, consumers=C, num_parts=NP, head_dim=H, block_k=launch.block_k)
-    lim_rows = launch.lim_rows
+    NP, items = launch.num_parts, launch.work
+    W = items.shape[1]
+    # memory-bound when tiles may be split and the step's tokens could not fill NP tiles
+    codegen = codegen.for_launch(interpret=interpret, consumers=C, num_parts=NP if T // bq < NP else 1,
+                                 head_dim=H, block_k=launch.block_k)
     f32 = jnp.float32
-    operands = [layer, launch.seq, launch.full, launch.hi, lim_rows, meta.page_table.astype(jnp.int32), qt, k_cache,
-                v_cache]
-    if NP == 1:
-        operands.append(tile_tok.astype(jnp.int32))
-        if into is None:
-            out_shape = [jax.ShapeDtypeStruct((T, N, H), out_dtype), jax.ShapeDtypeStruct((T, N), f32)]
-        else:
-            out, lse = into
-            if out.shape != (T, N, H) or out.dtype != out_dtype or lse.shape != (T, N) or lse.dtype != f32:
-                raise ValueError(f"into must be (out {out_dtype}[{T}, {N}, {H}], lse float32[{T}, {N}]), got "
-                                 f"{out.dtype}{list(out.shape)}, {lse.dtype}{list(lse.shape)}")
-            refs = [jax.new_ref(out, memory_space=plgpu.GMEM), jax.new_ref(lse, memory_space=plgpu.GMEM)]
-            operands += refs
-            out_shape = []
+    operands = [layer, launch.seq, launch.full, launch.hi, items, launch.lim_rows,
+                meta.page_table.astype(jnp.int32), qt, k_cache, v_cache, tile_tok.astype(jnp.int32)]
+    out_shape = []
+    if into is None:
+        out_shape = [jax.ShapeDtypeStruct((T, N, H), out_dtype), jax.ShapeDtypeStruct((T, N), f32)]
     else:
-        if into is not None:
-            raise ValueError("only a one-partition launch writes in token order (into)")
-        out_shape = [jax.ShapeDtypeStruct((nt, K, NP, rows, H), f32),
-                     jax.ShapeDtypeStruct((nt, K, NP, rows), f32), jax.ShapeDtypeStruct((nt, K, NP, rows), f32)]
+        out, lse = into
+        if out.shape != (T, N, H) or out.dtype != out_dtype or lse.shape != (T, N) or lse.dtype != f32:
+            raise ValueError(f"into must be (out {out_dtype}[{T}, {N}, {H}], lse float32[{T}, {N}]), got "
+                             f"{out.dtype}{list(out.shape)}, {lse.dtype}{list(lse.shape)}")
+        refs = [jax.new_ref(out, memory_space=plgpu.GMEM), jax.new_ref(lse, memory_space=plgpu.GMEM)]
+        operands += refs
+    if NP > 1:
+        out_shape += [jax.ShapeDtypeStruct((NP, K, rows, H), f32), jax.ShapeDtypeStruct((NP, K, rows), f32),
+                      jax.ShapeDtypeStruct((NP, K, rows), f32)]
     # `pl.kernel` on a Mosaic GPU mesh is what `plgpu.kernel` wraps (in a custom_vmap, which rejects the mutable
     # refs of `into`: "JaxprInputEffect ... does not have a corresponding jaxpr input", jax 0.10.2); the varying
     # axes check is off as there (its outputs are typed varying over no mesh axis inside shard_map).
@@ -802,19 +824,72 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
             functools.partial(_kernel, num_parts=NP, group=G, scale=H ** -0.5 * LOG2E, ops=_Ops(interpret),
                               out_dtype=out_dtype, block_k=launch.block_k, codegen=codegen),
             out_type=out_shape,
-            mesh=plgpu.Mesh(grid=(nt, K, NP), grid_names=("tile", "kvh", "part"), num_threads=C + 1,
-                            thread_name="wg"),
+            mesh=plgpu.Mesh(grid=(W, K), grid_names=("item", "kvh"), num_threads=C + 1, thread_name="wg"),
             compiler_params=None if interpret else compiler_params(codegen.approx_math),
             interpret=_interpret_params() if interpret else False,
             name="paged_attention_mosaic",
         )(*operands)
+    outs = list(outs)
+    written = (jax.freeze(refs[0]), jax.freeze(refs[1])) if into is not None else (outs.pop(0), outs.pop(0))
     if NP == 1:
-        return tuple(outs) if into is None else (jax.freeze(refs[0]), jax.freeze(refs[1]))
-    acc, m, l = (x[..., :bq * G, :] if x.ndim == 5 else x[..., :bq * G] for x in outs)
-    out, lse = pa._merge(acc, m, l)
-    out = out.reshape(nt, K, bq, G, H).transpose(0, 2, 1, 3, 4).reshape(nt, bq, N, H)
-    lse = lse.reshape(nt, K, bq, G).transpose(0, 2, 1, 3).reshape(nt, bq, N)
-    return out, lse
+        return written, None
+    acc, m, l = (x[..., :bq * G, :] if x.ndim == 4 else x[..., :bq * G] for x in outs)
+    return written, _merge_items(acc, m, l, items, tile_tok, T)
+
+
+def _work_items(has_tokens, kv_hi, block_k: int, num_parts: int):
+    """The programs' work items, i32[3, W] (W = max(nt, num_parts)): each program's tile (nt past the step's
+    items: nothing to do), its partition and its tile's partitions. Every tile that holds a token is one item or
+    more; the programs a single tile would fill the GPU with (`num_parts`) are shared out: when the step holds
+    fewer such tiles, n, than that, each tile of b key blocks gets 1 + floor((num_parts - n) x b / (the tiles'
+    blocks)) partitions (at most b), so the tiles' partitions number at most num_parts, and every item of a tile
+    with several partitions has an index below num_parts (where its partial goes). The partitions follow the keys
+    the step really holds, not the static tile count (the engine's page table has a row per sequence slot, so a
+    step's static tiles are many more than a long prompt's short chunk fills) nor the page table's capacity.
+    has_tokens bool[nt]; kv_hi i32[nt]: keys each tile's furthest row sees."""
+    nt = has_tokens.shape[0]
+    W = max(nt, num_parts)
+    n_blocks = jnp.where(has_tokens, _cdiv(kv_hi, block_k), 0)
+    spare = jnp.maximum(num_parts - has_tokens.sum(), 0)  # partitions beyond a tile's first
+    share = spare * n_blocks // jnp.maximum(n_blocks.sum(), 1)
+    parts = jnp.where(has_tokens, jnp.minimum(1 + share, jnp.maximum(n_blocks, 1)), 0).astype(jnp.int32)
+    first = jnp.cumsum(parts) - parts  # each tile's first item
+    w = jnp.arange(W, dtype=jnp.int32)
+    tile = jnp.repeat(jnp.arange(nt, dtype=jnp.int32), parts, total_repeat_length=W)
+    tile = jnp.where(w < parts.sum(), tile, nt)
+    t = jnp.minimum(tile, nt - 1)
+    valid = tile < nt
+    return jnp.stack([tile, jnp.where(valid, w - first[t], 0), jnp.where(valid, parts[t], 0)]).astype(jnp.int32)
+
+
+def _merge_items(acc, m, l, items, tile_tok, num_tokens: int):
+    """The rows of the tiles split over several partitions, (tokens i32[NP, BQ] (T: none), out f32[NP, BQ, N, H],
+    lse f32[NP, BQ, N]) for `pa._scatter_into`: the exact merge (log-sum-exp, base 2) of their partials acc
+    f32[NP, K, R, H], m / l f32[NP, K, R] (item i's at i, R = the tiles' BQ x G rows). Entries of items that are not
+    such a partition were never written (undefined): they pass only through selects, never into arithmetic that
+    reaches an output."""
+    NP, K, R, H = acc.shape
+    nt, bq = tile_tok.shape
+    T = num_tokens
+    tile, part, parts = items[0, :NP], items[1, :NP], items[2, :NP]
+    split = parts > 1  # [NP] the items of split tiles (all of which are below NP)
+    group = jnp.where(split, jnp.arange(NP, dtype=jnp.int32) - part, 0)  # a split tile's items: its first item's
+    same = split[None, :] & (group[None, :] == jnp.arange(NP, dtype=jnp.int32)[:, None])  # [group, item]
+    m_max = jnp.where(same[:, :, None, None], m[None], -jnp.inf).max(axis=1)  # [NP, K, R]
+    w = jnp.where(split[:, None, None], jnp.exp2(m - m_max[group]), 0.0)
+    l_sum = jnp.where(same[:, :, None, None], jnp.where(split[:, None, None], l * w, 0.0)[None], 0.0).sum(axis=1)
+    weighted = jnp.where(split[:, None, None, None], acc * w[..., None], 0.0)
+    acc_sum = jnp.where(same[:, :, None, None, None], weighted[None], 0.0).sum(axis=1)  # [NP, K, R, H]
+    empty = l_sum == 0.0
+    safe = jnp.where(empty, 1.0, l_sum)
+    out = jnp.where(empty[..., None], 0.0, acc_sum / safe[..., None])
+    lse = jnp.where(empty, NEG_INF, (m_max + jnp.log2(safe)) * pa.LN2)
+    G = R // bq
+    out = out.reshape(NP, K, bq, G, H).transpose(0, 2, 1, 3, 4).reshape(NP, bq, K * G, H)
+    lse = lse.reshape(NP, K, bq, G).transpose(0, 2, 1, 3).reshape(NP, bq, K * G)
+    tok = tile_tok[jnp.minimum(tile, nt - 1)].astype(jnp.int32)  # group g's tile is item g's
+    tok = jnp.where(same.any(axis=1)[:, None], tok, T)  # only the split tiles' rows: the others are dropped
+    return tok, out, lse
 
 
 def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret: bool, out_dtype=None,
@@ -822,12 +897,11 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     """(out [T, N, H] in `out_dtype` (default q's dtype, or float32), lse f32[T, N]) of a step whose tokens are
     laid out in the launches of `tiles` (`plan_step`), no token in two.
 
-    The one-partition launches write their tokens' rows in place, one after the other into the same buffers (the
-    second takes the first's output as an aliased input), so no scatter: the first allocates them, uninitialised,
-    when the launches cover every token (a mixed step: every token is a decode or in a prefill tile), else they
-    start as (0, NEG_INF), what a token in no launch gets. The launches with several partitions are merged after
-    their kernel and scattered (`pa._scatter_into`) into those buffers, or into (0, NEG_INF) ones when no launch
-    has one partition."""
+    The launches write their tokens' rows in place, one after the other into the same buffers (the second takes
+    the first's output as an aliased input), so no scatter but of split tiles' merged rows, after both (jax 0.11's
+    kernels refuse an aliased buffer that a scatter inside a shard_map made varying over a mesh axis): the first
+    allocates them, uninitialised, when the launches cover every token (a mixed step: every token is a decode or
+    in a prefill tile), else they start as (0, NEG_INF), what a token in no launch gets."""
     T, N, H = q.shape
     out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
     if tiles.prefill is not None and tiles.prefill.lim_rows.shape[1] < 2 * ROWS:
@@ -840,21 +914,13 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     into = None
     if tiles.kind != MIXED:  # what a token no tile holds gets: out 0, lse NEG_INF (`pa.blank_buffers`)
         into, k_cache = pa.blank_buffers((T, N, H), out_dtype, k_cache)
-    args = (q, k_cache, v_cache, layer, meta)
     merged = []
     for launch in (tiles.decode, tiles.prefill):
-        if launch is None:
-            continue
-        kw = dict(interpret=interpret, out_dtype=out_dtype, codegen=codegen)
-        if launch.num_parts == 1:
-            into = _attend_tiles(*args, launch, into=into, **kw)
-        else:
-            merged.append((launch.tok, *_attend_tiles(*args, launch, **kw)))
-    if not merged:
-        return into
-    if into is None:
-        into, _ = pa.blank_buffers((T, N, H), out_dtype, k_cache)
-    return pa._scatter_into(into, merged)
+        if launch is not None:
+            into, split = _attend_tiles(q, k_cache, v_cache, layer, meta, launch, interpret=interpret,
+                                        out_dtype=out_dtype, into=into, codegen=codegen)
+            merged += [split] if split is not None else []
+    return pa._scatter_into(into, merged) if merged else into
 
 
 def _check(q, k_cache, v_cache, meta, interpret: bool):
@@ -881,17 +947,23 @@ def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, page_size: int
             num_partitions: int | None, consumers: int = 1, block_k: int = BLOCK_K,
             block_k_name: str = "block_k") -> pa.Launch:
     """The `pa.Launch` of the tiles `tile_tok` for the Mosaic kernel: programs of `consumers` x 64 rows, key
-    blocks of `block_k`, KV partitions `num_partitions` or enough programs to fill the GPU."""
+    blocks of `block_k`, each tile split over up to `num_partitions` KV partitions (default: enough programs to
+    fill the GPU when the step holds one tile, `TARGET_PROGRAMS`), chosen per step by the keys it holds
+    (`_work_items`)."""
     check_block_k(block_k_name, block_k)
     if not supported_page_size(page_size, block_k):
         raise ValueError(f"{block_k_name} {block_k}: the page size ({page_size}) must divide it or be a multiple of it")
     if num_partitions is None:
-        nt, M = tile_tok.shape[0], meta.page_table.shape[1]
-        target = TARGET_PROGRAMS // consumers  # a program of C consumers holds an SM's registers alone
-        num_partitions = max(1, min(_cdiv(M * page_size, block_k), _cdiv(target, nt * num_kv_heads)))
+        num_partitions = max(1, TARGET_PROGRAMS // consumers // num_kv_heads)  # one wave (two for decode tiles)
+    elif num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    T = meta.seq_ids.shape[0]
+    M = meta.page_table.shape[1]
+    num_parts = max(1, min(_cdiv(M * page_size, block_k), num_partitions))  # no more than the table's blocks
     seq, full, hi, lim_rows = pa._tile_layout(meta, tile_tok, num_heads // num_kv_heads, consumers * ROWS)
-    return pa.Launch(tok=tile_tok, seq=seq, full=full, hi=hi, lim_rows=lim_rows, row_tok=None, work=None,
-                     block_k=block_k, num_parts=num_partitions, programs=0)
+    work = _work_items(tile_tok[:, 0] < T, hi, block_k, num_parts)
+    return pa.Launch(tok=tile_tok, seq=seq, full=full, hi=hi, lim_rows=lim_rows, row_tok=None, work=work,
+                     block_k=block_k, num_parts=num_parts, programs=0)
 
 
 def plan_step(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, kind: str = MIXED,

@@ -50,17 +50,27 @@ def check(fn, step, *, other_kind=None, **kw):
     assert err < 4e-3
 
 
+def planned_parts(step, launch: str, **options) -> np.ndarray:
+    """The partitions of each program's tile in the plan of the step's `launch` ("decode" or "prefill"; `plan_step` with
+    `options`; 0 for a program past the step's work items): what a test says it covers (a split tile or not)."""
+    q, k = step["q"], step["k_cache"]
+    meta = AttentionMetadata(**{f: step[f] for f in ("seq_ids", "positions", "page_table", "kv_lens", "kv_start")})
+    tiles = ma.plan_step(meta, num_heads=q.shape[1], num_kv_heads=k.shape[3], head_dim=q.shape[2],
+                         page_size=k.shape[2], **options)
+    return np.asarray((tiles.decode if launch == "decode" else tiles.prefill).work[2])
+
+
 # (heads, kv heads, page, partitions, sequences (keys after the step, query tokens, kv_start)). Head dim 64, so
 # prefill blocks of 128 keys by default (`prefill_block_k`), but where a case says 64.
 PREFILL = {
     # G=4 (16-token tiles): a 21-token chunk mid-prompt (two tiles, the first sees 16 keys unmasked), a first
     # chunk, a KVP shard's view; page 16, one partition (the in-kernel normalisation). Rows shuffled.
     "g4-page16-np1": (4, 1, 16, 1, [(37, 21, 0), (5, 5, 0), (29, 6, 37)]),
-    # G=2 (32-token tiles): a 33-token chunk at 70 keys (the causal edge inside the one 128-key block), pages of 8
-    # (16 TMA copies a block), two partitions merged after the kernel.
-    "g2-page8-np2": (2, 1, 8, 2, [(70, 33, 0)]),
+    # G=2 (64-token tiles): a 33-token chunk at 270 keys (three 128-key blocks, the causal edge inside the last),
+    # pages of 8 (16 TMA copies a block), its one tile split over two partitions merged after the kernel.
+    "g2-page8-np2": (2, 1, 8, 2, [(270, 33, 0)]),
     # Two kv heads of G=4, pages of 128 and 64-key blocks (a block is a slice of a page), a 3-token chunk at 150
-    # keys, 2 partitions.
+    # keys, split over 2 partitions.
     "g4-k2-page128-np2": (8, 2, 128, 2, [(150, 3, 0)]),
 }
 
@@ -73,7 +83,9 @@ def test_prefill_kernel_matches_reference(case):
     rng = np.random.default_rng(len(case))
     step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64, page=page,
                      dtype=jnp.bfloat16, shuffle=True)
-    check(ma.prefill_attention, step, num_partitions=parts, block_k=64 if page > 64 else None)
+    block_k = 64 if page > 64 else None
+    assert planned_parts(step, "prefill", kind="prefill", num_partitions=parts, block_k=block_k).max() == parts
+    check(ma.prefill_attention, step, num_partitions=parts, block_k=block_k)
 
 
 @pytest.mark.slow
@@ -91,21 +103,69 @@ def test_prefill_kernel_with_one_consumer_matches_reference(case):
 @pytest.mark.slow
 def test_key_blocks_of_128_match_reference():
     """`block_k=128` / `decode_block_k=128` (an option to tune on a GPU): a 33-token chunk at 300 keys over pages of
-    16 (8 TMA copies a block; the last block partial), two partitions, beside a decode at 200 keys."""
+    16 (8 TMA copies a block; the last block partial), each of its two tiles split in two, beside a decode at 200
+    keys split in two."""
     rng = np.random.default_rng(12)
     step = make_step(rng, [(300, 33, 0), (200, 1, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16,
-                     dtype=jnp.bfloat16, shuffle=True)
-    check(ma.paged_attention_mosaic, step, num_partitions=2, block_k=128, decode_block_k=128)
+                     dtype=jnp.bfloat16, shuffle=True, max_pages=32)
+    plan = dict(num_partitions=4, block_k=128, decode_block_k=128)
+    assert list(planned_parts(step, "prefill", **plan)) == [2, 2, 2, 2]
+    assert list(planned_parts(step, "decode", **plan)) == [2, 2, 0, 0]  # its 2 blocks: no more, of 4 allowed
+    check(ma.paged_attention_mosaic, step, **plan)
 
 
 @pytest.mark.slow  # ~13 s in the interpreter (the prefill case and the CUDA lowering stay in the default suite)
 def test_decode_kernel_split_k_matches_reference():
-    """Decode tiles (one token, its 8 heads as rows), 3 partitions: 70 keys (two blocks: the third partition is
-    empty), an empty KVP shard (no visible key: out 0, lse NEG_INF), a shard's view from position 100."""
+    """Decode tiles (one token, its 8 heads as rows), up to 7 partitions a tile: 300 keys (five blocks) in four
+    partitions (2, 2, 1 and 0 blocks: the last is empty), an empty KVP shard (no visible key: out 0, lse NEG_INF)
+    and a shard's view from position 100 (one block) in one each, written by the kernel."""
     rng = np.random.default_rng(5)
-    step = make_step(rng, [(70, 1, 0), (0, 1, 0), (13, 1, 100)], num_heads=8, num_kv_heads=1, head_dim=64,
-                     page=16, dtype=jnp.bfloat16)
-    check(ma.decode_attention, step, num_partitions=3)
+    step = make_step(rng, [(300, 1, 0), (0, 1, 0), (13, 1, 100)], num_heads=8, num_kv_heads=1, head_dim=64,
+                     page=16, dtype=jnp.bfloat16, max_pages=30)
+    # 7 - 3 spare partitions shared by the blocks (5, 0, 1): floor(4 x 5 / 6) = 3 more for the first
+    assert list(planned_parts(step, "decode", kind="decode", decode_partitions=7)) == [4, 4, 4, 4, 1, 1, 0]
+    check(ma.decode_attention, step, num_partitions=7)
+
+
+def test_work_items_share_the_programs_by_the_keys_the_step_holds():
+    """`_work_items`, by hand: a tile that holds tokens gets one partition or more, spare partitions (the most a
+    tile may take, less the tiles that hold tokens) go by key blocks, never more partitions than blocks; past the
+    items, programs get tile nt (nothing to do). (tile, partition, partitions of the tile) per program."""
+    def items(has_tokens, kv_hi, num_parts, block_k=64):
+        return np.asarray(ma._work_items(jnp.asarray(has_tokens), jnp.asarray(kv_hi, jnp.int32), block_k, num_parts))
+
+    # one chunk's tile among 3 static tile slots (the engine's many sequence slots), 16 partitions allowed:
+    # 100 blocks, so all 16
+    got = items([True, False, False], [6400, 0, 0], 16)
+    np.testing.assert_array_equal(got, [[0] * 16, list(range(16)), [16] * 16])
+    # two tiles of 30 and 10 blocks and a tile with tokens but no key (one partition: it writes out 0, lse
+    # NEG_INF): 16 - 3 = 13 spare, floor(13 x 30 / 40) = 9 and floor(13 x 10 / 40) = 3 more; an empty slot; 15 of
+    # the 16 programs have an item
+    got = items([True, True, True, False], [1920, 640, 0, 0], 16)
+    np.testing.assert_array_equal(got, [[0] * 10 + [1] * 4 + [2, 4],
+                                        list(range(10)) + list(range(4)) + [0, 0],
+                                        [10] * 10 + [4] * 4 + [1, 0]])
+    # as many tiles with tokens as partitions allowed: one each, and the static slots past them do nothing
+    got = items([True] * 4 + [False] * 2, [64 * 9] * 4 + [0, 0], 4)
+    np.testing.assert_array_equal(got, [[0, 1, 2, 3, 6, 6], [0] * 6, [1, 1, 1, 1, 0, 0]])
+    # a 3-block tile alone never gets more than its 3 partitions; tiles holding tokens need not be the first
+    got = items([False, True], [0, 150], 8)
+    np.testing.assert_array_equal(got, [[1, 1, 1, 2, 2, 2, 2, 2], [0, 1, 2, 0, 0, 0, 0, 0], [3, 3, 3] + [0] * 5])
+
+
+@pytest.mark.slow  # ~38 s in the interpreter
+def test_a_short_chunk_among_many_sequence_slots_is_split():
+    """The engine's page table has a row per sequence slot, so a step's static tile count is set by them, not by
+    what it holds: here 16 slots, a 20-token chunk at 600 keys (one tile of 10 static ones) and a decode at 400 keys
+    (one of 16). The plan splits each over the partitions the table allows (the chunk's 5 blocks of 128 keys, the
+    decode's 7 of 64), where a static split by the tile slots gave the chunk 2 partitions at the Llama-3-8B shape
+    (132 programs over 10 slots x 8 kv heads) and the decode 3: the GPU mostly idle. Right against the reference."""
+    rng = np.random.default_rng(17)
+    step = make_step(rng, [(600, 20, 0), (400, 1, 0)] + [(0, 0, 0)] * 14, num_heads=4, num_kv_heads=1,
+                     head_dim=64, page=16, dtype=jnp.bfloat16)
+    assert list(planned_parts(step, "prefill")) == [5] * 5 + [0] * 5
+    assert list(planned_parts(step, "decode")) == [7] * 7 + [0] * 9
+    check(ma.paged_attention_mosaic, step)
 
 
 @pytest.fixture
@@ -168,31 +228,35 @@ def test_a_program_refills_its_slots_without_races(kind, options, race_detection
     assert not race_detection()
 
 
-# Token-order writes: (heads, kv heads, dtype, prefill partitions, decode partitions). Two kv heads, so a token's
-# G heads land at kvh*G of N; one launch per kind, each writing its rows in place (the second into the first's
-# buffers) when both have one partition, else the several-partition part merged and scattered into them.
+# Token-order writes: (heads, kv heads, dtype, prefill partitions, decode partitions, the most partitions a tile
+# of each launch takes). Two kv heads, so a token's G heads land at kvh*G of N; one launch per kind, each writing
+# its rows in place (the second into the first's buffers), and the rows of split tiles merged after the kernel
+# and scattered into them.
 TOKEN_ORDER = {
-    "g2-k2-np1-f16": (4, 2, jnp.float16, 1, 1),
-    "g8-k2-np1": (16, 2, jnp.bfloat16, 1, 1),
-    "g4-k2-decode-np2": (8, 2, jnp.bfloat16, 1, 2),
-    "g4-k2-prefill-np2": (8, 2, jnp.bfloat16, 2, 1),
+    "g2-k2-np1-f16": (4, 2, jnp.float16, 1, 1, (1, 1)),
+    "g8-k2-np1": (16, 2, jnp.bfloat16, 1, 1, (1, 1)),
+    "g4-k2-decode-split": (8, 2, jnp.bfloat16, 1, 4, (1, 2)),
+    "g4-k2-prefill-split": (8, 2, jnp.bfloat16, 8, 1, (2, 1)),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", TOKEN_ORDER)
 def test_mixed_step_writes_every_token_in_its_place(case):
-    """A mixed step, rows shuffled: a prefill chunk of a tile and 3 tokens (the second tile mostly empty slots), a
-    5-token chunk, two decodes, a sequence with no visible key (0, NEG_INF), a KVP shard's view; the decode launch
-    has empty tiles too. Every token's rows must land in its own row and heads: out in q's dtype, lse float32;
-    a token no tile wrote would be NaN (the interpreter's uninitialised memory)."""
-    num_heads, num_kv_heads, dtype, parts, decode_parts = TOKEN_ORDER[case]
+    """A mixed step, rows shuffled: a prefill chunk of a tile and 3 tokens at 300 keys (the second tile mostly
+    empty slots), a 5-token chunk, two decodes, a sequence with no visible key (0, NEG_INF), a KVP shard's view; the
+    decode launch has empty tiles too, and where the case allows, the tiles with the most keys are split (the
+    chunk's two 3-block tiles, the 2-block decode). Every token's rows must land in its own row and heads: out in
+    q's dtype, lse float32; a token no tile wrote would be NaN (the interpreter's uninitialised memory)."""
+    num_heads, num_kv_heads, dtype, parts, decode_parts, most = TOKEN_ORDER[case]
     bq = ma.block_q_for(num_heads, num_kv_heads)
     rng = np.random.default_rng(num_heads + 3 * parts + 5 * decode_parts)
-    seqs = [(45, bq + 3, 0), (20, 1, 0), (9, 5, 0), (70, 1, 0), (0, 2, 0), (12, 3, 30)]
+    seqs = [(300, bq + 3, 0), (20, 1, 0), (9, 5, 0), (70, 1, 0), (0, 2, 0), (12, 3, 30)]
     step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64, page=16, dtype=dtype,
-                     shuffle=True)
-    check(ma.paged_attention_mosaic, step, num_partitions=parts, decode_partitions=decode_parts)
+                     shuffle=True, max_pages=64)
+    plan = dict(num_partitions=parts, decode_partitions=decode_parts)
+    assert (planned_parts(step, "prefill", **plan).max(), planned_parts(step, "decode", **plan).max()) == most
+    check(ma.paged_attention_mosaic, step, **plan)
 
 
 @pytest.mark.slow  # ~11 s in the interpreter
@@ -235,11 +299,13 @@ def test_mixed_step_through_the_switch():
 def test_float32_out_for_a_kvp_partial_is_the_unrounded_result():
     """out_dtype=float32 (what a KVP rank asks for: its partial goes into the merge unrounded): out comes back in
     float32, right against the reference, not rounded to bf16, and the default bf16 out is exactly it rounded; both
-    paths: the decode launch normalising in the kernel (one partition), the prefill launch merged after it (two)."""
+    paths: the decode launch normalising in the kernel (one partition), the prefill launch's 300-key chunk merged
+    after it (two partitions) and its other chunk normalised in the kernel."""
     rng = np.random.default_rng(21)
-    step = make_step(rng, [(30, 1, 0), (9, 5, 0), (12, 3, 30)], num_heads=4, num_kv_heads=1, head_dim=64,
-                     page=16, dtype=jnp.bfloat16, shuffle=True)
-    kw = dict(interpret=True, num_partitions=2, decode_partitions=1)
+    step = make_step(rng, [(30, 1, 0), (300, 5, 0), (12, 3, 30)], num_heads=4, num_kv_heads=1, head_dim=64,
+                     page=16, dtype=jnp.bfloat16, shuffle=True, max_pages=32)
+    kw = dict(interpret=True, num_partitions=4, decode_partitions=1)
+    assert list(planned_parts(step, "prefill", num_partitions=4)) == [2, 2, 1, 0]
     out32, lse32 = run(ma.paged_attention_mosaic, step, out_dtype=jnp.float32, **kw)
     assert out32.dtype == jnp.float32 and lse32.dtype == jnp.float32
     ref = run(paged_attention, f32(step), block_pages=2, precision=HIGHEST)
@@ -534,6 +600,19 @@ def test_compiled_kernels_on_hopper_match_float32_reference(kernel, num_heads):
     step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=8, head_dim=128, page=16, dtype=jnp.bfloat16,
                      pad_rows=3)
     check_compiled(step, (COMPILED[kernel],))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
+def test_compiled_kernels_split_a_short_chunk_among_many_sequence_slots_on_hopper():
+    """The engine's layout at the Llama-3-8B shape: 64 sequence slots (so 17 static prefill tiles), a 32-token
+    chunk at 40,000 keys and a decode at 30,000 split over the free programs (16 and 33 partitions: the default),
+    against the float32 reference."""
+    rng = np.random.default_rng(3)
+    step = make_step(rng, [(40000, 32, 0), (30000, 1, 0)] + [(0, 0, 0)] * 62, num_heads=32, num_kv_heads=8,
+                     head_dim=128, page=16, dtype=jnp.bfloat16)
+    assert planned_parts(step, "prefill").max() == 16 and planned_parts(step, "decode").max() == 33
+    check_compiled(step, (ma.paged_attention_mosaic,))
 
 
 @pytest.mark.gpu
