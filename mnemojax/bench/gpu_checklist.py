@@ -39,7 +39,8 @@ class Stage:
 MGPU_LOOP = ("mosaic+block_k=128+release_k=true+max_registers=true+fma_softmax=true+wait_k_in_pv=true"
              "+fenced_softmax=true")
 NEW_OPTIONS = ("mosaic+block_k=128", "mosaic+release_k=true", "mosaic+max_registers=true", "mosaic+fma_softmax=true",
-               "mosaic+wait_k_in_pv=true", "mosaic+fenced_softmax=true", MGPU_LOOP)
+               "mosaic+wait_k_in_pv=true", "mosaic+fenced_softmax=true", MGPU_LOOP,
+               "mosaic+decode_partitions=16")  # one wave of 4-slot decode programs (128 for 132 SMs), not two
 
 STAGES = (
     Stage("new-correct", (("-m", "pytest", "-q", "-m", "gpu", "tests/models/test_mosaic_attention.py", "-k",
@@ -54,9 +55,10 @@ STAGES = (
                         ("scripts/bench_attention.py", "--impl", f"mosaic,mosaic+fma_softmax=true,{MGPU_LOOP}",
                          "--model_shape", "llama3.2-1b", "--contexts", "1048576", "--chunks", "8192",
                          "--decode_batches", "", "--samples", "2", "--calls", "3", "--no_baselines")), 420, 200,
-          why="issue 15: those options one at a time and together against the defaults, Llama-3-8B shape at 1M "
-              "(chunks 32 and 2048, decode) with cuDNN, torch SDPA and jax's attention_mgpu in the same run; the "
-              "llama3.2-1b shape's chunk 8192 (its TTFT's attention)"),
+          why="issue 15: the per-step KV partitions (chunk 32) and those options one at a time and together against "
+              "the defaults, Llama-3-8B shape at 1M (chunks 32 and 2048, decode, decode in one wave) with cuDNN, "
+              "torch SDPA and jax's attention_mgpu in the same run; the llama3.2-1b shape's chunk 8192 (its TTFT's "
+              "attention)"),
     Stage("correctness", (("-m", "pytest", "-q", "-m", "gpu", "tests/models"),), 300, 120,
           env=(("JAX_PLATFORMS", "cuda,cpu"),),
           why="every compiled kernel and option against the float32 reference, and the engine's greedy tokens "
