@@ -876,10 +876,9 @@ def _merge_items(acc, m, l, items, tile_tok, num_tokens: int):
     group = jnp.where(split, jnp.arange(NP, dtype=jnp.int32) - part, 0)  # a split tile's items: its first item's
     same = split[None, :] & (group[None, :] == jnp.arange(NP, dtype=jnp.int32)[:, None])  # [group, item]
     m_max = jnp.where(same[:, :, None, None], m[None], -jnp.inf).max(axis=1)  # [NP, K, R]
-    w = jnp.where(split[:, None, None], jnp.exp2(m - m_max[group]), 0.0)
-    l_sum = jnp.where(same[:, :, None, None], jnp.where(split[:, None, None], l * w, 0.0)[None], 0.0).sum(axis=1)
-    weighted = jnp.where(split[:, None, None, None], acc * w[..., None], 0.0)
-    acc_sum = jnp.where(same[:, :, None, None, None], weighted[None], 0.0).sum(axis=1)  # [NP, K, R, H]
+    w = jnp.exp2(m - m_max[group])  # an item outside every group: undefined, but `same` selects it nowhere
+    l_sum = jnp.where(same[:, :, None, None], (l * w)[None], 0.0).sum(axis=1)
+    acc_sum = jnp.where(same[:, :, None, None, None], (acc * w[..., None])[None], 0.0).sum(axis=1)  # [NP, K, R, H]
     empty = l_sum == 0.0
     safe = jnp.where(empty, 1.0, l_sum)
     out = jnp.where(empty[..., None], 0.0, acc_sum / safe[..., None])
@@ -919,7 +918,8 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
         if launch is not None:
             into, split = _attend_tiles(q, k_cache, v_cache, layer, meta, launch, interpret=interpret,
                                         out_dtype=out_dtype, into=into, codegen=codegen)
-            merged += [split] if split is not None else []
+            if split is not None:
+                merged.append(split)
     return pa._scatter_into(into, merged) if merged else into
 
 

@@ -477,8 +477,8 @@ def test_each_loop_option_changes_the_kernel_as_it_says():
     step = make_step(np.random.default_rng(5), [(40, 1, 0), (23, 7, 0)], num_heads=4, num_kv_heads=1, head_dim=64,
                      page=16, dtype=jnp.bfloat16)
     base = _kernel_primitives(step)
-    fma = _kernel_primitives(step, fma_softmax=True) - base
-    assert fma == collections.Counter(mul=1) and not base - _kernel_primitives(step, fma_softmax=True)
+    fma = _kernel_primitives(step, fma_softmax=True)
+    assert fma - base == collections.Counter(mul=1) and not base - fma
     wait = _kernel_primitives(step, wait_k_in_pv=True)
     assert wait["barrier_wait"] == base["barrier_wait"] + 1 and wait["cond"] > base["cond"]
     fenced = _kernel_primitives(step, fenced_softmax=True)
