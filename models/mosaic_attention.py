@@ -17,7 +17,7 @@ One kernel, two tilings (as in `models.pallas_attention`):
     (FlashDecoding).
 The grid is (work items, kv heads): an item is a (tile, partition) of the step's plan (`_work_items`), the
 partitions chosen per step from the tiles that hold tokens and their key blocks, not from the static tile count:
-the tiles of a launch share the programs that fill the GPU (`TARGET_PROGRAMS`), so one chunk's tile at a long
+the tiles of a launch share one wave of programs (`default_partitions`), so one chunk's tile at a long
 context takes 16 partitions at the Llama-3 shapes (8 kv heads, 128 programs) whatever the step's other sequence
 slots, which the engine's page table has one of per request it can hold. Programs past the step's items do
 nothing. Each program (a CUDA block) holds C + 1 warpgroups:
@@ -38,19 +38,22 @@ Code generation per launch (`Codegen.for_launch`, each a keyword that overrides 
 P in registers when compiled, and then the two prefill consumers taking turns on the tensor cores (`pingpong`, as
 FlashAttention-3 and jax's `attention_mgpu`); memory-bound launches (decode tiles, split-K launches: few tiles at a
 long context) with the deepest ring that fits the SMEM (4 slots at head dims 64 and 128), compute-bound ones
-(two-consumer prefill tiles, one partition) with 2 slots; prefill key blocks of 128 at head dim 64
-(`prefill_block_k`), else 64. Off and unmeasured: `release_k` (the K slot freed after Q K^T on its own barrier)
-and `max_registers` (`plgpu.set_max_registers`: consumers 232 per thread, the producer 40), `fma_softmax` (one
-multiply-add per score for the exponent), `wait_k_in_pv` (the next K waited for during P V) and `fenced_softmax`
-(the softmax finished before the turn is handed over), each as jax's `attention_mgpu` does.
+(two-consumer prefill tiles, one partition) with 2 slots; prefill key blocks of 128 at head dims 64 and 128
+(`prefill_block_k`), else 64; `fma_softmax` (one multiply-add per score for the exponent, as jax's
+`attention_mgpu`) for compute-bound prefill launches at head dim 64. Off, as measured no faster on an H200
+(sixteenth session, Llama-3-8B shape at 1M, each alone against the defaults): `release_k` (the K slot freed after
+Q K^T on its own barrier; chunk 2048 75.8 -> 80.4 ms), `max_registers` (`plgpu.set_max_registers`: consumers 232
+per thread, the producer 40; 76.0), `wait_k_in_pv` (the next K waited for during P V; 79.3) and `fenced_softmax`
+(the softmax finished before the turn is handed over; 75.7), each as `attention_mgpu` does; all of them with
+128-key blocks, 70.4 against 66.1 with 128-key blocks alone.
 The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once every consumer's
 loop ends, which the consumers wait for with a barrier when C > 1). With 2 slots a decode program takes 54,328 /
 95,288 / 177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count; with separate staging head dim 256 and a float32
 output exceeded a block's 227 KB), and a two-consumer prefill program 70,744 / 119,896 / 218,200 and holds an SM
 alone (its registers too); each further slot adds 4 x 64 x head dim bytes (`program_smem_bytes`): a decode program
-with the default 4 slots at head dim 128 (160,824 bytes) also holds an SM alone, so its TARGET_PROGRAMS run in two
-waves (at 1M keys 1.04 ms, against 1.12 with 2 slots and two programs per SM, P in registers both; at head dim 64 a
-4-slot decode program still fits two per SM).
+with the default 4 slots at head dim 128 (160,824 bytes) also holds an SM alone (at 1M keys 1.04 ms, against 1.12
+with 2 slots and two programs per SM, P in registers both), so its partitions are one wave of 128 programs, not
+two of 264 (`default_partitions`); at head dim 64 a 4-slot decode program still fits two per SM.
 With one partition the consumer normalises and writes (out, lse) itself, in token order: the tile's token i
 (index `tile_tok[t, i]`, read from GMEM) owns rows i*G .. i*G+G-1, a [G, H] box that one TMA copy takes from the
 SMEM staging (in q's dtype) to out[tok, kvh*G : kvh*G+G, :], and its G lse floats by a second TMA copy when G % 4
@@ -127,12 +130,9 @@ STAGES = 2  # K/V SMEM slots in flight between the producer and the consumers (c
 # memory-bound ones: `deepest_ring`; `stages`: 2 to 4)
 STAGES_RANGE = (2, 3, 4)
 HEAD_DIMS = (64, 128, 256)
-TARGET_PROGRAMS = 264  # programs the KV partitions of a launch's tiles aim for, at most (one-consumer programs on an
-# H100 or H200, 132 SMs: one wave where two fit an SM, at 2 slots and head dim <= 128 or 4 slots at 64; two waves at
-# the default 4 slots at head dim 128, one per SM, as measured; a two-consumer program takes an SM alone: 3 x 128
-# threads x up to 168 registers, so half as many). The most partitions a tile may take: this // consumers // kv
-# heads, rounded down (16 for two-consumer programs at 8 kv heads: 128 programs, one wave; rounded up, 17 made 136,
-# four programs in a second wave)
+SMS = 132  # streaming multiprocessors of an H100 SXM or H200: the KV partitions of a launch's tiles aim for one
+# wave of programs (`default_partitions`): SMS x the programs an SM holds at once // kv heads, rounded down (16 at
+# 8 kv heads where a program holds an SM alone: 128 programs; rounded up, 17 made 136, four in a second wave)
 
 
 def compiler_params(approx_math: bool = True):
@@ -145,7 +145,8 @@ def compiler_params(approx_math: bool = True):
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=approx_math)
 
 
-SMEM_PER_BLOCK = 227 * 1024  # the most SMEM a CUDA block may take on Hopper (an SM has 228 KB)
+SMEM_PER_BLOCK = 227 * 1024  # the most SMEM a CUDA block may take on Hopper
+SMEM_PER_SM = 228 * 1024  # an SM's, shared by the blocks it runs at once (each also reserves 1 KB)
 SMEM_MARGIN = 8 * 1024  # what Mosaic's count adds to `program_smem_bytes` (row limits, m and l staging, barriers,
 # alignment): 5,176 bytes for a one-consumer program, 5,208 for a two-consumer one, 8 per slot more with `release_k`
 
@@ -167,21 +168,45 @@ def deepest_ring(*, consumers: int, head_dim: int, block_k: int) -> int:
     return max(fits, default=STAGES)
 
 
+def programs_per_sm(*, consumers: int, head_dim: int, block_k: int) -> int:
+    """Programs of a memory-bound launch (the ones split over KV partitions) that an SM runs at once, with the
+    default ring (`deepest_ring`): a two-consumer program holds an SM alone (3 x 128 threads x up to 168
+    registers); a one-consumer (decode) program two where their SMEM fits, else one: two at head dim 64 (4 slots),
+    one at 128 (4 slots, 160,824 bytes) and 256 (2 slots)."""
+    if consumers > 1:
+        return 1
+    smem = program_smem_bytes(consumers=1, head_dim=head_dim, block_k=block_k,
+                              stages=deepest_ring(consumers=1, head_dim=head_dim, block_k=block_k))
+    return 2 if 2 * (smem + SMEM_MARGIN + 1024) <= SMEM_PER_SM else 1
+
+
+def default_partitions(*, consumers: int, num_kv_heads: int, head_dim: int, block_k: int) -> int:
+    """The most KV partitions a tile may take when none are asked for: one wave of programs over the GPU's SMs
+    (`SMS` x `programs_per_sm`) // kv heads, rounded down; the tiles of a step share them (`_work_items`). At the
+    Llama-3 shapes (8 kv heads) 16 for prefill tiles and for decode tiles at head dim 128 (measured on an H200,
+    docs/benchmarks.md, sixteenth session: decode at 256K 0.330 -> 0.300 ms against 33 partitions, two waves of
+    programs that each hold an SM; at 1M 1.070 against 1.081 ms, within the run's spread), 33 for decode tiles at
+    head dim 64 (two programs an SM)."""
+    per_sm = programs_per_sm(consumers=consumers, head_dim=head_dim, block_k=block_k)
+    return max(1, SMS * per_sm // num_kv_heads)
+
+
 @dataclasses.dataclass(frozen=True)
 class Codegen:
     """How the kernel is generated, not how the step is tiled (the kernels' code-generation options, one value
     from the public functions' keywords to the kernel): `approx_math` (`compiler_params`), `lookahead` (the next
     block's page-table entries loaded before the producer's wait), `pingpong` (two prefill consumers taking turns
     at a schedule barrier), `registers` (P in registers for P V, the accumulator updated in place: compiled only),
-    `stages` (K/V slots in the ring). None (the default of those three): chosen per launch (`for_launch`).
-    `release_k` (the K slot released after Q K^T, the V slot after P V: separate "consumed" barriers, so the
-    producer refills K while P V runs, as jax's `attention_mgpu`) and `max_registers` (two-consumer programs
+    `stages` (K/V slots in the ring), `fma_softmax` (the row max taken of the raw scores and scaled after, the same
+    value since the scale is positive and rounding monotonic, so each score's exponent is one multiply-add,
+    `s * scale - m`, rather than a multiply and then a subtraction; blocks at the causal edge keep the multiply,
+    their mask works on scaled scores; as jax's `attention_mgpu`). None (the default of those four): chosen per
+    launch (`for_launch`). Off, measured no faster on an H200 (sixteenth session; the module's docstring has the
+    numbers): `release_k` (the K slot released after Q K^T, the V slot after P V: separate "consumed" barriers, so
+    the producer refills K while P V runs, as `attention_mgpu`) and `max_registers` (two-consumer programs
     redistribute registers: each consumer thread up to 232, the producer's down to 40, `plgpu.set_max_registers`, as
-    FlashAttention-3 and `attention_mgpu`): off, unmeasured. Also off and unmeasured, the rest of what
-    `attention_mgpu` does in its consumers' loop and ours did not: `fma_softmax` (the row max taken of the raw
-    scores and scaled after, the same value since the scale is positive and rounding monotonic, so each score's
-    exponent is one multiply-add, `s * scale - m`, rather than a multiply and then a subtraction; blocks at the
-    causal edge keep the multiply, their mask works on scaled scores), `wait_k_in_pv` (the next block's K waited
+    FlashAttention-3 and `attention_mgpu`), and the rest of what `attention_mgpu` does in its consumers' loop and
+    ours did not: `wait_k_in_pv` (the next block's K waited
     for while this block's P V wgmma runs, the first block's before the loop, rather than at the top of each
     block) and `fenced_softmax` (the accumulator's rescale, P's conversion and l finished, behind an optimization
     barrier, before the consumer hands the tensor cores over at the schedule barrier and waits for V, rather than
@@ -194,7 +219,7 @@ class Codegen:
     stages: int | None = None
     release_k: bool = False
     max_registers: bool = False
-    fma_softmax: bool = False
+    fma_softmax: bool | None = None
     wait_k_in_pv: bool = False
     fenced_softmax: bool = False
 
@@ -218,21 +243,35 @@ class Codegen:
             83.0 against 75.5 ms);
           - `pingpong`: with P in registers, two-consumer programs take turns (chunk 2048 78.9 -> 75.5 ms; chunk 32
             with the ring of 4 2.01 -> 1.93 ms), but memory-bound ones only with a ring of 3 or more slots (with 2,
-            chunk 32 was slower: 2.02 -> 2.37 ms).
+            chunk 32 was slower: 2.02 -> 2.37 ms);
+          - `fma_softmax`: compute-bound launches at head dim 64, where a score carries the least wgmma work
+            (sixteenth session: the llama3.2-1b shape's chunk 8192 at 1M 198.6 -> 192.4 ms); elsewhere no (the
+            Llama-3-8B shape's chunk 2048 75.8 -> 75.1 ms, within the run's spread, chunk 32 1.25 -> 1.28 ms).
         `num_parts`: the partitions the launch's tiles are expected to take (the split is chosen per step, so the
         caller gives more than one when the step's tokens could not fill the partitions' worth of tiles)."""
         registers = (not interpret) if self.registers is None else self.registers
         memory_bound = consumers == 1 or num_parts > 1
+        fma_softmax = self.fma_softmax
+        if fma_softmax is None:
+            fma_softmax = head_dim == 64 and not memory_bound
         stages = self.stages
         if stages is None:
             stages = (deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k) if memory_bound
                       else STAGES)
+        elif not interpret:
+            need = program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=stages)
+            if need + SMEM_MARGIN > SMEM_PER_BLOCK:
+                raise ValueError(f"stages={stages}: {stages} K/V slots of {block_k} keys at head dim {head_dim} "
+                                 f"({consumers} consumer(s)) need about {need + SMEM_MARGIN} bytes of SMEM, over the "
+                                 f"{SMEM_PER_BLOCK} a block may take; the most that fit: "
+                                 f"{deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k)} "
+                                 f"(or block_k={BLOCK_K})")
         pingpong = self.pingpong
         if pingpong is None:
             pingpong = registers and (not memory_bound or stages >= 3)
         two = consumers == PREFILL_CONSUMERS  # turns and a register split need two consumers: a decode has one
         return dataclasses.replace(self, registers=registers, stages=stages, pingpong=pingpong and two,
-                                   max_registers=self.max_registers and two)
+                                   max_registers=self.max_registers and two, fma_softmax=fma_softmax)
 
 
 def _swizzled(dtype) -> tuple:
@@ -256,11 +295,13 @@ def supported_page_size(page_size: int, block_k: int = BLOCK_K) -> bool:
 
 
 def prefill_block_k(head_dim: int, page_size: int) -> int:
-    """Keys per block of the prefill tiles when none is asked for: 128 at head dim 64 (a 64-key block there
-    carries half the wgmma work per softmax, barrier and wait of one at head dim 128: measured on an H200, the
-    llama3.2-1b shape's chunk 8192 at 1M 253 -> 199 ms, 277 -> 352 TFLOP/s) where the page size allows it; else
-    64 (at head dim 128, 128-key blocks measured slower: chunk 2048 at 1M 84 -> 120 ms, with P through SMEM)."""
-    return 128 if head_dim == 64 and supported_page_size(page_size, 128) else BLOCK_K
+    """Keys per block of the prefill tiles when none is asked for: 128 at head dims 64 and 128 where the page size
+    allows it, else 64 (at 256 two 128-key slots do not fit a two-consumer program's SMEM). Measured on an H200
+    (docs/benchmarks.md): at head dim 64 a 64-key block carries half the wgmma work per softmax, barrier and wait
+    of one at 128 (the llama3.2-1b shape's chunk 8192 at 1M 253 -> 199 ms, fourteenth session); at head dim 128,
+    with P in registers, the Llama-3-8B shape at 1M chunk 2048 75.8 -> 66.1 ms (464 -> 532 TFLOP/s) and chunk 32
+    1.25 -> 1.20 ms (sixteenth session; with P through SMEM it had been slower, 84 -> 120 ms)."""
+    return 128 if head_dim <= 128 and supported_page_size(page_size, 128) else BLOCK_K
 
 
 def check_block_k(name: str, block_k: int):
@@ -943,18 +984,18 @@ def _check_consumers(consumers: int):
                          f"got {consumers}")
 
 
-def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, page_size: int,
+def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
             num_partitions: int | None, consumers: int = 1, block_k: int = BLOCK_K,
             block_k_name: str = "block_k") -> pa.Launch:
     """The `pa.Launch` of the tiles `tile_tok` for the Mosaic kernel: programs of `consumers` x 64 rows, key
-    blocks of `block_k`, each tile split over up to `num_partitions` KV partitions (default: enough programs to
-    fill the GPU when the step holds one tile, `TARGET_PROGRAMS`), chosen per step by the keys it holds
-    (`_work_items`)."""
+    blocks of `block_k`, each tile split over up to `num_partitions` KV partitions (default: one wave of programs
+    when the step holds one tile, `default_partitions`), chosen per step by the keys it holds (`_work_items`)."""
     check_block_k(block_k_name, block_k)
     if not supported_page_size(page_size, block_k):
         raise ValueError(f"{block_k_name} {block_k}: the page size ({page_size}) must divide it or be a multiple of it")
     if num_partitions is None:
-        num_partitions = max(1, TARGET_PROGRAMS // consumers // num_kv_heads)  # one wave (two for decode tiles)
+        num_partitions = default_partitions(consumers=consumers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                            block_k=block_k)
     elif num_partitions < 1:
         raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
     T = meta.seq_ids.shape[0]
@@ -978,7 +1019,7 @@ def plan_step(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_si
     _check_consumers(consumers)
     block_k = prefill_block_k(head_dim, page_size) if block_k is None else block_k
     dec, pre = pa.step_tilings(meta, kind=kind, block_q=block_q_for(num_heads, num_kv_heads, consumers))
-    dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=page_size)
+    dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size)
     return pa.StepTiles(
         decode=None if dec is None else _launch(meta, dec, num_partitions=decode_partitions, block_k=decode_block_k,
                                                 block_k_name="decode_block_k", **dims),
@@ -989,7 +1030,7 @@ def plan_step(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_si
 def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partitions, out_dtype, codegen: Codegen,
             consumers=1, block_k=BLOCK_K):
     """Attention of every token of the step through the one launch over `tile_tok`."""
-    launch = _launch(meta, tile_tok, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3],
+    launch = _launch(meta, tile_tok, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3], head_dim=q.shape[2],
                      page_size=k_cache.shape[2], num_partitions=num_partitions, consumers=consumers, block_k=block_k)
     tiles = pa.StepTiles(decode=None, prefill=launch, kind=MIXED)  # covers every token, as a mixed step's do
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,
@@ -1001,7 +1042,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
                       num_partitions: int | None = None, out_dtype=None, consumers: int = PREFILL_CONSUMERS,
                       block_k: int | None = None, approx_math: bool = True, lookahead: bool = True,
                       pingpong: bool | None = None, registers: bool | None = None, stages: int | None = None,
-                      release_k: bool = False, max_registers: bool = False, fma_softmax: bool = False,
+                      release_k: bool = False, max_registers: bool = False, fma_softmax: bool | None = None,
                       wait_k_in_pv: bool = False, fenced_softmax: bool = False):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
@@ -1024,7 +1065,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
 def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                      num_partitions: int | None = None, out_dtype=None, block_k: int = BLOCK_K,
                      approx_math: bool = True, lookahead: bool = True, stages: int | None = None,
-                     release_k: bool = False, fma_softmax: bool = False, wait_k_in_pv: bool = False,
+                     release_k: bool = False, fma_softmax: bool | None = None, wait_k_in_pv: bool = False,
                      fenced_softmax: bool = False):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
@@ -1044,7 +1085,7 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
                             decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
                             pingpong: bool | None = None, registers: bool | None = None,
                             stages: int | None = None, release_k: bool = False, max_registers: bool = False,
-                            fma_softmax: bool = False, wait_k_in_pv: bool = False, fenced_softmax: bool = False):
+                            fma_softmax: bool | None = None, wait_k_in_pv: bool = False, fenced_softmax: bool = False):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse

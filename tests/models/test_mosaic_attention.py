@@ -348,7 +348,7 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
              (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2),  # token order + a scatter
              (functools.partial(_ONE_PARTITION, out_dtype=jnp.float32), 2),  # a KVP rank's float32 partial
              (functools.partial(ma.paged_attention_mosaic, pingpong=True, block_k=128), 2),  # tuning options
-             (functools.partial(ma.paged_attention_mosaic, stages=3), 2),
+             (functools.partial(ma.paged_attention_mosaic, stages=3, block_k=64), 2),
              (functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True), 2),
              (functools.partial(ma.paged_attention_mosaic, release_k=True, max_registers=True), 2),
              (functools.partial(ma.paged_attention_mosaic, fma_softmax=True, wait_k_in_pv=True, fenced_softmax=True,
@@ -377,21 +377,27 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
     may take."""
     from jax.experimental.mosaic.gpu import core as mgpu_core
 
-    assert ma.TARGET_PROGRAMS == 2 * 132  # two waves of one-consumer programs on an H100 / H200's 132 SMs
+    assert ma.SMS == 132  # an H100 SXM's and an H200's
     assert ma.PREFILL_CONSUMERS == 2
     for kind, consumers, per_sm in (("decode", 1, 2 if head_dim == 64 else 1), ("prefill", 2, 1)):
-        block_k = ma.BLOCK_K if kind == "decode" else ma.prefill_block_k(head_dim, 16)  # 128 at head dim 64
+        block_k = ma.BLOCK_K if kind == "decode" else ma.prefill_block_k(head_dim, 16)  # 128 at head dims <= 128
+        assert ma.programs_per_sm(consumers=consumers, head_dim=head_dim, block_k=block_k) == per_sm
+        # the default partitions: one wave of programs at 8 kv heads
+        assert ma.default_partitions(consumers=consumers, num_kv_heads=8, head_dim=head_dim,
+                                     block_k=block_k) == 132 * per_sm // 8
         ring = ma.deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k)
-        assert ring == (4 if head_dim <= 128 else 2)
+        # a prefill program's 128-key slots at head dim 128: two fit, a third not
+        assert ring == (2 if head_dim == 256 or (kind, head_dim) == ("prefill", 128) else 4)
         counted = ma.program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=ring)
         limit = min(H100_SMEM_PER_BLOCK, H100_SMEM_PER_SM // per_sm - SMEM_RESERVED_PER_BLOCK,
                     counted + ma.SMEM_MARGIN)
         paths = tuple((functools.partial(fn, kind=kind), 1) for fn, _ in OUTPUT_PATHS)
         with mgpu_core.artificial_shared_memory_limit(limit):
             assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
-    if head_dim <= 128:  # key blocks of 128, or a ring of 4 slots with one partition (options): a prefill program
-        # still fits (one per SM), at 256 not; a decode program with a ring of 3 fits one per SM
-        for kind, options in (("prefill", dict(block_k=128)), ("prefill", dict(stages=4)), ("decode", dict(stages=3)),
+    if head_dim <= 128:  # key blocks of 128, or a ring of 4 slots of 64 keys with one partition (options): a
+        # prefill program still fits (one per SM), at 256 not; a decode program with a ring of 3 fits one per SM
+        for kind, options in (("prefill", dict(block_k=128)), ("prefill", dict(stages=4, block_k=64)),
+                              ("decode", dict(stages=3)),
                               ("prefill", MGPU_LOOP)):
             paths = tuple((functools.partial(fn, kind=kind, **options), 1) for fn, _ in OUTPUT_PATHS)
             with mgpu_core.artificial_shared_memory_limit(H100_SMEM_PER_BLOCK):
@@ -416,6 +422,7 @@ def test_code_generation_is_chosen_per_launch():
     assert pick(num_parts=16, head_dim=128, block_k=128) == (True, 2, False)  # 128-key slots: 2 fit, no turns
     assert pick(num_parts=16, head_dim=256) == (True, 2, False)  # memory-bound with 2 slots: no turns (slower)
     assert pick(head_dim=256) == (True, 2, True)  # compute-bound: turns
+    assert pick(num_parts=16, head_dim=64, block_k=128) == (True, 4, True)  # 4 slots still fit at head dim 64
     assert pick(interpret=True) == (False, 2, False)
     assert pick(interpret=True, num_parts=4) == (False, 4, False)
     assert pick(ma.Codegen(registers=False, stages=3, pingpong=True), num_parts=16) == (False, 3, True)
@@ -425,6 +432,18 @@ def test_code_generation_is_chosen_per_launch():
     decode = ma.Codegen(pingpong=True, max_registers=True).for_launch(interpret=False, consumers=1, num_parts=33,
                                                                       head_dim=128, block_k=64)
     assert (decode.pingpong, decode.max_registers) == (False, False)
+    # fma_softmax: compute-bound launches at head dim 64 only; a given value wins
+    def fma(codegen=ma.Codegen(), **launch):
+        return codegen.for_launch(**dict(dict(interpret=False, consumers=2, num_parts=1, head_dim=64, block_k=128),
+                                         **launch)).fma_softmax
+    assert fma() and fma(interpret=True)
+    assert not fma(num_parts=16) and not fma(consumers=1, block_k=64) and not fma(head_dim=128)
+    assert not fma(ma.Codegen(fma_softmax=False)) and fma(ma.Codegen(fma_softmax=True), head_dim=128)
+    # a ring deeper than the SMEM holds is refused when compiled, naming what fits
+    with pytest.raises(ValueError, match=r"stages=3: 3 K/V slots of 128 keys at head dim 128.*the most that fit: 2"):
+        ma.Codegen(stages=3).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=128, block_k=128)
+    assert ma.Codegen(stages=3).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=128,
+                                           block_k=64).stages == 3
     # the count behind the ring: 2 slots of 64 keys at head dim 128, one consumer, is Mosaic's 95,288 bytes less
     # what it adds (row limits, m / l staging, barriers): 5,176 bytes, within SMEM_MARGIN
     assert ma.program_smem_bytes(consumers=1, head_dim=128, block_k=64, stages=2) == 95_288 - 5_176
@@ -462,7 +481,9 @@ def test_compiled_kernels_name_lane_lowering_semantics():
 
 
 def _kernel_primitives(step, **options) -> collections.Counter:
-    """The primitives of the compiled prefill launch's kernel body (nested jaxprs included) for `options`."""
+    """The primitives of the compiled prefill launch's kernel body (nested jaxprs included) for `options` (the
+    others off, fma_softmax too, which head dim 64 would otherwise take)."""
+    options = {"fma_softmax": False, **options}
     jaxpr = jax.make_jaxpr(lambda s: run(ma.paged_attention_mosaic, s, kind="prefill", **options))(step).jaxpr
     (launch,) = _kernel_launches(jaxpr)
     return collections.Counter(str(e.primitive) for body in launch.params["jaxprs"]
@@ -606,12 +627,12 @@ def test_compiled_kernels_on_hopper_match_float32_reference(kernel, num_heads):
 @pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
 def test_compiled_kernels_split_a_short_chunk_among_many_sequence_slots_on_hopper():
     """The engine's layout at the Llama-3-8B shape: 64 sequence slots (so 17 static prefill tiles), a 32-token
-    chunk at 40,000 keys and a decode at 30,000 split over the free programs (16 and 33 partitions: the default),
-    against the float32 reference."""
+    chunk at 40,000 keys and a decode at 30,000 split over the free programs (16 partitions each: the default, one
+    wave), against the float32 reference."""
     rng = np.random.default_rng(3)
     step = make_step(rng, [(40000, 32, 0), (30000, 1, 0)] + [(0, 0, 0)] * 62, num_heads=32, num_kv_heads=8,
                      head_dim=128, page=16, dtype=jnp.bfloat16)
-    assert planned_parts(step, "prefill").max() == 16 and planned_parts(step, "decode").max() == 33
+    assert planned_parts(step, "prefill").max() == 16 and planned_parts(step, "decode").max() == 16
     check_compiled(step, (ma.paged_attention_mosaic,))
 
 
@@ -640,19 +661,21 @@ def test_supports_says_what_check_shapes_accepts():
         assert not ma.supports(**dict(ok, **bad)), bad
 
 
-def test_prefill_blocks_default_to_128_keys_at_head_dim_64():
-    """The default prefill key block: 128 at head dim 64 where the page size allows it, else 64; decode blocks
-    stay 64; an asked-for block wins."""
+def test_prefill_blocks_default_to_128_keys_at_head_dims_64_and_128():
+    """The default prefill key block: 128 at head dims 64 and 128 where the page size allows it, else 64 (at 256
+    two 128-key slots do not fit a two-consumer program); decode blocks stay 64; an asked-for block wins."""
     assert ma.prefill_block_k(64, 16) == 128 and ma.prefill_block_k(64, 256) == 128
     assert ma.prefill_block_k(64, 192) == 64  # 192 neither divides 128 nor is a multiple of it
-    assert ma.prefill_block_k(128, 16) == 64 and ma.prefill_block_k(256, 16) == 64
+    assert ma.prefill_block_k(128, 16) == 128 and ma.prefill_block_k(128, 8) == 128
+    assert ma.prefill_block_k(128, 192) == 64 and ma.prefill_block_k(256, 16) == 64
     step = make_step(np.random.default_rng(0), [(300, 20, 0), (90, 1, 0)], num_heads=32, num_kv_heads=8, head_dim=64,
                      page=16)
     meta = AttentionMetadata(**{k: v for k, v in step.items() if k not in ("q", "k_cache", "v_cache", "layer")})
     dims = dict(num_heads=32, num_kv_heads=8, page_size=16)
     tiles = ma.plan_step(meta, head_dim=64, **dims)
     assert (tiles.prefill.block_k, tiles.decode.block_k) == (128, 64)
-    assert ma.plan_step(meta, head_dim=128, **dims).prefill.block_k == 64
+    assert ma.plan_step(meta, head_dim=128, **dims).prefill.block_k == 128
+    assert ma.plan_step(meta, head_dim=256, **dims).prefill.block_k == 64
     assert ma.plan_step(meta, head_dim=64, block_k=64, **dims).prefill.block_k == 64
 
 
