@@ -35,44 +35,35 @@ class Stage:
     why: str = ""
 
 
-# jax's attention_mgpu consumer loop in ours (tests/models/test_mosaic_attention.py's MGPU_LOOP)
-MGPU_LOOP = ("mosaic+block_k=128+release_k=true+max_registers=true+fma_softmax=true+wait_k_in_pv=true"
-             "+fenced_softmax=true")
-# all of them first (a stage stopped at its limit keeps the rows printed), then decode in one wave of 4-slot programs
-# (128 for 132 SMs, not two waves), then each option alone
-NEW_OPTIONS = (MGPU_LOOP, "mosaic+decode_partitions=16", "mosaic+block_k=128", "mosaic+fma_softmax=true",
-               "mosaic+wait_k_in_pv=true", "mosaic+fenced_softmax=true", "mosaic+release_k=true",
-               "mosaic+max_registers=true")
-# the `gpu` tests of what never ran on a GPU, the options at the 8B shape (both head counts for all of them together)
+# the defaults the sixteenth session adopted, each against the fourteenth session's (the options give those back)
+OLD_DEFAULTS = "mosaic+block_k=64+decode_partitions=33"
+# the `gpu` tests of the launches the new defaults changed: 128-key prefill blocks at head dim 128 (both head
+# counts), decode in 16 partitions, fma_softmax at head dim 64, and the engine with them
 NEW_CORRECT = ("engine or short_chunk or head_dim_64 and default or decode-32 or prefill-32 or prefill-c1-32 "
-               "or switch-32 or switch-64 or block128-32 or release-k-32 or max-registers-32 or fma-softmax-32 "
-               "or wait-k-in-pv-32 or fenced-softmax-32 or mgpu")
+               "or switch-32 or switch-64 or exact-math-32")
 
 STAGES = (
     Stage("new-correct", (("-m", "pytest", "-q", "-m", "gpu", "tests/models/test_mosaic_attention.py", "-k",
-                           NEW_CORRECT),), 200, 100,
+                           NEW_CORRECT),), 150, 90,
           env=(("JAX_PLATFORMS", "cuda,cpu"),),
-          why="the per-step KV partitions (every launch's plan changed: the defaults at both head counts, a short "
-              "chunk and a decode among 64 sequence slots split 16 and 33 ways, head dim 64) and the Mosaic options "
-              "never run on a GPU (release_k, max_registers, fma_softmax, wait_k_in_pv, fenced_softmax, all of them "
-              "with 128-key blocks) against the float32 reference, and the engine's greedy tokens with "
-              "attention='auto' (mosaic on Hopper)"),
-    Stage("new-speed", (("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + NEW_OPTIONS),
-                         "--contexts", "1048576", "--chunks", "32,2048", "--decode_batches", "1", "--samples", "3",
-                         "--calls", "10", "--repeats", "3"),), 260, 150,
-          why="issue 15: the per-step KV partitions (chunk 32) and the options one at a time and together against "
-              "the defaults, Llama-3-8B shape at 1M (chunks 32 and 2048, decode, decode in one wave) with cuDNN, "
-              "torch SDPA and jax's attention_mgpu in the same run"),
-    Stage("new-speed-70b", (("scripts/bench_attention.py", "--impl", f"mosaic,{MGPU_LOOP}", "--model_shape",
-                             "llama3-70b", "--contexts", "1048576", "--chunks", "32,2048", "--decode_batches", "",
-                             "--samples", "3", "--calls", "10", "--repeats", "3"),), 150, 80,
-          why="issue 15: the 70B shape's chunk-32 vs chunk-2048 ratio at 1M (target <= 1.2) with the per-step "
-              "partitions, defaults and attention_mgpu's loop"),
-    Stage("new-speed-1b", (("scripts/bench_attention.py", "--impl", f"mosaic,mosaic+fma_softmax=true,{MGPU_LOOP}",
-                            "--model_shape", "llama3.2-1b", "--contexts", "1048576", "--chunks", "8192",
-                            "--decode_batches", "", "--samples", "2", "--calls", "3", "--no_baselines"),), 120, 60,
-          why="issue 15: the llama3.2-1b shape's chunk 8192 (its TTFT's attention), defaults against fma_softmax "
-              "and attention_mgpu's loop"),
+          why="the sixteenth session's new defaults (128-key prefill blocks at head dim 128, decode in one wave of "
+              "16 partitions, fma_softmax at head dim 64) against the float32 reference at both head counts, and "
+              "the engine's greedy tokens with attention='auto' (mosaic on Hopper)"),
+    Stage("new-speed", (("scripts/bench_attention.py", "--impl", f"mosaic,{OLD_DEFAULTS}", "--contexts",
+                         "262144,1048576", "--chunks", "32,2048", "--decode_batches", "1,8", "--samples", "3",
+                         "--calls", "10", "--repeats", "3"),
+                        ("scripts/bench_attention.py", "--impl", f"mosaic,{OLD_DEFAULTS}", "--model_shape",
+                         "llama3-70b", "--contexts", "1048576", "--chunks", "32,2048", "--decode_batches", "1",
+                         "--samples", "3", "--calls", "10", "--repeats", "3")), 300, 150,
+          why="issue 15: the new defaults against the old side by side (8B shape at 256K and 1M, decode B=1 and 8; "
+              "70B shape at 1M: 128-key blocks there were measured only with all of attention_mgpu's loop), with "
+              "cuDNN, torch SDPA and jax's attention_mgpu in the same run"),
+    Stage("pages", (("scripts/bench_attention.py", "--impl", "mosaic", "--page_size", "128", "--contexts",
+                     "1048576", "--chunks", "32,2048", "--decode_batches", "1", "--samples", "3", "--calls", "10",
+                     "--repeats", "3"),), 150, 90,
+          why="issue 15: whether the TMA copy per page is what keeps chunk 2048 behind attention_mgpu (one copy of "
+              "128 keys a block against eight of 16) and decode behind torch SDPA: pages of 128 against the "
+              "new-speed stage's pages of 16"),
     Stage("correctness", (("-m", "pytest", "-q", "-m", "gpu", "tests/models"),), 300, 120,
           env=(("JAX_PLATFORMS", "cuda,cpu"),),
           why="every compiled kernel and option against the float32 reference, and the engine's greedy tokens "
