@@ -45,7 +45,10 @@ long context) with the deepest ring that fits the SMEM (4 slots at head dims 64 
 Q K^T on its own barrier; chunk 2048 75.8 -> 80.4 ms), `max_registers` (`plgpu.set_max_registers`: consumers 232
 per thread, the producer 40; 76.0), `wait_k_in_pv` (the next K waited for during P V; 79.3) and `fenced_softmax`
 (the softmax finished before the turn is handed over; 75.7), each as `attention_mgpu` does; all of them with
-128-key blocks, 70.4 against 66.1 with 128-key blocks alone.
+128-key blocks, 70.4 against 66.1 with 128-key blocks alone. Off and unmeasured: `overlap` (each block's softmax
+while the tensor cores run the next block's Q K^T, issued before it: FlashAttention-3's overlap inside a
+warpgroup, which neither `attention_mgpu` nor the default loop has; the scores are carried from one block to the
+next, and ping-pong is off under it).
 The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once every consumer's
 loop ends, which the consumers wait for with a barrier when C > 1). With 2 slots a decode program takes 54,328 /
 95,288 / 177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count; with separate staging head dim 256 and a float32
@@ -210,7 +213,12 @@ class Codegen:
     for while this block's P V wgmma runs, the first block's before the loop, rather than at the top of each
     block) and `fenced_softmax` (the accumulator's rescale, P's conversion and l finished, behind an optimization
     barrier, before the consumer hands the tensor cores over at the schedule barrier and waits for V, rather than
-    after: `attention_mgpu`'s order, which its authors measured to matter "quite significantly")."""
+    after: `attention_mgpu`'s order, which its authors measured to matter "quite significantly"). Off and
+    unmeasured: `overlap` (FlashAttention-3's overlap inside a warpgroup: each block's Q K^T is issued before the
+    previous block's softmax, which runs while the tensor cores compute it, then that block's P V, whose result
+    waits for both; the raw scores are carried from block to block, so a consumer holds two score tiles at once.
+    It orders the loop its own way: with `pingpong`, `release_k`, `wait_k_in_pv` or `fenced_softmax` it raises,
+    and left to the kernel ping-pong is off under it)."""
 
     approx_math: bool = True
     lookahead: bool = True
@@ -222,6 +230,7 @@ class Codegen:
     fma_softmax: bool | None = None
     wait_k_in_pv: bool = False
     fenced_softmax: bool = False
+    overlap: bool = False
 
     def check(self, interpret: bool):
         if self.stages is not None and self.stages not in STAGES_RANGE:
@@ -229,6 +238,11 @@ class Codegen:
         if self.registers and interpret:
             raise ValueError("registers=True (P in registers for P V, the accumulator updated in place) is compiled "
                              "only: jax's Mosaic GPU interpreter runs neither")
+        if self.overlap:
+            clash = [n for n in ("pingpong", "release_k", "wait_k_in_pv", "fenced_softmax") if getattr(self, n)]
+            if clash:
+                raise ValueError(f"overlap=True (each block's softmax under the next block's Q K^T) orders a "
+                                 f"consumer's loop its own way; it does not combine with {', '.join(clash)}")
 
     def for_launch(self, *, interpret: bool, consumers: int, num_parts: int, head_dim: int, block_k: int
                    ) -> "Codegen":
@@ -268,7 +282,7 @@ class Codegen:
                                  f"(or block_k={BLOCK_K})")
         pingpong = self.pingpong
         if pingpong is None:
-            pingpong = registers and (not memory_bound or stages >= 3)
+            pingpong = registers and (not memory_bound or stages >= 3) and not self.overlap
         two = consumers == PREFILL_CONSUMERS  # turns and a register split need two consumers: a decode has one
         return dataclasses.replace(self, registers=registers, stages=stages, pingpong=pingpong and two,
                                    max_registers=self.max_registers and two, fma_softmax=fma_softmax)
@@ -647,21 +661,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
         def wait_next_k(step):  # `wait_k_in_pv`: the next block's K, while this block's P V runs
             pl.when(step + 1 < hi)(functools.partial(wait_k, step + 1))
 
-        def block(step, carry, masked: bool):
-            m, l, acc = carry
-            slot = lax.rem(step - lo, stages)
-            if not wait_k_in_pv:  # else waited for during the previous block's P V (the first: before the loop)
-                wait_k(step)
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                if pingpong:
-                    take_turn()
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))  # raw scores
-            if release_k:  # Q K^T has completed (its accumulator read): the K slot is free
-                plgpu.barrier_arrive(k_consumed.at[slot])
+        def softmax(s, m, l, step, masked: bool):
+            """The online softmax of block `step`'s raw scores `s`: (m_new, l_new, p, alpha)."""
             # m is kept in base-2 logits (scores x scale, the softmax scale with log2(e) folded in)
             if codegen.fma_softmax and not masked:  # max(s) x scale == max(s x scale); then one FMA a score
                 m_new = jnp.maximum(m, s.max(axis=1) * scale)
@@ -677,37 +678,31 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 if masked:
                     p = jnp.where(visible, p, 0.0)
             alpha = jnp.exp2(m - m_new)
-            l = l * alpha + p.sum(axis=1)
-            if fenced:  # everything of the softmax done before the turn is handed over (`fenced_softmax`)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(cdt)
-                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            if pingpong:
-                plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may take the tensor cores
-            plgpu.barrier_wait(v_bar.at[slot])
-            if masked:
-                # Slots past the tile's last visible key may never have been written (another sequence's pages
-                # behind unused page-table columns, uninitialised memory): zero them so 0 x NaN cannot reach out.
-                # Only the block that holds the tile's last visible key has such slots, and one consumer zeroes
-                # them in the shared slot; the others wait for it before reading the slot.
-                partial = (step + 1) * block_k > kv_hi
+            return m_new, l * alpha + p.sum(axis=1), p, alpha
 
-                @pl.when(partial & (wg == 0))
-                def _():
-                    key = step * block_k + ops.iota((block_k, head_dim), 0)
-                    v_slot = v_smem.at[slot]
-                    ops.store(v_slot, jnp.where(key < kv_hi, v_slot[...], jnp.zeros((), cdt)))
-                    if C > 1:
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(v_zeroed.at[slot])
+        def zero_past_last_key(step, slot):
+            """Slots past the tile's last visible key may never have been written (another sequence's pages behind
+            unused page-table columns, uninitialised memory): zero them so 0 x NaN cannot reach out. Only the
+            block that holds the tile's last visible key has such slots, and one consumer zeroes them in the shared
+            slot; the others wait for it before reading the slot."""
+            partial = (step + 1) * block_k > kv_hi
 
+            @pl.when(partial & (wg == 0))
+            def _():
+                key = step * block_k + ops.iota((block_k, head_dim), 0)
+                v_slot = v_smem.at[slot]
+                ops.store(v_slot, jnp.where(key < kv_hi, v_slot[...], jnp.zeros((), cdt)))
                 if C > 1:
-                    @pl.when(partial & (wg > 0))
-                    def _():
-                        plgpu.barrier_wait(v_zeroed.at[slot])
-            if not fenced:
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(cdt)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(v_zeroed.at[slot])
+
+            if C > 1:
+                @pl.when(partial & (wg > 0))
+                def _():
+                    plgpu.barrier_wait(v_zeroed.at[slot])
+
+        def pv(acc, p16, step, slot, masked: bool):
+            """acc (already rescaled) + P V of block `step`, then its slot released."""
             if registers:  # P V with P in registers, accumulated in place (FlashAttention-3's; compiled only)
                 if masked:
                     plgpu.commit_smem()  # the zeroed V slot
@@ -721,34 +716,113 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
                 acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(consumed.at[slot])
-                return m_new, l, acc
+                return acc
             ops.store(p_smem, p16)
             plgpu.commit_smem()
             if pingpong:
                 plgpu.barrier_wait(schedule)  # until the other consumer's turn is done
 
-            def pv(acc_ref):
+            def pv_scoped(acc_ref):
                 plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
                 if wait_k_in_pv:
                     wait_next_k(step)
                 return acc_ref[...]
 
-            out = pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+            out = pl.run_scoped(pv_scoped, plgpu.ACC((ROWS, head_dim), jnp.float32))
             plgpu.barrier_arrive(consumed.at[slot])
-            return m_new, l, acc + out
+            return acc + out
+
+        def block(step, carry, masked: bool):
+            m, l, acc = carry
+            slot = lax.rem(step - lo, stages)
+            if not wait_k_in_pv:  # else waited for during the previous block's P V (the first: before the loop)
+                wait_k(step)
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                if pingpong:
+                    take_turn()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))  # raw scores
+            if release_k:  # Q K^T has completed (its accumulator read): the K slot is free
+                plgpu.barrier_arrive(k_consumed.at[slot])
+            m_new, l, p, alpha = softmax(s, m, l, step, masked)
+            if fenced:  # everything of the softmax done before the turn is handed over (`fenced_softmax`)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(cdt)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+            if pingpong:
+                plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may take the tensor cores
+            plgpu.barrier_wait(v_bar.at[slot])
+            if masked:
+                zero_past_last_key(step, slot)
+            if not fenced:
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(cdt)
+            return m_new, l, pv(acc, p16, step, slot, masked)
+
+        def scores(step, _=None):
+            """Block `step`'s raw scores, its K waited for (the overlapped loop's first block)."""
+            wait_k(step)
+            slot = lax.rem(step - lo, stages)
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            return pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))
+
+        def overlapped_block(step, carry, masked: bool, issue_next: bool):
+            """`overlap`: block `step`'s softmax (its raw scores `s` carried from the block before) while the
+            tensor cores run the next block's Q K^T, issued first (FlashAttention-3's overlap inside a warpgroup);
+            then this block's P V, whose result waits for both wgmmas. The last block issues nothing."""
+            m, l, acc, s = carry
+            slot = lax.rem(step - lo, stages)
+
+            def body(next_ref):
+                if next_ref is not None:
+                    wait_k(step + 1)
+                    next_slot = lax.rem(step + 1 - lo, stages)
+                    plgpu.wgmma(next_ref, q_smem, k_smem.at[next_slot].transpose((1, 0)))
+                m_new, l_new, p, alpha = softmax(s, m, l, step, masked)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if masked:
+                    zero_past_last_key(step, slot)
+                out = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p.astype(cdt), step, slot, masked)
+                return m_new, l_new, out, (s if next_ref is None else next_ref[...])
+
+            if issue_next:
+                return pl.run_scoped(body, plgpu.ACC((ROWS, block_k), jnp.float32))
+            return body(None)
 
         row = plgpu.Layout.WGMMA.reduce(1) if not ops.interpret else None
         carry = (ops.cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row),
                  ops.cast(jnp.zeros((ROWS,), jnp.float32), row),
                  ops.cast(jnp.zeros((ROWS, head_dim), jnp.float32), None if ops.interpret else plgpu.Layout.WGMMA))
-        if wait_k_in_pv:
-            pl.when(hi > lo)(functools.partial(wait_k, lo))
-        if pingpong:
-            pl.when(wg == 1)(take_turn)  # consumer 0 goes first
-        carry = lax.fori_loop(lo, split, functools.partial(block, masked=False), carry)
-        m, l, acc = lax.fori_loop(split, hi, functools.partial(block, masked=True), carry)
-        if pingpong:
-            pl.when(wg == 0)(take_turn)  # the turn consumer 1 waits for after its last block
+        if codegen.overlap:
+            # the first block's scores before the loop (none when the partition has no block); every block but
+            # the last issues the next one's; the last is taken as masked (exact for a block all rows see)
+            wgmma_layout = None if ops.interpret else plgpu.Layout.WGMMA
+            s = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), scores,
+                              ops.cast(jnp.zeros((ROWS, block_k), jnp.float32), wgmma_layout))
+            last = jnp.maximum(hi - 1, lo)
+            carry = carry + (s,)
+            carry = lax.fori_loop(lo, jnp.minimum(split, last),
+                                  functools.partial(overlapped_block, masked=False, issue_next=True), carry)
+            carry = lax.fori_loop(jnp.minimum(split, last), last,
+                                  functools.partial(overlapped_block, masked=True, issue_next=True), carry)
+            m, l, acc, _ = lax.fori_loop(last, hi, functools.partial(overlapped_block, masked=True,
+                                                                      issue_next=False), carry)
+        else:
+            if wait_k_in_pv:
+                pl.when(hi > lo)(functools.partial(wait_k, lo))
+            if pingpong:
+                pl.when(wg == 1)(take_turn)  # consumer 0 goes first
+            carry = lax.fori_loop(lo, split, functools.partial(block, masked=False), carry)
+            m, l, acc = lax.fori_loop(split, hi, functools.partial(block, masked=True), carry)
+            if pingpong:
+                pl.when(wg == 0)(take_turn)  # the turn consumer 1 waits for after its last block
         if C > 1:  # the staging below overlays the ring and the P buffers, which the other consumers may still read
             plgpu.barrier_arrive(loop_done)
             plgpu.barrier_wait(loop_done)
@@ -1043,7 +1117,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
                       block_k: int | None = None, approx_math: bool = True, lookahead: bool = True,
                       pingpong: bool | None = None, registers: bool | None = None, stages: int | None = None,
                       release_k: bool = False, max_registers: bool = False, fma_softmax: bool | None = None,
-                      wait_k_in_pv: bool = False, fenced_softmax: bool = False):
+                      wait_k_in_pv: bool = False, fenced_softmax: bool = False, overlap: bool = False):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
     `models.attention.paged_attention` (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by
@@ -1058,7 +1132,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
                    out_dtype=out_dtype, consumers=consumers, block_k=block_k,
                    codegen=Codegen(approx_math, lookahead, pingpong, registers, stages, release_k, max_registers,
-                                   fma_softmax, wait_k_in_pv, fenced_softmax))
+                                   fma_softmax, wait_k_in_pv, fenced_softmax, overlap))
 
 
 @pa._jit
@@ -1066,7 +1140,7 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fals
                      num_partitions: int | None = None, out_dtype=None, block_k: int = BLOCK_K,
                      approx_math: bool = True, lookahead: bool = True, stages: int | None = None,
                      release_k: bool = False, fma_softmax: bool | None = None, wait_k_in_pv: bool = False,
-                     fenced_softmax: bool = False):
+                     fenced_softmax: bool = False, overlap: bool = False):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
     `prefill_attention`."""
@@ -1075,7 +1149,8 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fals
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
                    out_dtype=out_dtype, block_k=block_k,
                    codegen=Codegen(approx_math, lookahead, stages=stages, release_k=release_k,
-                                   fma_softmax=fma_softmax, wait_k_in_pv=wait_k_in_pv, fenced_softmax=fenced_softmax))
+                                   fma_softmax=fma_softmax, wait_k_in_pv=wait_k_in_pv, fenced_softmax=fenced_softmax,
+                                   overlap=overlap))
 
 
 def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
@@ -1085,7 +1160,8 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
                             decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
                             pingpong: bool | None = None, registers: bool | None = None,
                             stages: int | None = None, release_k: bool = False, max_registers: bool = False,
-                            fma_softmax: bool | None = None, wait_k_in_pv: bool = False, fenced_softmax: bool = False):
+                            fma_softmax: bool | None = None, wait_k_in_pv: bool = False, fenced_softmax: bool = False,
+                            overlap: bool = False):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
@@ -1105,7 +1181,7 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
                          "decode_partitions, kind, consumers or a block size too")
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,
                     codegen=Codegen(approx_math, lookahead, pingpong, registers, stages, release_k, max_registers,
-                                    fma_softmax, wait_k_in_pv, fenced_softmax))
+                                    fma_softmax, wait_k_in_pv, fenced_softmax, overlap))
 
 
 paged_attention_mosaic = pa._jit(_paged_attention_mosaic, dynamic=("tiles",))

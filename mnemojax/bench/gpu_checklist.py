@@ -38,9 +38,10 @@ class Stage:
 # the defaults the sixteenth session adopted, each against the fourteenth session's (the options give those back)
 OLD_DEFAULTS = "mosaic+block_k=64+decode_partitions=33"
 # the `gpu` tests of the launches the new defaults changed: 128-key prefill blocks at head dim 128 (both head
-# counts), decode in 16 partitions, fma_softmax at head dim 64, and the engine with them
+# counts), decode in 16 partitions, fma_softmax at head dim 64, and the engine with them; and `overlap`, never run
 NEW_CORRECT = ("engine or short_chunk or head_dim_64 and default or decode-32 or prefill-32 or prefill-c1-32 "
-               "or switch-32 or switch-64 or exact-math-32")
+               "or switch-32 or switch-64 or exact-math-32 or overlap")
+OVERLAP = ("mosaic+overlap=true", "mosaic+overlap=true+max_registers=true")
 
 STAGES = (
     Stage("new-correct", (("-m", "pytest", "-q", "-m", "gpu", "tests/models/test_mosaic_attention.py", "-k",
@@ -58,6 +59,17 @@ STAGES = (
           why="issue 15: the new defaults against the old side by side (8B shape at 256K and 1M, decode B=1 and 8; "
               "70B shape at 1M: 128-key blocks there were measured only with all of attention_mgpu's loop), with "
               "cuDNN, torch SDPA and jax's attention_mgpu in the same run"),
+    Stage("overlap", (("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + OVERLAP), "--contexts",
+                       "1048576", "--chunks", "32,2048", "--decode_batches", "1", "--samples", "3", "--calls", "10",
+                       "--repeats", "3", "--no_baselines"),
+                      ("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + OVERLAP), "--model_shape",
+                       "llama3.2-1b", "--contexts", "1048576", "--chunks", "8192", "--decode_batches", "",
+                       "--samples", "2", "--calls", "3", "--no_baselines")), 200, 100,
+          env=(("MOSAIC_GPU_DUMP_PTXAS", "1"),),
+          why="issue 15: each block's softmax under the next block's Q K^T (`overlap`, FlashAttention-3's overlap "
+              "inside a warpgroup), alone and with registers redistributed, against the defaults: the 8B shape at 1M "
+              "and the llama3.2-1b shape's chunk 8192 (its TTFT's attention); ptxas's report (registers, spills) "
+              "in the log"),
     Stage("pages", (("scripts/bench_attention.py", "--impl", "mosaic", "--page_size", "128", "--contexts",
                      "1048576", "--chunks", "32,2048", "--decode_batches", "1", "--samples", "3", "--calls", "10",
                      "--repeats", "3"),), 150, 90,

@@ -127,6 +127,31 @@ def test_decode_kernel_split_k_matches_reference():
     check(ma.decode_attention, step, num_partitions=7)
 
 
+@pytest.mark.slow  # ~20 s in the interpreter (the prefill race-detector case stays in the default suite)
+def test_overlap_over_split_tiles_matches_reference():
+    """`overlap` (each block's softmax under the next block's Q K^T) in a mixed step through the switch: a decode at
+    300 keys in four partitions of five (2, 2, 1 and 0 blocks: a partition of one block takes its scores before the loop and
+    issues none, an empty one takes none), an empty KVP shard, and a 33-token chunk at 270 keys in three tiles
+    split over six partitions (the causal edge inside a partition's last block, masked blocks before it), against the
+    reference."""
+    rng = np.random.default_rng(21)
+    step = make_step(rng, [(300, 1, 0), (0, 1, 0), (270, 33, 0)], num_heads=8, num_kv_heads=1, head_dim=64,
+                     page=16, dtype=jnp.bfloat16, max_pages=30, shuffle=True)
+    assert 4 in planned_parts(step, "decode", decode_partitions=5, num_partitions=6, block_k=64)
+    assert 2 in planned_parts(step, "prefill", decode_partitions=5, num_partitions=6, block_k=64)
+    check(ma.paged_attention_mosaic, step, overlap=True, decode_partitions=5, num_partitions=6, block_k=64)
+
+
+def test_overlap_refuses_what_orders_the_loop_otherwise():
+    """`overlap` orders a consumer's loop its own way: asking for it with ping-pong, `release_k`, `wait_k_in_pv`
+    or `fenced_softmax` raises, naming them; left to the kernel, ping-pong is off under it."""
+    for clash in ("pingpong", "release_k", "wait_k_in_pv", "fenced_softmax"):
+        with pytest.raises(ValueError, match=f"does not combine with {clash}"):
+            ma.Codegen(overlap=True, **{clash: True}).check(interpret=False)
+    c = ma.Codegen(overlap=True).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=128, block_k=128)
+    assert (c.registers, c.pingpong, c.overlap) == (True, False, True)
+
+
 def test_work_items_share_the_programs_by_the_keys_the_step_holds():
     """`_work_items`, by hand: a tile that holds tokens gets one partition or more, spare partitions (the most a
     tile may take, less the tiles that hold tokens) go by key blocks, never more partitions than blocks; past the
@@ -204,7 +229,11 @@ def race_detection(monkeypatch):
                  id="prefill-wait-k-in-pv-release-k-pingpong-stages3"),
     pytest.param("decode", dict(stages=3), marks=pytest.mark.slow, id="decode-stages3"),
     pytest.param("decode", dict(stages=2), marks=pytest.mark.slow, id="decode-stages2"),
-    pytest.param("prefill", dict(stages=4), marks=pytest.mark.slow, id="prefill-stages4")],
+    pytest.param("prefill", dict(stages=4), marks=pytest.mark.slow, id="prefill-stages4"),
+    pytest.param("prefill", dict(overlap=True), id="prefill-overlap"),
+    pytest.param("decode", dict(overlap=True), marks=pytest.mark.slow, id="decode-overlap"),
+    pytest.param("prefill", dict(overlap=True, fma_softmax=True, stages=3), marks=pytest.mark.slow,
+                 id="prefill-overlap-fma-stages3")],
     ids=str)
 def test_a_program_refills_its_slots_without_races(kind, options, race_detection):
     """One partition over more key blocks than the ring has slots (by default 2 for the one-partition prefill, 4
@@ -219,7 +248,8 @@ def test_a_program_refills_its_slots_without_races(kind, options, race_detection
     rings of 2 to 4 slots (`stages`), with the K slot released after Q K^T on its own barrier (`release_k`: the
     producer waits on two barriers per block; `max_registers` beside it is a no-op in the interpreter), and with
     the rest of `attention_mgpu`'s consumer loop (`fma_softmax`, `wait_k_in_pv`: each K waited for once, the next
-    during P V, and `fenced_softmax`)."""
+    during P V, and `fenced_softmax`), and with each block's softmax under the next block's Q K^T (`overlap`: the
+    scores carried from one block to the next, the last block's issued by none)."""
     rng = np.random.default_rng(11)
     seqs = [(300, 1, 0), (70, 1, 0)] if kind == "decode" else [(300, 20, 0), (9, 9, 0)]
     step = make_step(rng, seqs, num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
@@ -354,6 +384,7 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
              (functools.partial(ma.paged_attention_mosaic, fma_softmax=True, wait_k_in_pv=True, fenced_softmax=True,
                                 registers=False), 2),
              (functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP), 2),
+             (functools.partial(ma.paged_attention_mosaic, overlap=True, max_registers=True), 2),
              (functools.partial(_ONE_PARTITION, registers=True), 2))
     assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
 
@@ -606,7 +637,11 @@ COMPILED = {"decode": ma.decode_attention,
             "switch-fma-softmax": functools.partial(ma.paged_attention_mosaic, fma_softmax=True),
             "switch-wait-k-in-pv": functools.partial(ma.paged_attention_mosaic, wait_k_in_pv=True),
             "switch-fenced-softmax": functools.partial(ma.paged_attention_mosaic, fenced_softmax=True),
-            "switch-mgpu-loop": functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP)}
+            "switch-mgpu-loop": functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP),
+            # never run on a GPU yet (sixteenth session)
+            "switch-overlap": functools.partial(ma.paged_attention_mosaic, overlap=True),
+            "switch-overlap-max-registers": functools.partial(ma.paged_attention_mosaic, overlap=True,
+                                                              max_registers=True)}
 
 
 @pytest.mark.gpu
@@ -638,14 +673,16 @@ def test_compiled_kernels_split_a_short_chunk_among_many_sequence_slots_on_hoppe
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
-@pytest.mark.parametrize("block_k", [pytest.param(None, id="default-128"), pytest.param(64, id="block64")])
-def test_compiled_kernels_at_head_dim_64_on_hopper_match_float32_reference(block_k):
+@pytest.mark.parametrize("options", [pytest.param({}, id="default-128"), pytest.param(dict(block_k=64), id="block64"),
+                                     pytest.param(dict(overlap=True, max_registers=True), id="overlap")])
+def test_compiled_kernels_at_head_dim_64_on_hopper_match_float32_reference(options):
     """The compiled kernels at the llama3.2-1b attention shape (32 q heads, 8 kv heads, head dim 64, page 16), whose
-    prefill tiles take 128-key blocks by default (`prefill_block_k`), and with 64-key blocks asked for."""
+    prefill tiles take 128-key blocks by default (`prefill_block_k`), with 64-key blocks asked for, and with each
+    block's softmax under the next block's Q K^T (`overlap`, registers redistributed)."""
     rng = np.random.default_rng(64)
     seqs = [(5000, 512, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (1, 1, 0), (0, 3, 0), (900, 17, 3000)]
     step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=64, page=16, dtype=jnp.bfloat16, pad_rows=3)
-    check_compiled(step, (functools.partial(ma.paged_attention_mosaic, block_k=block_k),))
+    check_compiled(step, (functools.partial(ma.paged_attention_mosaic, **options),))
 
 
 def test_supports_says_what_check_shapes_accepts():
