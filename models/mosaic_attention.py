@@ -37,7 +37,8 @@ kernel with one consumer and the Triton kernels reached.
 Code generation per launch (`Codegen.for_launch`, each a keyword that overrides it), as measured fastest on an H200:
 P in registers when compiled, and then the two prefill consumers taking turns on the tensor cores (`pingpong`, as
 FlashAttention-3 and jax's `attention_mgpu`); memory-bound launches (decode tiles, split-K launches: few tiles at a
-long context) with the deepest ring that fits the SMEM (4 slots at head dims 64 and 128), compute-bound ones
+long context) with the deepest ring that fits the SMEM (with 64-key blocks 4 slots at head dims 64 and 128; a
+two-consumer split-K launch's 128-key blocks at head dim 128 fit 2, and then take no turns), compute-bound ones
 (two-consumer prefill tiles, one partition) with 2 slots; prefill key blocks of 128 at head dims 64 and 128
 (`prefill_block_k`), else 64; `fma_softmax` (one multiply-add per score for the exponent, as jax's
 `attention_mgpu`) for compute-bound prefill launches at head dim 64. Off, as measured no faster on an H200
@@ -53,7 +54,7 @@ The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: th
 loop ends, which the consumers wait for with a barrier when C > 1). With 2 slots a decode program takes 54,328 /
 95,288 / 177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count; with separate staging head dim 256 and a float32
 output exceeded a block's 227 KB), and a two-consumer prefill program 70,744 / 119,896 / 218,200 and holds an SM
-alone (its registers too); each further slot adds 4 x 64 x head dim bytes (`program_smem_bytes`): a decode program
+alone (its registers too); each further slot adds 4 x block_k x head dim bytes (`program_smem_bytes`): a decode program
 with the default 4 slots at head dim 128 (160,824 bytes) also holds an SM alone (at 1M keys 1.04 ms, against 1.12
 with 2 slots and two programs per SM, P in registers both), so its partitions are one wave of 128 programs, not
 two of 264 (`default_partitions`); at head dim 64 a 4-slot decode program still fits two per SM.
@@ -252,9 +253,11 @@ class Codegen:
             (the interpreter runs neither P in registers nor the in-place accumulator);
           - `stages`: for memory-bound launches (one-consumer programs: decode tiles, and consumers=1 prefill
             tiles, whose 64 rows do 64 FLOPs per byte they load; or split over several KV partitions: few tiles
-            at a long context) the deepest ring that fits the SMEM (`deepest_ring`: 4 slots at head dims 64 and
-            128; decode 1.12 -> 1.04 ms, chunk 32 with ping-pong 2.37 -> 1.91 ms), else 2 (chunk 2048 with 4:
-            83.0 against 75.5 ms);
+            at a long context) the deepest ring that fits the SMEM (`deepest_ring`: with 64-key blocks 4 slots at
+            head dims 64 and 128, decode 1.12 -> 1.04 ms, chunk 32 with ping-pong 2.37 -> 1.91 ms; the default
+            128-key prefill blocks at head dim 128 fit 2, and chunk 32 with them, 2 slots and no turns, measured
+            1.20 ms against 1.25 with 64-key blocks, 4 slots and turns, sixteenth session), else 2 (chunk 2048
+            with 4: 83.0 against 75.5 ms);
           - `pingpong`: with P in registers, two-consumer programs take turns (chunk 2048 78.9 -> 75.5 ms; chunk 32
             with the ring of 4 2.01 -> 1.93 ms), but memory-bound ones only with a ring of 3 or more slots (with 2,
             chunk 32 was slower: 2.02 -> 2.37 ms);
@@ -275,11 +278,14 @@ class Codegen:
         elif not interpret:
             need = program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=stages)
             if need + SMEM_MARGIN > SMEM_PER_BLOCK:
+                fits = [n for n in STAGES_RANGE if program_smem_bytes(consumers=consumers, head_dim=head_dim,
+                                                                      block_k=block_k, stages=n)
+                        + SMEM_MARGIN <= SMEM_PER_BLOCK]
                 raise ValueError(f"stages={stages}: {stages} K/V slots of {block_k} keys at head dim {head_dim} "
                                  f"({consumers} consumer(s)) need about {need + SMEM_MARGIN} bytes of SMEM, over the "
-                                 f"{SMEM_PER_BLOCK} a block may take; the most that fit: "
-                                 f"{deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k)} "
-                                 f"(or block_k={BLOCK_K})")
+                                 f"{SMEM_PER_BLOCK} a block may take; "
+                                 + (f"the most that fit: {max(fits)}" if fits else f"no ring of {block_k}-key slots "
+                                    f"fits: ask for block_k={BLOCK_K}"))
         pingpong = self.pingpong
         if pingpong is None:
             pingpong = registers and (not memory_bound or stages >= 3) and not self.overlap

@@ -475,6 +475,8 @@ def test_code_generation_is_chosen_per_launch():
         ma.Codegen(stages=3).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=128, block_k=128)
     assert ma.Codegen(stages=3).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=128,
                                            block_k=64).stages == 3
+    with pytest.raises(ValueError, match="no ring of 128-key slots fits: ask for block_k=64"):
+        ma.Codegen(stages=2).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=256, block_k=128)
     # the count behind the ring: 2 slots of 64 keys at head dim 128, one consumer, is Mosaic's 95,288 bytes less
     # what it adds (row limits, m / l staging, barriers): 5,176 bytes, within SMEM_MARGIN
     assert ma.program_smem_bytes(consumers=1, head_dim=128, block_k=64, stages=2) == 95_288 - 5_176
@@ -522,7 +524,7 @@ def _kernel_primitives(step, **options) -> collections.Counter:
 
 
 def test_each_loop_option_changes_the_kernel_as_it_says():
-    """`fma_softmax`, `wait_k_in_pv` and `fenced_softmax` each reach the kernel and change only what they say:
+    """`fma_softmax`, `wait_k_in_pv`, `fenced_softmax` and `overlap` each reach the kernel and change what they say:
     one more multiply (the row max scaled, in the unmasked blocks' loop; the masked blocks keep theirs), one more
     wait (the first block's K before the loops; each block's wait moves into its P V, under a condition), an
     optimization barrier in each of the two loops' blocks."""
@@ -535,6 +537,13 @@ def test_each_loop_option_changes_the_kernel_as_it_says():
     assert wait["barrier_wait"] == base["barrier_wait"] + 1 and wait["cond"] > base["cond"]
     fenced = _kernel_primitives(step, fenced_softmax=True)
     assert fenced - base == collections.Counter(optimization_barrier=2) and not base - fenced
+    # `overlap` (ping-pong off under it, so against a base without turns): two more loops (the first block's scores
+    # before the loops, the last block after them), the next block's Q K^T issued in each loop's block and the
+    # first block's before them (one more scope); nothing of the base's loop dropped
+    base = _kernel_primitives(step, pingpong=False)
+    overlap = _kernel_primitives(step, overlap=True)
+    assert overlap["while"] == base["while"] + 2 and overlap["wgmma_ref"] == base["wgmma_ref"] + 2
+    assert overlap["run_scoped"] == base["run_scoped"] + 1 and not base - overlap
 
 
 def test_what_the_kernels_refuse():
@@ -614,9 +623,8 @@ def test_engine_with_compiled_kernels_on_hopper_matches_reference(tmp_path):
 
 
 # The compiled kernels, each its own test (one that fails to compile or disagrees leaves the others' results), in
-# this order: one-consumer programs first, then the two-consumer prefill programs, then the options (those run on
-# the H200 first; release_k, max_registers, fma_softmax, wait_k_in_pv, fenced_softmax and MGPU_LOOP have not run on
-# a GPU).
+# this order: one-consumer programs first, then the two-consumer prefill programs, then the options (all of them
+# passed on an H200 by the sixteenth session but `overlap`, written after its device time).
 COMPILED = {"decode": ma.decode_attention,
             "prefill-c1": functools.partial(ma.prefill_attention, consumers=1),
             "prefill": ma.prefill_attention,
@@ -625,7 +633,7 @@ COMPILED = {"decode": ma.decode_attention,
             "switch-block128": functools.partial(ma.paged_attention_mosaic, block_k=128, decode_block_k=128),
             "switch-no-lookahead": functools.partial(ma.paged_attention_mosaic, lookahead=False),
             "switch-pingpong": functools.partial(ma.paged_attention_mosaic, pingpong=True),
-            "switch-stages4": functools.partial(ma.paged_attention_mosaic, stages=4),
+            "switch-stages4": functools.partial(ma.paged_attention_mosaic, stages=4, block_k=64),  # 128-key: 2 fit
             # last: compiled only (the interpreter runs neither), never run on a GPU yet
             "switch-registers": functools.partial(ma.paged_attention_mosaic, registers=True),
             "switch-registers-pingpong": functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True),
