@@ -366,27 +366,32 @@ MGPU_LOOP = dict(block_k=128, registers=True, pingpong=True, release_k=True, max
                  wait_k_in_pv=True, fenced_softmax=True)
 
 
-@pytest.mark.parametrize("num_heads,page", [pytest.param(32, 16, id="8b-page16"),
-                                            pytest.param(64, 128, id="70b-page128", marks=pytest.mark.slow)])
-def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page):
+# (the tuning options' cases lower in the slow suite: ~12 s of the default suite's ten minutes on 2 cores)
+@pytest.mark.parametrize("num_heads,page,options", [
+    pytest.param(32, 16, False, id="8b-page16"),
+    pytest.param(32, 16, True, id="8b-page16-options", marks=pytest.mark.slow),
+    pytest.param(64, 128, True, id="70b-page128", marks=pytest.mark.slow)])
+def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page, options):
     """The non-interpreted kernels at Llama-3-8B / -70B attention shapes lower through Pallas' Mosaic GPU lowering
     (layouts, swizzled SMEM, TMA copies of pages, transposed wgmma, warpgroups) to the Mosaic GPU custom call for
-    CUDA, alone and inside the step's shard_map (on the CPU; compiling to PTX and running need a Hopper GPU)."""
-    cases = ((ma.paged_attention_mosaic, 2), (ma.decode_attention, 1),
-             (_ONE_PARTITION, 2),  # token-order writes, the second launch into the first's buffers
-             (functools.partial(_ONE_PARTITION, kind="decode"), 1),  # into (0, NEG_INF) buffers
-             (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2),  # token order + a scatter
-             (functools.partial(_ONE_PARTITION, out_dtype=jnp.float32), 2),  # a KVP rank's float32 partial
-             (functools.partial(ma.paged_attention_mosaic, pingpong=True, block_k=128), 2),  # tuning options
-             (functools.partial(ma.paged_attention_mosaic, stages=3, block_k=64), 2),
-             (functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True), 2),
-             (functools.partial(ma.paged_attention_mosaic, release_k=True, max_registers=True), 2),
-             (functools.partial(ma.paged_attention_mosaic, fma_softmax=True, wait_k_in_pv=True, fenced_softmax=True,
-                                registers=False), 2),
-             (functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP), 2),
-             (functools.partial(ma.paged_attention_mosaic, overlap=True, max_registers=True), 2),
-             (functools.partial(_ONE_PARTITION, registers=True), 2))
-    assert_lowers_for_cuda(jnp.bfloat16, cases, "@mosaic_gpu_v2", num_heads=num_heads, page=page)
+    CUDA, alone and inside the step's shard_map (on the CPU; compiling to PTX and running need a Hopper GPU); with
+    `options`, the tuning options too."""
+    base = ((ma.paged_attention_mosaic, 2), (ma.decode_attention, 1),
+            (_ONE_PARTITION, 2),  # token-order writes, the second launch into the first's buffers
+            (functools.partial(_ONE_PARTITION, kind="decode"), 1),  # into (0, NEG_INF) buffers
+            (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2),  # token order + a scatter
+            (functools.partial(_ONE_PARTITION, out_dtype=jnp.float32), 2))  # a KVP rank's float32 partial
+    tuning = ((functools.partial(ma.paged_attention_mosaic, pingpong=True, block_k=128), 2),
+              (functools.partial(ma.paged_attention_mosaic, stages=3, block_k=64), 2),
+              (functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True), 2),
+              (functools.partial(ma.paged_attention_mosaic, release_k=True, max_registers=True), 2),
+              (functools.partial(ma.paged_attention_mosaic, fma_softmax=True, wait_k_in_pv=True, fenced_softmax=True,
+                                 registers=False), 2),
+              (functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP), 2),
+              (functools.partial(ma.paged_attention_mosaic, overlap=True, max_registers=True), 2),
+              (functools.partial(_ONE_PARTITION, registers=True), 2))
+    assert_lowers_for_cuda(jnp.bfloat16, base + (tuning if options else ()), "@mosaic_gpu_v2", num_heads=num_heads,
+                           page=page)
 
 
 # H100 (compute capability 9.0): 228 KB of shared memory per SM, of which one block may take at most 227 KB, and
@@ -396,7 +401,7 @@ H100_SMEM_PER_SM, H100_SMEM_PER_BLOCK, SMEM_RESERVED_PER_BLOCK = 228 * 1024, 227
 
 
 @pytest.mark.parametrize("head_dim", [pytest.param(64, id="hd64-llama3.2-1b"), pytest.param(128, id="hd128-8b-70b"),
-                                      pytest.param(256, id="hd256")])
+                                      pytest.param(256, id="hd256", marks=pytest.mark.slow)])
 def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
     """Mosaic GPU's lowering sums the kernel's SMEM and refuses a kernel over the limit. Every output path (split-K
     partials in float32, token order in the model's dtype, a KVP rank's float32 partial) with the default code
