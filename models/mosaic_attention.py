@@ -150,7 +150,8 @@ def compiler_params(approx_math: bool = True):
 
 
 SMEM_PER_BLOCK = 227 * 1024  # the most SMEM a CUDA block may take on Hopper
-SMEM_PER_SM = 228 * 1024  # an SM's, shared by the blocks it runs at once (each also reserves 1 KB)
+SMEM_PER_SM = 228 * 1024  # an SM's, shared by the blocks it runs at once
+SMEM_RESERVED_PER_BLOCK = 1024  # what the system reserves of an SM's SMEM for each block it runs
 SMEM_MARGIN = 8 * 1024  # what Mosaic's count adds to `program_smem_bytes` (row limits, m and l staging, barriers,
 # alignment): 5,176 bytes for a one-consumer program, 5,208 for a two-consumer one, 8 per slot more with `release_k`
 
@@ -165,11 +166,15 @@ def program_smem_bytes(*, consumers: int, head_dim: int, block_k: int, stages: i
     return q + max(ring, staging)
 
 
+def rings_that_fit(*, consumers: int, head_dim: int, block_k: int) -> list[int]:
+    """The K/V slot counts (of `STAGES_RANGE`) whose program fits a block's SMEM."""
+    return [s for s in STAGES_RANGE if program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k,
+                                                          stages=s) + SMEM_MARGIN <= SMEM_PER_BLOCK]
+
+
 def deepest_ring(*, consumers: int, head_dim: int, block_k: int) -> int:
     """The most K/V slots (of `STAGES_RANGE`) whose program still fits a block's SMEM."""
-    fits = [s for s in STAGES_RANGE if program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k,
-                                                          stages=s) + SMEM_MARGIN <= SMEM_PER_BLOCK]
-    return max(fits, default=STAGES)
+    return max(rings_that_fit(consumers=consumers, head_dim=head_dim, block_k=block_k), default=STAGES)
 
 
 def programs_per_sm(*, consumers: int, head_dim: int, block_k: int) -> int:
@@ -181,7 +186,7 @@ def programs_per_sm(*, consumers: int, head_dim: int, block_k: int) -> int:
         return 1
     smem = program_smem_bytes(consumers=1, head_dim=head_dim, block_k=block_k,
                               stages=deepest_ring(consumers=1, head_dim=head_dim, block_k=block_k))
-    return 2 if 2 * (smem + SMEM_MARGIN + 1024) <= SMEM_PER_SM else 1
+    return 2 if 2 * (smem + SMEM_MARGIN + SMEM_RESERVED_PER_BLOCK) <= SMEM_PER_SM else 1
 
 
 def default_partitions(*, consumers: int, num_kv_heads: int, head_dim: int, block_k: int) -> int:
@@ -276,11 +281,9 @@ class Codegen:
             stages = (deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k) if memory_bound
                       else STAGES)
         elif not interpret:
-            need = program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=stages)
-            if need + SMEM_MARGIN > SMEM_PER_BLOCK:
-                fits = [n for n in STAGES_RANGE if program_smem_bytes(consumers=consumers, head_dim=head_dim,
-                                                                      block_k=block_k, stages=n)
-                        + SMEM_MARGIN <= SMEM_PER_BLOCK]
+            fits = rings_that_fit(consumers=consumers, head_dim=head_dim, block_k=block_k)
+            if stages not in fits:
+                need = program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=stages)
                 raise ValueError(f"stages={stages}: {stages} K/V slots of {block_k} keys at head dim {head_dim} "
                                  f"({consumers} consumer(s)) need about {need + SMEM_MARGIN} bytes of SMEM, over the "
                                  f"{SMEM_PER_BLOCK} a block may take; "
@@ -667,6 +670,9 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
         def wait_next_k(step):  # `wait_k_in_pv`: the next block's K, while this block's P V runs
             pl.when(step + 1 < hi)(functools.partial(wait_k, step + 1))
 
+        def issue_qk(acc_ref, slot):  # Q K^T of the block in `slot` into `acc_ref` (K transposed by the descriptor)
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+
         def softmax(s, m, l, step, masked: bool):
             """The online softmax of block `step`'s raw scores `s`: (m_new, l_new, p, alpha)."""
             # m is kept in base-2 logits (scores x scale, the softmax scale with log2(e) folded in)
@@ -745,7 +751,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 wait_k(step)
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                issue_qk(acc_ref, slot)
                 if pingpong:
                     take_turn()
                 return acc_ref[...]
@@ -774,7 +780,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             slot = lax.rem(step - lo, stages)
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                issue_qk(acc_ref, slot)
                 return acc_ref[...]
 
             return pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))
@@ -789,8 +795,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             def body(next_ref):
                 if next_ref is not None:
                     wait_k(step + 1)
-                    next_slot = lax.rem(step + 1 - lo, stages)
-                    plgpu.wgmma(next_ref, q_smem, k_smem.at[next_slot].transpose((1, 0)))
+                    issue_qk(next_ref, lax.rem(step + 1 - lo, stages))
                 m_new, l_new, p, alpha = softmax(s, m, l, step, masked)
                 plgpu.barrier_wait(v_bar.at[slot])
                 if masked:

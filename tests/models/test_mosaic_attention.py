@@ -430,10 +430,10 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
         paths = tuple((functools.partial(fn, kind=kind), 1) for fn, _ in OUTPUT_PATHS)
         with mgpu_core.artificial_shared_memory_limit(limit):
             assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
-    if head_dim <= 128:  # key blocks of 128, or a ring of 4 slots of 64 keys with one partition (options): a
-        # prefill program still fits (one per SM), at 256 not; a decode program with a ring of 3 fits one per SM
-        for kind, options in (("prefill", dict(block_k=128)), ("prefill", dict(stages=4, block_k=64)),
-                              ("decode", dict(stages=3)),
+    if head_dim <= 128:  # a ring of 4 slots of 64 keys with one partition, or attention_mgpu's loop with 128-key
+        # blocks (options): a prefill program still fits (one per SM), at 256 not; a decode program with a ring of 3
+        # fits one per SM
+        for kind, options in (("prefill", dict(stages=4, block_k=64)), ("decode", dict(stages=3)),
                               ("prefill", MGPU_LOOP)):
             paths = tuple((functools.partial(fn, kind=kind, **options), 1) for fn, _ in OUTPUT_PATHS)
             with mgpu_core.artificial_shared_memory_limit(H100_SMEM_PER_BLOCK):
@@ -639,10 +639,9 @@ COMPILED = {"decode": ma.decode_attention,
             "switch-no-lookahead": functools.partial(ma.paged_attention_mosaic, lookahead=False),
             "switch-pingpong": functools.partial(ma.paged_attention_mosaic, pingpong=True),
             "switch-stages4": functools.partial(ma.paged_attention_mosaic, stages=4, block_k=64),  # 128-key: 2 fit
-            # last: compiled only (the interpreter runs neither), never run on a GPU yet
+            # last: compiled only (the interpreter runs neither)
             "switch-registers": functools.partial(ma.paged_attention_mosaic, registers=True),
             "switch-registers-pingpong": functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True),
-            # never run on a GPU yet
             "switch-release-k": functools.partial(ma.paged_attention_mosaic, release_k=True),
             "switch-max-registers": functools.partial(ma.paged_attention_mosaic, max_registers=True),
             "switch-release-k-max-registers": functools.partial(ma.paged_attention_mosaic, release_k=True,
