@@ -33,7 +33,9 @@ nothing. Each program (a CUDA block) holds C + 1 warpgroups:
     others wait on a barrier for that before their P V.
 Two consumers per prefill program (measured on an H200: chunk 2048 from ~270 to ~435 TFLOP/s) double the rows each
 K/V block's load serves: a 64-row program does 64 FLOPs per byte it loads from L2, which caps it near what both this
-kernel with one consumer and the Triton kernels reached.
+kernel with one consumer and the Triton kernels reached. Three (`consumers=3`, unmeasured: FlashAttention-3's
+192-row tile at head dim 64) need their registers redistributed (`register_split`, on by default for them) and
+take turns on a ring of barriers, a token passed from consumer to consumer (`_program`).
 Code generation per launch (`Codegen.for_launch`, each a keyword that overrides it), as measured fastest on an H200:
 P in registers when compiled, and then the two prefill consumers taking turns on the tensor cores (`pingpong`, as
 FlashAttention-3 and jax's `attention_mgpu`); memory-bound launches (decode tiles, split-K launches: few tiles at a
@@ -106,6 +108,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +130,8 @@ _LOAD_NEEDS_INDEX = plgpu is not None and getattr(
 LOG2E = math.log2(math.e)
 ROWS = 64  # rows of a consumer warpgroup: one wgmma M tile
 PREFILL_CONSUMERS = 2  # consumer warpgroups of a prefill program: 128 rows share each K/V block's load
+MAX_CONSUMERS = 3  # `consumers=3`: 192 rows share each load (FlashAttention-3's tile at head dim 64), 4 warpgroups
+# (512 threads) whose registers must be redistributed (`register_split`)
 BLOCK_K = 64  # keys per block of the online softmax (the default; `block_k` / `decode_block_k`: BLOCK_KS)
 BLOCK_KS = (64, 128)  # key blocks the kernel takes: P is [64, block_k] (whole 64-column swizzle tiles), and two
 # 128-key K/V slots of head dim 128 still fit a two-consumer program's SMEM
@@ -177,6 +182,15 @@ def deepest_ring(*, consumers: int, head_dim: int, block_k: int) -> int:
     return max(rings_that_fit(consumers=consumers, head_dim=head_dim, block_k=block_k), default=STAGES)
 
 
+def register_split(consumers: int) -> tuple[int, int]:
+    """Registers per thread of (the producer, each consumer) when a prefill program redistributes them
+    (`max_registers`, `plgpu.set_max_registers`): an SM's 65,536 among 128 x (consumers + 1) threads, the TMA
+    issuer taking few. Two consumers: 40 and 232 (64,512 in all); three: 32 and 160 (65,536: FlashAttention-3's
+    split for three consumer warpgroups), where without a split each thread may take only 128, fewer than a
+    consumer's scores, P and accumulator need."""
+    return (40, 232) if consumers <= 2 else (32, 160)
+
+
 def programs_per_sm(*, consumers: int, head_dim: int, block_k: int) -> int:
     """Programs of a memory-bound launch (the ones split over KV partitions) that an SM runs at once, with the
     default ring (`deepest_ring`): a two-consumer program holds an SM alone (3 x 128 threads x up to 168
@@ -212,9 +226,10 @@ class Codegen:
     their mask works on scaled scores; as jax's `attention_mgpu`). None (the default of those four): chosen per
     launch (`for_launch`). Off, measured no faster on an H200 (sixteenth session; the module's docstring has the
     numbers): `release_k` (the K slot released after Q K^T, the V slot after P V: separate "consumed" barriers, so
-    the producer refills K while P V runs, as `attention_mgpu`) and `max_registers` (two-consumer programs
-    redistribute registers: each consumer thread up to 232, the producer's down to 40, `plgpu.set_max_registers`, as
-    FlashAttention-3 and `attention_mgpu`), and the rest of what `attention_mgpu` does in its consumers' loop and
+    the producer refills K while P V runs, as `attention_mgpu`) and `max_registers` (prefill programs redistribute
+    registers, `register_split`: with two consumers each consumer thread up to 232, the producer's down to 40,
+    `plgpu.set_max_registers`, as FlashAttention-3 and `attention_mgpu`; None, its default: on with three consumers,
+    which need it, off with two), and the rest of what `attention_mgpu` does in its consumers' loop and
     ours did not: `wait_k_in_pv` (the next block's K waited
     for while this block's P V wgmma runs, the first block's before the loop, rather than at the top of each
     block) and `fenced_softmax` (the accumulator's rescale, P's conversion and l finished, behind an optimization
@@ -232,7 +247,7 @@ class Codegen:
     registers: bool | None = None
     stages: int | None = None
     release_k: bool = False
-    max_registers: bool = False
+    max_registers: bool | None = None
     fma_softmax: bool | None = None
     wait_k_in_pv: bool = False
     fenced_softmax: bool = False
@@ -280,7 +295,7 @@ class Codegen:
         if stages is None:
             stages = (deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k) if memory_bound
                       else STAGES)
-        elif not interpret:
+        if not interpret:  # given or not: a ring the SMEM cannot hold raises here, naming what fits
             fits = rings_that_fit(consumers=consumers, head_dim=head_dim, block_k=block_k)
             if stages not in fits:
                 need = program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=stages)
@@ -292,9 +307,10 @@ class Codegen:
         pingpong = self.pingpong
         if pingpong is None:
             pingpong = registers and (not memory_bound or stages >= 3) and not self.overlap
-        two = consumers == PREFILL_CONSUMERS  # turns and a register split need two consumers: a decode has one
-        return dataclasses.replace(self, registers=registers, stages=stages, pingpong=pingpong and two,
-                                   max_registers=self.max_registers and two, fma_softmax=fma_softmax)
+        max_registers = consumers > PREFILL_CONSUMERS if self.max_registers is None else self.max_registers
+        many = consumers > 1  # turns and a register split need two consumers or more: a decode has one
+        return dataclasses.replace(self, registers=registers, stages=stages, pingpong=pingpong and many,
+                                   max_registers=max_registers and many, fma_softmax=fma_softmax)
 
 
 def _swizzled(dtype) -> tuple:
@@ -317,14 +333,16 @@ def supported_page_size(page_size: int, block_k: int = BLOCK_K) -> bool:
     return page_size % 8 == 0 and (block_k % page_size == 0 or page_size % block_k == 0)
 
 
-def prefill_block_k(head_dim: int, page_size: int) -> int:
-    """Keys per block of the prefill tiles when none is asked for: 128 at head dims 64 and 128 where the page size
-    allows it, else 64 (at 256 two 128-key slots do not fit a two-consumer program's SMEM). Measured on an H200
+def prefill_block_k(head_dim: int, page_size: int, consumers: int = PREFILL_CONSUMERS) -> int:
+    """Keys per block of the prefill tiles when none is asked for: 128 where the page size allows it and a ring of
+    128-key slots fits the program's SMEM (`rings_that_fit`: two consumers at head dims 64 and 128, three at 64),
+    else 64 (two 128-key slots do not fit at head dim 256, nor with three consumers at 128). Measured on an H200
     (docs/benchmarks.md): at head dim 64 a 64-key block carries half the wgmma work per softmax, barrier and wait
     of one at 128 (the llama3.2-1b shape's chunk 8192 at 1M 253 -> 199 ms, fourteenth session); at head dim 128,
     with P in registers, the Llama-3-8B shape at 1M chunk 2048 75.8 -> 66.1 ms (464 -> 532 TFLOP/s) and chunk 32
     1.25 -> 1.20 ms (sixteenth session; with P through SMEM it had been slower, 84 -> 120 ms)."""
-    return 128 if head_dim <= 128 and supported_page_size(page_size, 128) else BLOCK_K
+    fits = rings_that_fit(consumers=consumers, head_dim=head_dim, block_k=128)
+    return 128 if fits and supported_page_size(page_size, 128) else BLOCK_K
 
 
 def check_block_k(name: str, block_k: int):
@@ -371,6 +389,28 @@ def supports(*, dtype, num_heads: int, num_kv_heads: int, head_dim: int, page_si
 
 
 # ------------------------------------------------------------------------------------------ interpreter
+INTERPRETER_NPROC = 8  # threads XLA's CPU client needs for a three-consumer program in the interpreter (below)
+
+
+def check_interpreter_threads(consumers: int):
+    """Raises where jax's Mosaic GPU interpreter could hang on a program of `consumers` consumer warpgroups. It runs
+    each warpgroup as a thread that blocks (at barriers) inside its own XLA CPU computation, and XLA's CPU client
+    runs computations on a pool of threads as many as the machine's cores, or `NPROC` (an environment variable it
+    reads when jax starts). Measured on a 2-core machine (seventeenth session): two consumers (3 threads) always
+    ran; three (4 threads) hung about one run in four, with the fourth warpgroup's computation never started;
+    with NPROC=4, 5 or 8 every run finished. So three consumers need NPROC >= INTERPRETER_NPROC, or as many cores;
+    the tests' conftest sets it."""
+    if consumers <= PREFILL_CONSUMERS:
+        return
+    nproc = os.environ.get("NPROC", "")
+    threads = int(nproc) if nproc.isdigit() else len(os.sched_getaffinity(0))
+    if threads < INTERPRETER_NPROC:
+        raise RuntimeError(f"consumers={consumers} in jax's Mosaic GPU interpreter runs {consumers + 1} warpgroup "
+                           f"threads that XLA's CPU client must run at once; with {threads} threads (this machine's "
+                           f"cores, or NPROC) it can hang: set NPROC={INTERPRETER_NPROC} in the environment before "
+                           "jax starts, or use consumers=2")
+
+
 def _interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     _interpreter_transposed_wgmma()
@@ -543,7 +583,9 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref,
     if C > 1:
         barriers += [plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # v slot's keys past the tile's zeroed
                      plgpu.Barrier(num_arrivals=C),  # every consumer's loop done (the staging overlays the ring)
-                     plgpu.Barrier(num_arrivals=C)]  # the consumers' turns on the tensor cores (`pingpong`)
+                     # the consumers' turns on the tensor cores (`pingpong`): two meet at one barrier; three or
+                     # more pass a token around a ring, a barrier each (`_program`)
+                     plgpu.Barrier(num_arrivals=C) if C == 2 else plgpu.Barrier(num_arrivals=1, num_barriers=C)]
     tile = (layer_ref, seq_ref, full_ref, hi_ref, items_ref)
     pl.run_scoped(functools.partial(_program, tile, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
                                     num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
@@ -561,12 +603,24 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
     k_consumed, sync = (more[0], more[1:]) if release_k else (consumed, more)  # the K slot's release
     v_zeroed, loop_done, schedule = sync if C > 1 else (None, None, None)
 
+    ring = C > 2  # `pingpong` of three consumers: a token passed around them, not a meeting of two
+
     def take_turn():
         """`pingpong` (two consumers): arrive at the schedule barrier and wait for the other consumer to arrive
         too. Placed as in FlashAttention-3 and jax's `attention_mgpu`: after issuing Q K^T and before P V, so one
         consumer's softmax runs while the other's wgmmas do (the consumers alternate on the tensor cores)."""
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
+
+    def await_turn():
+        """`pingpong` before P V: with two consumers until the other one's turn is done (its arrival after its
+        softmax); with three (`ring`) until the token reaches this consumer's barrier. A consumer's turn on the ring
+        is FlashAttention-3's: its P V, then the next block's Q K^T, after which it passes the token on (`pass_turn`),
+        so while one consumer issues, the other two run their softmax."""
+        plgpu.barrier_wait(schedule.at[wg] if ring else schedule)
+
+    def pass_turn():  # `ring`: the tensor cores to the next consumer
+        plgpu.barrier_arrive(schedule.at[lax.rem(wg + 1, C)])
 
     item, kvh = lax.axis_index("item"), lax.axis_index("kvh")
     wg = lax.axis_index("wg")
@@ -589,7 +643,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
     @pl.when((wg == C) & valid)
     def _producer():
         if max_registers:  # a TMA issuer needs few: the consumers take them (`max_registers`)
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(register_split(C)[0], action="decrease")
 
         def pages_of(step):
             """The page-table entries of the partition's block `step` (columns clamped: one past the last block
@@ -653,7 +707,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
     @pl.when((wg < C) & valid)
     def _consumer():  # rows wg*64 .. wg*64+63 of the tile
         if max_registers:
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(register_split(C)[1], action="increase")
         q_smem, p_smem, o_smem, lim_smem, m_smem, l_smem, q_bar = (
             x.at[wg] for x in (q_smems, p_smems, o_smems, lim_smems, m_smems, l_smems, q_bars))
         f_smem = f_smems[0].at[wg] if f_smems else None
@@ -719,7 +773,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 if masked:
                     plgpu.commit_smem()  # the zeroed V slot
                 if pingpong:
-                    plgpu.barrier_wait(schedule)  # until the other consumer's turn is done
+                    await_turn()
 
                 def pv_in_place(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
@@ -732,7 +786,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             ops.store(p_smem, p16)
             plgpu.commit_smem()
             if pingpong:
-                plgpu.barrier_wait(schedule)  # until the other consumer's turn is done
+                await_turn()
 
             def pv_scoped(acc_ref):
                 plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
@@ -753,7 +807,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             def qk(acc_ref):
                 issue_qk(acc_ref, slot)
                 if pingpong:
-                    take_turn()
+                    pass_turn() if ring else take_turn()
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))  # raw scores
@@ -764,7 +818,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(cdt)
                 acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            if pingpong:
+            if pingpong and not ring:
                 plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may take the tensor cores
             plgpu.barrier_wait(v_bar.at[slot])
             if masked:
@@ -828,11 +882,16 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
         else:
             if wait_k_in_pv:
                 pl.when(hi > lo)(functools.partial(wait_k, lo))
-            if pingpong:
+            if pingpong and ring:  # the token starts at consumer 0; each waits for its first Q K^T's turn
+                pl.when(wg == 0)(lambda: plgpu.barrier_arrive(schedule.at[0]))
+                await_turn()
+            elif pingpong:
                 pl.when(wg == 1)(take_turn)  # consumer 0 goes first
             carry = lax.fori_loop(lo, split, functools.partial(block, masked=False), carry)
             m, l, acc = lax.fori_loop(split, hi, functools.partial(block, masked=True), carry)
-            if pingpong:
+            if pingpong and ring:  # the next consumer's last P V; the last consumer's token would go unawaited
+                pl.when(wg < C - 1)(pass_turn)
+            elif pingpong:
                 pl.when(wg == 0)(take_turn)  # the turn consumer 1 waits for after its last block
         if C > 1:  # the staging below overlays the ring and the P buffers, which the other consumers may still read
             plgpu.barrier_arrive(loop_done)
@@ -914,11 +973,13 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     G = N // K
     rows = launch.lim_rows.shape[1]
     C = rows // ROWS  # consumer warpgroups
-    if rows % ROWS or not 1 <= C <= PREFILL_CONSUMERS or launch.work is None or launch.programs:
-        raise ValueError(f"a Mosaic launch has programs of 64 x (1 .. {PREFILL_CONSUMERS}) rows over the work "
+    if rows % ROWS or not 1 <= C <= MAX_CONSUMERS or launch.work is None or launch.programs:
+        raise ValueError(f"a Mosaic launch has programs of 64 x (1 .. {MAX_CONSUMERS}) rows over the work "
                          f"items of its plan (mosaic_attention.plan_step), got {rows} rows")
     if bq * G > rows or bq % C:
         raise ValueError(f"a tile of {bq} tokens x {G} heads does not fit the kernel's {C} x {ROWS} rows")
+    if interpret:
+        check_interpreter_threads(C)
     qt = pa._tile_rows(q, tile_tok, K, rows)  # the Triton kernels' layout
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)  # a constant when the layer loop is unrolled: no kernel
     NP, items = launch.num_parts, launch.work
@@ -1064,8 +1125,8 @@ def block_q_for(num_heads: int, num_kv_heads: int, consumers: int = PREFILL_CONS
 
 
 def _check_consumers(consumers: int):
-    if consumers not in range(1, PREFILL_CONSUMERS + 1):
-        raise ValueError(f"consumers (warpgroups of 64 rows in a prefill program) must be 1 .. {PREFILL_CONSUMERS}, "
+    if consumers not in range(1, MAX_CONSUMERS + 1):
+        raise ValueError(f"consumers (warpgroups of 64 rows in a prefill program) must be 1 .. {MAX_CONSUMERS}, "
                          f"got {consumers}")
 
 
@@ -1102,7 +1163,7 @@ def plan_step(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_si
     if kind not in (MIXED, DECODE, PREFILL):
         raise ValueError(f"kind must be one of {(MIXED, DECODE, PREFILL)}, got {kind!r}")
     _check_consumers(consumers)
-    block_k = prefill_block_k(head_dim, page_size) if block_k is None else block_k
+    block_k = prefill_block_k(head_dim, page_size, consumers) if block_k is None else block_k
     dec, pre = pa.step_tilings(meta, kind=kind, block_q=block_q_for(num_heads, num_kv_heads, consumers))
     dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size)
     return pa.StepTiles(
@@ -1127,7 +1188,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
                       num_partitions: int | None = None, out_dtype=None, consumers: int = PREFILL_CONSUMERS,
                       block_k: int | None = None, approx_math: bool = True, lookahead: bool = True,
                       pingpong: bool | None = None, registers: bool | None = None, stages: int | None = None,
-                      release_k: bool = False, max_registers: bool = False, fma_softmax: bool | None = None,
+                      release_k: bool = False, max_registers: bool | None = None, fma_softmax: bool | None = None,
                       wait_k_in_pv: bool = False, fenced_softmax: bool = False, overlap: bool = False):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
@@ -1139,7 +1200,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     B = meta.page_table.shape[0]
     bq = block_q_for(N, k_cache.shape[3], consumers)
     tiles = pa._sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
-    block_k = prefill_block_k(H, k_cache.shape[2]) if block_k is None else block_k
+    block_k = prefill_block_k(H, k_cache.shape[2], consumers) if block_k is None else block_k
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
                    out_dtype=out_dtype, consumers=consumers, block_k=block_k,
                    codegen=Codegen(approx_math, lookahead, pingpong, registers, stages, release_k, max_registers,
@@ -1170,7 +1231,7 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
                             consumers: int = PREFILL_CONSUMERS, block_k: int | None = None,
                             decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
                             pingpong: bool | None = None, registers: bool | None = None,
-                            stages: int | None = None, release_k: bool = False, max_registers: bool = False,
+                            stages: int | None = None, release_k: bool = False, max_registers: bool | None = None,
                             fma_softmax: bool | None = None, wait_k_in_pv: bool = False, fenced_softmax: bool = False,
                             overlap: bool = False):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,

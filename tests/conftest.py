@@ -8,6 +8,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Engines built by tests compile each step shape when first needed instead of all at start-up (each test
 # would otherwise compile every bucket); tests/engine/test_compiles.py turns precompiling on and checks it.
 os.environ.setdefault("MNEMOJAX_PRECOMPILE", "0")
+# XLA's CPU client runs computations on a pool of as many threads as the machine has cores, or NPROC: the Mosaic GPU
+# interpreter's three-consumer programs need 4 of them blocked at once (`mosaic_attention.check_interpreter_threads`)
+os.environ.setdefault("NPROC", "8")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()

@@ -38,18 +38,23 @@ class Stage:
 # the defaults the sixteenth session adopted, each against the fourteenth session's (the options give those back)
 OLD_DEFAULTS = "mosaic+block_k=64+decode_partitions=33"
 # the `gpu` tests of the launches the new defaults changed: 128-key prefill blocks at head dim 128 (both head
-# counts), decode in 16 partitions, fma_softmax at head dim 64, and the engine with them; and `overlap`, never run
+# counts), decode in 16 partitions, fma_softmax at head dim 64, and the engine with them; `overlap` and three
+# consumers (`c3`), never run
 NEW_CORRECT = ("engine or short_chunk or head_dim_64 and default or decode-32 or prefill-32 or prefill-c1-32 "
-               "or switch-32 or switch-64 or exact-math-32 or overlap")
+               "or switch-32 or switch-64 or exact-math-32 or overlap or c3")
 OVERLAP = ("mosaic+overlap=true", "mosaic+overlap=true+max_registers=true")
+# three consumer warpgroups (192-row programs), taking turns on the ring (the default for them), without turns, and
+# overlapping each block's softmax with the next block's Q K^T
+CONSUMERS3 = ("mosaic+consumers=3", "mosaic+consumers=3+pingpong=false", "mosaic+consumers=3+overlap=true")
 
 STAGES = (
     Stage("new-correct", (("-m", "pytest", "-q", "-m", "gpu", "tests/models/test_mosaic_attention.py", "-k",
-                           NEW_CORRECT),), 150, 90,
+                           NEW_CORRECT),), 210, 120,
           env=(("JAX_PLATFORMS", "cuda,cpu"),),
           why="the sixteenth session's new defaults (128-key prefill blocks at head dim 128, decode in one wave of "
-              "16 partitions, fma_softmax at head dim 64) against the float32 reference at both head counts, and "
-              "the engine's greedy tokens with attention='auto' (mosaic on Hopper)"),
+              "16 partitions, fma_softmax at head dim 64), overlap and three consumers against the float32 "
+              "reference at both head counts, and the engine's greedy tokens with attention='auto' (mosaic on "
+              "Hopper)"),
     Stage("new-speed", (("scripts/bench_attention.py", "--impl", f"mosaic,{OLD_DEFAULTS}", "--contexts",
                          "262144,1048576", "--chunks", "32,2048", "--decode_batches", "1,8", "--samples", "3",
                          "--calls", "10", "--repeats", "3"),
@@ -70,6 +75,17 @@ STAGES = (
               "inside a warpgroup), alone and with registers redistributed, against the defaults: the 8B shape at 1M "
               "and the llama3.2-1b shape's chunk 8192 (its TTFT's attention); ptxas's report (registers, spills) "
               "in the log"),
+    Stage("consumers3", (("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + CONSUMERS3),
+                          "--model_shape", "llama3.2-1b", "--contexts", "1048576", "--chunks", "8192",
+                          "--decode_batches", "", "--samples", "2", "--calls", "3", "--no_baselines"),
+                         ("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + CONSUMERS3[:1]),
+                          "--contexts", "1048576", "--chunks", "32,2048", "--decode_batches", "", "--samples", "3",
+                          "--calls", "10", "--repeats", "3", "--no_baselines")), 200, 100,
+          env=(("MOSAIC_GPU_DUMP_PTXAS", "1"),),
+          why="issue 15: three consumer warpgroups a program (192 rows share each K/V load, registers split 32 / "
+              "160, FlashAttention-3's tile at head dim 64) against two: the llama3.2-1b shape's chunk 8192 at 1M "
+              "(its TTFT's attention, target 150 s: about 470 TFLOP/s needed, 364 measured) and the 8B shape; "
+              "ptxas's report (registers, spills) in the log"),
     Stage("pages", tuple(("scripts/bench_attention.py", "--impl", "mosaic", "--page_size", page, "--contexts",
                           "1048576", "--chunks", "32,2048", "--decode_batches", "1", "--samples", "3", "--calls",
                           "10", "--repeats", "3") for page in ("128", "16")), 200, 120,

@@ -233,7 +233,9 @@ def race_detection(monkeypatch):
     pytest.param("prefill", dict(overlap=True), id="prefill-overlap"),
     pytest.param("decode", dict(overlap=True), marks=pytest.mark.slow, id="decode-overlap"),
     pytest.param("prefill", dict(overlap=True, fma_softmax=True, stages=3), marks=pytest.mark.slow,
-                 id="prefill-overlap-fma-stages3")],
+                 id="prefill-overlap-fma-stages3"),
+    pytest.param("prefill", dict(consumers=3, pingpong=True), id="prefill-c3-ring"),
+    pytest.param("prefill", dict(consumers=3, overlap=True), marks=pytest.mark.slow, id="prefill-c3-overlap")],
     ids=str)
 def test_a_program_refills_its_slots_without_races(kind, options, race_detection):
     """One partition over more key blocks than the ring has slots (by default 2 for the one-partition prefill, 4
@@ -248,10 +250,14 @@ def test_a_program_refills_its_slots_without_races(kind, options, race_detection
     rings of 2 to 4 slots (`stages`), with the K slot released after Q K^T on its own barrier (`release_k`: the
     producer waits on two barriers per block; `max_registers` beside it is a no-op in the interpreter), and with
     the rest of `attention_mgpu`'s consumer loop (`fma_softmax`, `wait_k_in_pv`: each K waited for once, the next
-    during P V, and `fenced_softmax`), and with each block's softmax under the next block's Q K^T (`overlap`: the
-    scores carried from one block to the next, the last block's issued by none)."""
+    during P V, and `fenced_softmax`), with each block's softmax under the next block's Q K^T (`overlap`: the
+    scores carried from one block to the next, the last block's issued by none), and with three prefill consumers
+    (48-token tiles: a 60-token chunk takes two, its second tile's third consumer holds no token) passing their turn
+    around a ring of barriers, or overlapping."""
     rng = np.random.default_rng(11)
     seqs = [(300, 1, 0), (70, 1, 0)] if kind == "decode" else [(300, 20, 0), (9, 9, 0)]
+    if options.get("consumers") == 3:
+        seqs = [(300, 60, 0), (9, 9, 0)]
     step = make_step(rng, seqs, num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
     fn = ma.decode_attention if kind == "decode" else functools.partial(ma.prefill_attention, block_k=64)
     check(fn, step, num_partitions=1, **options)
@@ -389,6 +395,7 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page, options):
                                  registers=False), 2),
               (functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP), 2),
               (functools.partial(ma.paged_attention_mosaic, overlap=True, max_registers=True), 2),
+              (functools.partial(ma.paged_attention_mosaic, consumers=3), 2),  # the ring, registers split
               (functools.partial(_ONE_PARTITION, registers=True), 2))
     assert_lowers_for_cuda(jnp.bfloat16, base + (tuning if options else ()), "@mosaic_gpu_v2", num_heads=num_heads,
                            page=page)
@@ -430,11 +437,11 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
         paths = tuple((functools.partial(fn, kind=kind), 1) for fn, _ in OUTPUT_PATHS)
         with mgpu_core.artificial_shared_memory_limit(limit):
             assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
-    if head_dim <= 128:  # a ring of 4 slots of 64 keys with one partition, or attention_mgpu's loop with 128-key
-        # blocks (options): a prefill program still fits (one per SM), at 256 not; a decode program with a ring of 3
-        # fits one per SM
+    if head_dim <= 128:  # a ring of 4 slots of 64 keys with one partition, attention_mgpu's loop with 128-key
+        # blocks (options), or three consumers (their default blocks: 128 keys at head dim 64, 64 at 128): a prefill
+        # program still fits (one per SM), at 256 not; a decode program with a ring of 3 fits one per SM
         for kind, options in (("prefill", dict(stages=4, block_k=64)), ("decode", dict(stages=3)),
-                              ("prefill", MGPU_LOOP)):
+                              ("prefill", MGPU_LOOP), ("prefill", dict(consumers=3))):
             paths = tuple((functools.partial(fn, kind=kind, **options), 1) for fn, _ in OUTPUT_PATHS)
             with mgpu_core.artificial_shared_memory_limit(H100_SMEM_PER_BLOCK):
                 assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
@@ -482,6 +489,26 @@ def test_code_generation_is_chosen_per_launch():
                                            block_k=64).stages == 3
     with pytest.raises(ValueError, match="no ring of 128-key slots fits: ask for block_k=64"):
         ma.Codegen(stages=2).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=256, block_k=128)
+    # three consumers: the registers redistributed (without, each thread may take 128), turns on the ring; a given
+    # max_registers wins; two consumers keep theirs unsplit; the split stays within an SM's 65,536 registers, in
+    # setmaxnreg's range (24 to 256, multiples of 8)
+    def three(codegen=ma.Codegen(), **launch):
+        return codegen.for_launch(**dict(dict(interpret=False, consumers=3, num_parts=1, head_dim=64, block_k=128),
+                                         **launch))
+    assert (three().max_registers, three().pingpong, three().stages, three().fma_softmax) == (True, True, 2, True)
+    assert not three(ma.Codegen(max_registers=False)).max_registers
+    assert not ma.Codegen().for_launch(interpret=False, consumers=2, num_parts=1, head_dim=64,
+                                       block_k=128).max_registers
+    assert (ma.register_split(2), ma.register_split(3)) == ((40, 232), (32, 160))
+    for consumers in (2, 3):
+        producer, consumer = ma.register_split(consumers)
+        assert all(r % 8 == 0 and 24 <= r <= 256 for r in (producer, consumer))
+        assert 128 * (producer + consumers * consumer) <= 65_536
+    # three consumers' 128-key slots at head dim 128 do not fit, even the default ring (`prefill_block_k` takes
+    # 64-key blocks there)
+    with pytest.raises(ValueError, match="no ring of 128-key slots fits: ask for block_k=64"):
+        three(head_dim=128)
+    assert three(head_dim=128, block_k=64).stages == 2
     # the count behind the ring: 2 slots of 64 keys at head dim 128, one consumer, is Mosaic's 95,288 bytes less
     # what it adds (row limits, m / l staging, barriers): 5,176 bytes, within SMEM_MARGIN
     assert ma.program_smem_bytes(consumers=1, head_dim=128, block_k=64, stages=2) == 95_288 - 5_176
@@ -575,6 +602,9 @@ def test_what_the_kernels_refuse():
     with pytest.raises(ValueError, match=r"max_registers .* needs prefill programs of two consumers, got consumers=1"):
         run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, max_registers=True,
             consumers=1)
+    with pytest.raises(ValueError, match=r"consumers \(warpgroups of 64 rows in a prefill program\) must be 1 \.\. 3, "
+                                         r"got 4"):
+        run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, consumers=4)
     with pytest.raises(ValueError, match=r"registers=True .* is compiled only"):
         run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, registers=True)
     if not on_hopper_gpu():
@@ -582,6 +612,20 @@ def test_what_the_kernels_refuse():
         with pytest.raises(RuntimeError, match="attention='mosaic' needs an NVIDIA Hopper GPU .*use 'pallas', "
                                                "'reference' or 'mosaic_interpret'"):
             run(functools.partial(attention, "mosaic"), step, block_pages=1)
+
+
+def test_three_consumers_in_the_interpreter_ask_for_enough_threads(monkeypatch):
+    """The interpreter runs a program's warpgroups as threads blocked inside XLA CPU computations, which XLA's CPU
+    client runs on NPROC threads (or as many as the cores): three consumers with fewer than 8 raise, naming NPROC,
+    rather than hang as they did one run in four on 2 cores; two consumers run with any number."""
+    step = make_step(np.random.default_rng(0), [(5, 2, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16,
+                     dtype=jnp.bfloat16)
+    monkeypatch.setenv("NPROC", "2")
+    with pytest.raises(RuntimeError, match=r"consumers=3 .* 4 warpgroup threads .* set NPROC=8"):
+        run(ma.prefill_attention, step, interpret=True, consumers=3)
+    ma.check_interpreter_threads(2)
+    monkeypatch.setenv("NPROC", "8")
+    ma.check_interpreter_threads(3)
 
 
 def _engine_tokens(tmp_path, impls, max_tokens: int = 3, runs: dict | None = None):
@@ -653,7 +697,10 @@ COMPILED = {"decode": ma.decode_attention,
             # never run on a GPU yet (sixteenth session)
             "switch-overlap": functools.partial(ma.paged_attention_mosaic, overlap=True),
             "switch-overlap-max-registers": functools.partial(ma.paged_attention_mosaic, overlap=True,
-                                                              max_registers=True)}
+                                                              max_registers=True),
+            # never run on a GPU yet (seventeenth session): three consumers, taking turns on the ring, or overlapping
+            "switch-c3": functools.partial(ma.paged_attention_mosaic, consumers=3),
+            "switch-c3-overlap": functools.partial(ma.paged_attention_mosaic, consumers=3, overlap=True)}
 
 
 @pytest.mark.gpu
@@ -686,11 +733,13 @@ def test_compiled_kernels_split_a_short_chunk_among_many_sequence_slots_on_hoppe
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
 @pytest.mark.parametrize("options", [pytest.param({}, id="default-128"), pytest.param(dict(block_k=64), id="block64"),
-                                     pytest.param(dict(overlap=True, max_registers=True), id="overlap")])
+                                     pytest.param(dict(overlap=True, max_registers=True), id="overlap"),
+                                     pytest.param(dict(consumers=3), id="c3")])
 def test_compiled_kernels_at_head_dim_64_on_hopper_match_float32_reference(options):
     """The compiled kernels at the llama3.2-1b attention shape (32 q heads, 8 kv heads, head dim 64, page 16), whose
     prefill tiles take 128-key blocks by default (`prefill_block_k`), with 64-key blocks asked for, and with each
-    block's softmax under the next block's Q K^T (`overlap`, registers redistributed)."""
+    block's softmax under the next block's Q K^T (`overlap`, registers redistributed), and with three consumers
+    (192-row programs of 48 tokens, FlashAttention-3's tile at this head dim)."""
     rng = np.random.default_rng(64)
     seqs = [(5000, 512, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (1, 1, 0), (0, 3, 0), (900, 17, 3000)]
     step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=64, page=16, dtype=jnp.bfloat16, pad_rows=3)
@@ -712,11 +761,15 @@ def test_supports_says_what_check_shapes_accepts():
 
 def test_prefill_blocks_default_to_128_keys_at_head_dims_64_and_128():
     """The default prefill key block: 128 at head dims 64 and 128 where the page size allows it, else 64 (at 256
-    two 128-key slots do not fit a two-consumer program); decode blocks stay 64; an asked-for block wins."""
+    two 128-key slots do not fit a two-consumer program, nor at 128 a three-consumer one); decode blocks stay 64;
+    an asked-for block wins."""
     assert ma.prefill_block_k(64, 16) == 128 and ma.prefill_block_k(64, 256) == 128
     assert ma.prefill_block_k(64, 192) == 64  # 192 neither divides 128 nor is a multiple of it
     assert ma.prefill_block_k(128, 16) == 128 and ma.prefill_block_k(128, 8) == 128
     assert ma.prefill_block_k(128, 192) == 64 and ma.prefill_block_k(256, 16) == 64
+    # three consumers: 128-key slots fit at head dim 64, not at 128; one consumer's fit at 128, not at 256
+    assert ma.prefill_block_k(64, 16, 3) == 128 and ma.prefill_block_k(128, 16, 3) == 64
+    assert ma.prefill_block_k(128, 16, 1) == 128 and ma.prefill_block_k(256, 16, 1) == 64
     step = make_step(np.random.default_rng(0), [(300, 20, 0), (90, 1, 0)], num_heads=32, num_kv_heads=8, head_dim=64,
                      page=16)
     meta = AttentionMetadata(**{k: v for k, v in step.items() if k not in ("q", "k_cache", "v_cache", "layer")})
