@@ -253,6 +253,30 @@ def count_launches(text: str) -> Launches:
     return Launches(cats, layers, loops[0], loops[1], conditionals)
 
 
+def layer_kernels(text: str, layer: int) -> list[str]:
+    """The kernels and copies of layer `layer` (ops named `layer_<layer>/`) in the HLO module `text`, in program
+    order, one line each: category, name, result type. While loops' bodies and calls' computations are walked (each
+    kernel listed once, whatever the trip count); conditionals are left out (`count_launches` counts them)."""
+    comps, entry = parse_hlo(text)
+    layer_of = _layer_pattern()
+    found = []
+
+    def walk(name: str, where: int):
+        for ins in comps[name]:
+            m = layer_of.search(ins.text)
+            here = int(m.group(1)) if m else where
+            if ins.opcode in _FREE or ins.opcode.endswith("-done") or ins.opcode == "conditional":
+                continue
+            if ins.opcode in ("while", "call"):
+                for c in ins.runs():
+                    walk(c, here)
+            elif here == layer:
+                found.append(f"{_category(ins):<10} {ins.name:<36} {ins.type[:70]}")
+
+    walk(entry, -1)
+    return found
+
+
 def _executed(comps: dict[str, list[Instruction]], entry: str) -> list[str]:
     """The computations whose instructions run as launches (not fused computations' bodies): the entry and what
     its while loops, conditionals and calls run, transitively."""
@@ -407,6 +431,7 @@ class Compiled:
     weight_copies: int
     temp_mib: float  # the step's scratch memory on the device (XLA's memory analysis), besides its arguments
     seconds: float
+    layer: list[str] = dataclasses.field(default_factory=list)  # `--show_layer`'s kernels (`layer_kernels`)
 
 
 def resolve_auto(model: str, dtype: str, page_size: int, mesh) -> str:
@@ -423,8 +448,9 @@ def resolve_auto(model: str, dtype: str, page_size: int, mesh) -> str:
         return resolve_for_model(AUTO, preset(model), dtype, page_size)
 
 
-def compile_step(executor, T: int, R: int, kind: str, devices) -> Compiled:
-    """The step of shape (T, R, kind) compiled for `devices` (compile-only or real), and what it launches."""
+def compile_step(executor, T: int, R: int, kind: str, devices, show_layer: int | None = None) -> Compiled:
+    """The step of shape (T, R, kind) compiled for `devices` (compile-only or real), and what it launches (and the
+    kernels of layer `show_layer`, when given)."""
     from shardings.mesh import make_mesh
 
     mesh = make_mesh(executor.kvp, executor.spp, executor.tp, devices=devices)
@@ -434,7 +460,8 @@ def compile_step(executor, T: int, R: int, kind: str, devices) -> Compiled:
     text = compiled.as_text()
     temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
     shapes = layer_weight_shapes(executor)
-    return Compiled(T, R, kind, count_launches(text), len(weight_copies(text, shapes)), temp, seconds)
+    return Compiled(T, R, kind, count_launches(text), len(weight_copies(text, shapes)), temp, seconds,
+                    [] if show_layer is None else layer_kernels(text, show_layer))
 
 
 def table(rows: list[tuple[str, Compiled]], num_layers: int) -> str:
@@ -472,6 +499,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--all_shapes", action="store_true",
                    help="compile every step shape the engine compiles at start-up (Executor.shape_buckets) instead "
                         "of one of each kind: whether all compile for the target, and how long that takes here")
+    p.add_argument("--show_layer", type=int, default=None,
+                   help="also list the kernels of this layer of each step (category, name, result type)")
     p.add_argument("--kvp", type=int, default=1)
     p.add_argument("--spp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
@@ -511,8 +540,12 @@ def main(argv=None) -> None:
                                      max_model_len=args.max_model_len)
         shapes = executor.shape_buckets() if args.all_shapes else step_shapes(executor, args.batch)
         for T, R, kind in shapes:
-            rows.append((impl, compile_step(executor, T, R, kind, devices)))
+            rows.append((impl, compile_step(executor, T, R, kind, devices, args.show_layer)))
             print(f"compiled {impl} {kind} T={T} R={R} in {rows[-1][1].seconds:.1f} s", flush=True)
+            if args.show_layer is not None:
+                kernels = rows[-1][1].layer
+                print(f"  layer {args.show_layer}'s {len(kernels)} kernels:\n    " + "\n    ".join(kernels),
+                      flush=True)
     print(table(rows, len(executor.params["layers"])))
     if args.all_shapes:
         for impl in dict(rows):

@@ -92,6 +92,12 @@ STAGES = (
           why="issue 15: whether the TMA copy per page is what keeps chunk 2048 behind attention_mgpu (one copy of "
               "128 keys a block against eight of 16) and decode behind torch SDPA: pages of 128, then pages of 16 "
               "again on the same machine"),
+    Stage("decode-profile", (("scripts/bench_attention.py", "--impl", "mosaic", "--contexts", "262144",
+                              "--chunks", "32", "--decode_batches", "1", "--samples", "1", "--calls", "10",
+                              "--no_baselines", "--profile"),), 120, 60,
+          why="issue 15: where the decode's last ~8% against torch SDPA goes: the GPU time of each kernel of a decode "
+              "layer at 256K (XLA's optimized HLO, compiled for an H100 without one, has 8 small fusions beside the "
+              "Mosaic kernel: q's tile rows, the blank out / lse, the partitions' merge and its scatter)"),
     Stage("correctness", (("-m", "pytest", "-q", "-m", "gpu", "tests/models"),), 300, 120,
           env=(("JAX_PLATFORMS", "cuda,cpu"),),
           why="every compiled kernel and option against the float32 reference, and the engine's greedy tokens "

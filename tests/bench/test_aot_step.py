@@ -7,8 +7,8 @@ import pytest
 from jax import lax
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from mnemojax.bench.aot_step import (abstract_executor, count_launches, layer_weight_shapes, main, parse_hlo,
-                                     resolve_auto, weight_copies)
+from mnemojax.bench.aot_step import (abstract_executor, count_launches, layer_kernels, layer_weight_shapes, main,
+                                     parse_hlo, resolve_auto, weight_copies)
 from models.attention import TargetDevice, on_hopper_gpu, on_nvidia_gpu, target_device
 from models.kernels import DECODE, MIXED, PREFILL
 from shardings.mesh import KVP, SPP, TP
@@ -79,6 +79,16 @@ def test_count_launches_of_a_hand_written_module():
     assert dict(n.by_category) == {"fusion": 2 + 9 + 1, "gemm": 1, "attention": 1, "copy": 1, "other": 1}
     assert n.total == 16 and n.per_layer() == 2.5
     assert (n.loops, n.unknown_trips, n.conditionals, n.skipped) == (1, 0, [(3, 1)], 2)
+
+
+def test_layer_kernels_lists_one_layers_launches_in_order():
+    """`--show_layer`: layer 0's norm fusion, gemm and attention kernel, layer 1's fusion and copy, by category, name
+    and result type; a layer the module lacks has none; the loop and conditional (outside the layers) never."""
+    assert [line.split()[:2] for line in layer_kernels(HLO, 0)] == [["fusion", "norm.0"], ["gemm", "gemm.0"],
+                                                                     ["attention", "attn.0"]]
+    assert layer_kernels(HLO, 0)[2].split()[2] == "(bf16[16,64]{1,0},"
+    assert [line.split()[:2] for line in layer_kernels(HLO, 1)] == [["fusion", "norm.1"], ["copy", "copy.1"]]
+    assert layer_kernels(HLO, 2) == []
 
 
 def test_weight_copies_finds_copies_of_stored_arrays_not_matmuls():
