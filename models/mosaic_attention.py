@@ -218,8 +218,8 @@ def default_partitions(*, consumers: int, num_kv_heads: int, head_dim: int, bloc
 class Codegen:
     """How the kernel is generated, not how the step is tiled (the kernels' code-generation options, one value
     from the public functions' keywords to the kernel): `approx_math` (`compiler_params`), `lookahead` (the next
-    block's page-table entries loaded before the producer's wait), `pingpong` (two prefill consumers taking turns
-    at a schedule barrier), `registers` (P in registers for P V, the accumulator updated in place: compiled only),
+    block's page-table entries loaded before the producer's wait), `pingpong` (the prefill consumers taking turns:
+    two at a schedule barrier, three passing a token around a ring of barriers), `registers` (P in registers for P V, the accumulator updated in place: compiled only),
     `stages` (K/V slots in the ring), `fma_softmax` (the row max taken of the raw scores and scaled after, the same
     value since the scale is positive and rounding monotonic, so each score's exponent is one multiply-add,
     `s * scale - m`, rather than a multiply and then a subtraction; blocks at the causal edge keep the multiply,
@@ -278,7 +278,7 @@ class Codegen:
             128-key prefill blocks at head dim 128 fit 2, and chunk 32 with them, 2 slots and no turns, measured
             1.20 ms against 1.25 with 64-key blocks, 4 slots and turns, sixteenth session), else 2 (chunk 2048
             with 4: 83.0 against 75.5 ms);
-          - `pingpong`: with P in registers, two-consumer programs take turns (chunk 2048 78.9 -> 75.5 ms; chunk 32
+          - `pingpong`: with P in registers, programs of two consumers or more take turns (chunk 2048 78.9 -> 75.5 ms; chunk 32
             with the ring of 4 2.01 -> 1.93 ms), but memory-bound ones only with a ring of 3 or more slots (with 2,
             chunk 32 was slower: 2.02 -> 2.37 ms);
           - `fma_softmax`: compute-bound launches at head dim 64, where a score carries the least wgmma work
@@ -303,7 +303,8 @@ class Codegen:
                                  f"({consumers} consumer(s)) need about {need + SMEM_MARGIN} bytes of SMEM, over the "
                                  f"{SMEM_PER_BLOCK} a block may take; "
                                  + (f"the most that fit: {max(fits)}" if fits else f"no ring of {block_k}-key slots "
-                                    f"fits: ask for block_k={BLOCK_K}"))
+                                    + (f"fits: ask for block_k={BLOCK_K}" if block_k > BLOCK_K else
+                                       f"fits {consumers} consumer(s) at head dim {head_dim}")))
         pingpong = self.pingpong
         if pingpong is None:
             pingpong = registers and (not memory_bound or stages >= 3) and not self.overlap
@@ -395,15 +396,17 @@ INTERPRETER_NPROC = 8  # threads XLA's CPU client needs for a three-consumer pro
 def check_interpreter_threads(consumers: int):
     """Raises where jax's Mosaic GPU interpreter could hang on a program of `consumers` consumer warpgroups. It runs
     each warpgroup as a thread that blocks (at barriers) inside its own XLA CPU computation, and XLA's CPU client
-    runs computations on a pool of threads as many as the machine's cores, or `NPROC` (an environment variable it
-    reads when jax starts). Measured on a 2-core machine (seventeenth session): two consumers (3 threads) always
-    ran; three (4 threads) hung about one run in four, with the fourth warpgroup's computation never started;
-    with NPROC=4, 5 or 8 every run finished. So three consumers need NPROC >= INTERPRETER_NPROC, or as many cores;
-    the tests' conftest sets it."""
+    runs computations on a pool of threads as many as the machine's cores, or `NPROC` (an environment variable read
+    once, when jax's CPU backend starts: set it before). Measured on a 2-core machine (seventeenth session): two
+    consumers (3 threads) always ran; three (4 threads) hung in most runs (one in four in a first batch, five of
+    five in a later one; `PJRT_NPROC=8` five of five too), the fourth warpgroup's computation never started; with
+    NPROC=4, 5 or 8 every run finished (16 runs). So three consumers need NPROC >= INTERPRETER_NPROC, or as many
+    cores; the tests' conftest sets it. (What is read here is the environment now, which a process that changed it
+    after jax started would not have.)"""
     if consumers <= PREFILL_CONSUMERS:
         return
     nproc = os.environ.get("NPROC", "")
-    threads = int(nproc) if nproc.isdigit() else len(os.sched_getaffinity(0))
+    threads = int(nproc) if nproc.isdigit() else (os.cpu_count() or 1)
     if threads < INTERPRETER_NPROC:
         raise RuntimeError(f"consumers={consumers} in jax's Mosaic GPU interpreter runs {consumers + 1} warpgroup "
                            f"threads that XLA's CPU client must run at once; with {threads} threads (this machine's "
@@ -531,7 +534,7 @@ class _Ops:
 def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs,
             num_parts: int, group: int, scale: float, ops: _Ops, out_dtype, block_k: int, codegen: Codegen):
     """One (work item, kv head) program, the item a (tile, partition) of the step's plan: warpgroups 0 .. C-1
-    consume (64 rows each), warpgroup C produces (TMA), C = the tile's rows / 64 (`PREFILL_CONSUMERS` for prefill
+    consume (64 rows each), warpgroup C produces (TMA), C = the tile's rows / 64 (`consumers`, 1 to 3, for prefill
     tiles, 1 for decode tiles).
 
     layer_ref i32[1]; seq_ref / full_ref / hi_ref i32[nt]: the tile's sequence, the keys all its rows see, the keys
@@ -1093,8 +1096,8 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     if tiles.prefill is not None and tiles.prefill.lim_rows.shape[1] < 2 * ROWS:
         for name in ("pingpong", "max_registers"):
             if getattr(codegen, name):
-                raise ValueError(f"{name} (the two prefill consumers taking turns, or their registers) needs prefill "
-                                 "programs of two consumers, got consumers=1")
+                raise ValueError(f"{name} (the prefill consumers taking turns, or their registers) needs prefill "
+                                 "programs of two consumers or more, got consumers=1")
     if out_dtype not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be q's dtype ({q.dtype}) or float32, got {out_dtype}")
     into = None
@@ -1124,10 +1127,19 @@ def block_q_for(num_heads: int, num_kv_heads: int, consumers: int = PREFILL_CONS
     return consumers * ROWS // (num_heads // num_kv_heads)
 
 
-def _check_consumers(consumers: int):
+def _check_consumers(consumers: int, head_dim: int):
+    """Raises for a consumer count the kernels lack (1 to 3), or whose program cannot fit the SMEM at `head_dim`
+    even with 2 slots of 64 keys (three consumers at head dim 256: Q and the float32 staging alone are 294,912
+    bytes), naming what fits."""
     if consumers not in range(1, MAX_CONSUMERS + 1):
         raise ValueError(f"consumers (warpgroups of 64 rows in a prefill program) must be 1 .. {MAX_CONSUMERS}, "
                          f"got {consumers}")
+    if not rings_that_fit(consumers=consumers, head_dim=head_dim, block_k=BLOCK_K):
+        most = max(c for c in range(1, MAX_CONSUMERS + 1)
+                   if rings_that_fit(consumers=c, head_dim=head_dim, block_k=BLOCK_K))
+        raise ValueError(f"consumers={consumers}: their program at head dim {head_dim} exceeds a block's "
+                         f"{SMEM_PER_BLOCK} bytes of SMEM even with 2 K/V slots of {BLOCK_K} keys; at most "
+                         f"{most} consumer(s) fit there")
 
 
 def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -1162,7 +1174,7 @@ def plan_step(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_si
     and read by every layer's attention (`tiles=`)."""
     if kind not in (MIXED, DECODE, PREFILL):
         raise ValueError(f"kind must be one of {(MIXED, DECODE, PREFILL)}, got {kind!r}")
-    _check_consumers(consumers)
+    _check_consumers(consumers, head_dim)
     block_k = prefill_block_k(head_dim, page_size, consumers) if block_k is None else block_k
     dec, pre = pa.step_tilings(meta, kind=kind, block_q=block_q_for(num_heads, num_kv_heads, consumers))
     dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size)
@@ -1195,7 +1207,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     `models.attention.paged_attention` (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by
     default, or float32), lse f32[T, N]."""
     _check(q, k_cache, v_cache, meta, interpret)
-    _check_consumers(consumers)
+    _check_consumers(consumers, q.shape[2])
     T, N, H = q.shape
     B = meta.page_table.shape[0]
     bq = block_q_for(N, k_cache.shape[3], consumers)

@@ -8,8 +8,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Engines built by tests compile each step shape when first needed instead of all at start-up (each test
 # would otherwise compile every bucket); tests/engine/test_compiles.py turns precompiling on and checks it.
 os.environ.setdefault("MNEMOJAX_PRECOMPILE", "0")
-# XLA's CPU client runs computations on a pool of as many threads as the machine has cores, or NPROC: the Mosaic GPU
-# interpreter's three-consumer programs need 4 of them blocked at once (`mosaic_attention.check_interpreter_threads`)
+# XLA's CPU client runs computations on as many threads as the machine has cores, or NPROC (read when jax starts,
+# so here): the Mosaic GPU interpreter's three-consumer programs, 4 warpgroup threads blocked at barriers at once,
+# hung on 2 cores and ran with NPROC=8 (`mosaic_attention.check_interpreter_threads`). It sizes the pool for every
+# test; the default suite's time with it is in docs/benchmarks.md (seventeenth session)
 os.environ.setdefault("NPROC", "8")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):

@@ -152,6 +152,18 @@ def test_overlap_refuses_what_orders_the_loop_otherwise():
     assert (c.registers, c.pingpong, c.overlap) == (True, False, True)
 
 
+@pytest.mark.slow  # ~25 s in the interpreter (the ring with one partition stays in the default suite)
+def test_three_consumers_take_turns_over_split_tiles(race_detection):
+    """Three consumers on the ring of barriers in partitions of two blocks, one and none: a 20-token chunk at 300
+    keys (five 64-key blocks) in four partitions (2, 2, 1 and 0 blocks: the empty one's consumers pass the token
+    0 -> 1 -> 2 and wait for nothing else), against the reference, with the race detector on."""
+    rng = np.random.default_rng(33)
+    step = make_step(rng, [(300, 20, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
+    assert list(planned_parts(step, "prefill", num_partitions=4, consumers=3, block_k=64)) == [4, 4, 4, 4]
+    check(functools.partial(ma.prefill_attention, block_k=64), step, num_partitions=4, consumers=3, pingpong=True)
+    assert not race_detection()
+
+
 def test_work_items_share_the_programs_by_the_keys_the_step_holds():
     """`_work_items`, by hand: a tile that holds tokens gets one partition or more, spare partitions (the most a
     tile may take, less the tiles that hold tokens) go by key blocks, never more partitions than blocks; past the
@@ -252,8 +264,8 @@ def test_a_program_refills_its_slots_without_races(kind, options, race_detection
     the rest of `attention_mgpu`'s consumer loop (`fma_softmax`, `wait_k_in_pv`: each K waited for once, the next
     during P V, and `fenced_softmax`), with each block's softmax under the next block's Q K^T (`overlap`: the
     scores carried from one block to the next, the last block's issued by none), and with three prefill consumers
-    (48-token tiles: a 60-token chunk takes two, its second tile's third consumer holds no token) passing their turn
-    around a ring of barriers, or overlapping."""
+    (48-token tiles, 16 tokens a consumer: a 60-token chunk takes two, its second tile's 12 tokens all in the first
+    consumer, the other two holding none) passing their turn around a ring of barriers, or overlapping."""
     rng = np.random.default_rng(11)
     seqs = [(300, 1, 0), (70, 1, 0)] if kind == "decode" else [(300, 20, 0), (9, 9, 0)]
     if options.get("consumers") == 3:
@@ -596,15 +608,18 @@ def test_what_the_kernels_refuse():
             run(ma.paged_attention_mosaic, step, interpret=True, **options)
     with pytest.raises(ValueError, match=r"stages \(K/V slots in the ring\) must be one of \(2, 3, 4\), got 5"):
         run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, stages=5)
-    with pytest.raises(ValueError, match=r"pingpong .* needs prefill programs of two consumers, got consumers=1"):
+    with pytest.raises(ValueError, match=r"pingpong .* needs prefill programs of two consumers or more, got consumers=1"):
         run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, pingpong=True,
             consumers=1)
-    with pytest.raises(ValueError, match=r"max_registers .* needs prefill programs of two consumers, got consumers=1"):
+    with pytest.raises(ValueError, match=r"max_registers .* needs prefill programs of two consumers or more, got consumers=1"):
         run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, max_registers=True,
             consumers=1)
     with pytest.raises(ValueError, match=r"consumers \(warpgroups of 64 rows in a prefill program\) must be 1 \.\. 3, "
                                          r"got 4"):
         run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, consumers=4)
+    with pytest.raises(ValueError, match=r"consumers=3: their program at head dim 256 exceeds .* at most 2 consumer"):
+        run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **dict(ok, head_dim=256)), interpret=True,
+            consumers=3)
     with pytest.raises(ValueError, match=r"registers=True .* is compiled only"):
         run(ma.paged_attention_mosaic, make_step(rng, [(5, 2, 0)], **ok), interpret=True, registers=True)
     if not on_hopper_gpu():
