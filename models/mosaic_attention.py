@@ -48,10 +48,10 @@ two-consumer split-K launch's 128-key blocks at head dim 128 fit 2, and then tak
 Q K^T on its own barrier; chunk 2048 75.8 -> 80.4 ms), `max_registers` (`plgpu.set_max_registers`: consumers 232
 per thread, the producer 40; 76.0), `wait_k_in_pv` (the next K waited for during P V; 79.3) and `fenced_softmax`
 (the softmax finished before the turn is handed over; 75.7), each as `attention_mgpu` does; all of them with
-128-key blocks, 70.4 against 66.1 with 128-key blocks alone. Off and unmeasured: `overlap` (each block's softmax
-while the tensor cores run the next block's Q K^T, issued before it: FlashAttention-3's overlap inside a
-warpgroup, which neither `attention_mgpu` nor the default loop has; the scores are carried from one block to the
-next, and ping-pong is off under it).
+128-key blocks, 70.4 against 66.1 with 128-key blocks alone. Off and unmeasured: `overlap`, FlashAttention-3's
+loop (its overlap inside a warpgroup, which neither `attention_mgpu` nor the default loop has): each block's Q K^T
+and the previous block's P V issued back to back, in the consumer's turn on a ring of barriers, then the block's
+softmax under that P V, P carried from block to block and K's slot freed after Q K^T (`release_k`).
 The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once every consumer's
 loop ends, which the consumers wait for with a barrier when C > 1). With 2 slots a decode program takes 54,328 /
 95,288 / 177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count; with separate staging head dim 256 and a float32
@@ -226,7 +226,8 @@ class Codegen:
     their mask works on scaled scores; as jax's `attention_mgpu`). None (the default of those four): chosen per
     launch (`for_launch`). Off, measured no faster on an H200 (sixteenth session; the module's docstring has the
     numbers): `release_k` (the K slot released after Q K^T, the V slot after P V: separate "consumed" barriers, so
-    the producer refills K while P V runs, as `attention_mgpu`) and `max_registers` (prefill programs redistribute
+    the producer refills K while P V runs, as `attention_mgpu`; None, its default: on under `overlap`, whose
+    consumer holds a block's V past the next block's Q K^T) and `max_registers` (prefill programs redistribute
     registers, `register_split`: with two consumers each consumer thread up to 232, the producer's down to 40,
     `plgpu.set_max_registers`, as FlashAttention-3 and `attention_mgpu`; None, its default: on with three consumers,
     which need it, off with two), and the rest of what `attention_mgpu` does in its consumers' loop and
@@ -235,18 +236,19 @@ class Codegen:
     block) and `fenced_softmax` (the accumulator's rescale, P's conversion and l finished, behind an optimization
     barrier, before the consumer hands the tensor cores over at the schedule barrier and waits for V, rather than
     after: `attention_mgpu`'s order, which its authors measured to matter "quite significantly"). Off and
-    unmeasured: `overlap` (FlashAttention-3's overlap inside a warpgroup: each block's Q K^T is issued before the
-    previous block's softmax, which runs while the tensor cores compute it, then that block's P V, whose result
-    waits for both; the raw scores are carried from block to block, so a consumer holds two score tiles at once.
-    It orders the loop its own way: with `pingpong`, `release_k`, `wait_k_in_pv` or `fenced_softmax` it raises,
-    and left to the kernel ping-pong is off under it)."""
+    unmeasured: `overlap` (FlashAttention-3's loop, its overlap inside a warpgroup: block j's Q K^T and block j-1's
+    P V issued back to back, then block j's softmax once Q K^T is done, under the P V, whose accumulator is read
+    last; P (bf16) is carried from block to block, as FlashAttention-3's registers hold it. With `pingpong` (its
+    default where the launch takes turns) the issuing is the consumer's turn on a ring of barriers, as
+    FlashAttention-3's scheduler barriers, for two consumers as for three. It orders the loop its own way: with
+    `wait_k_in_pv` or `fenced_softmax` it raises)."""
 
     approx_math: bool = True
     lookahead: bool = True
     pingpong: bool | None = None
     registers: bool | None = None
     stages: int | None = None
-    release_k: bool = False
+    release_k: bool | None = None
     max_registers: bool | None = None
     fma_softmax: bool | None = None
     wait_k_in_pv: bool = False
@@ -260,9 +262,9 @@ class Codegen:
             raise ValueError("registers=True (P in registers for P V, the accumulator updated in place) is compiled "
                              "only: jax's Mosaic GPU interpreter runs neither")
         if self.overlap:
-            clash = [n for n in ("pingpong", "release_k", "wait_k_in_pv", "fenced_softmax") if getattr(self, n)]
+            clash = [n for n in ("wait_k_in_pv", "fenced_softmax") if getattr(self, n)]
             if clash:
-                raise ValueError(f"overlap=True (each block's softmax under the next block's Q K^T) orders a "
+                raise ValueError(f"overlap=True (each block's softmax under the previous block's P V) orders a "
                                  f"consumer's loop its own way; it does not combine with {', '.join(clash)}")
 
     def for_launch(self, *, interpret: bool, consumers: int, num_parts: int, head_dim: int, block_k: int
@@ -307,10 +309,12 @@ class Codegen:
                                        f"fits {consumers} consumer(s) at head dim {head_dim}")))
         pingpong = self.pingpong
         if pingpong is None:
-            pingpong = registers and (not memory_bound or stages >= 3) and not self.overlap
+            pingpong = registers and (not memory_bound or stages >= 3)
         max_registers = consumers > PREFILL_CONSUMERS if self.max_registers is None else self.max_registers
         many = consumers > 1  # turns and a register split need two consumers or more: a decode has one
+        release_k = self.overlap if self.release_k is None else self.release_k
         return dataclasses.replace(self, registers=registers, stages=stages, pingpong=pingpong and many,
+                                   release_k=release_k,
                                    max_registers=max_registers and many, fma_softmax=fma_softmax)
 
 
@@ -588,7 +592,8 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref,
                      plgpu.Barrier(num_arrivals=C),  # every consumer's loop done (the staging overlays the ring)
                      # the consumers' turns on the tensor cores (`pingpong`): two meet at one barrier; three or
                      # more pass a token around a ring, a barrier each (`_program`)
-                     plgpu.Barrier(num_arrivals=C) if C == 2 else plgpu.Barrier(num_arrivals=1, num_barriers=C)]
+                     plgpu.Barrier(num_arrivals=C) if C == 2 and not codegen.overlap
+                     else plgpu.Barrier(num_arrivals=1, num_barriers=C)]
     tile = (layer_ref, seq_ref, full_ref, hi_ref, items_ref)
     pl.run_scoped(functools.partial(_program, tile, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
                                     num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
@@ -606,7 +611,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
     k_consumed, sync = (more[0], more[1:]) if release_k else (consumed, more)  # the K slot's release
     v_zeroed, loop_done, schedule = sync if C > 1 else (None, None, None)
 
-    ring = C > 2  # `pingpong` of three consumers: a token passed around them, not a meeting of two
+    # `pingpong` of three consumers, or under `overlap`: a token passed around the consumers, not a meeting of two
+    ring = C > 2 or codegen.overlap
 
     def take_turn():
         """`pingpong` (two consumers): arrive at the schedule barrier and wait for the other consumer to arrive
@@ -770,12 +776,13 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 def _():
                     plgpu.barrier_wait(v_zeroed.at[slot])
 
-        def pv(acc, p16, step, slot, masked: bool):
-            """acc (already rescaled) + P V of block `step`, then its slot released."""
+        def pv(acc, p16, step, slot, masked: bool, turn: bool = pingpong):
+            """acc (already rescaled) + P V of block `step`, then its slot released (`turn`: in this consumer's
+            turn on the tensor cores)."""
             if registers:  # P V with P in registers, accumulated in place (FlashAttention-3's; compiled only)
                 if masked:
                     plgpu.commit_smem()  # the zeroed V slot
-                if pingpong:
+                if turn:
                     await_turn()
 
                 def pv_in_place(acc_ref):
@@ -788,7 +795,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 return acc
             ops.store(p_smem, p16)
             plgpu.commit_smem()
-            if pingpong:
+            if turn:
                 await_turn()
 
             def pv_scoped(acc_ref):
@@ -831,57 +838,87 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
                 p16 = p.astype(cdt)
             return m_new, l, pv(acc, p16, step, slot, masked)
 
-        def scores(step, _=None):
-            """Block `step`'s raw scores, its K waited for (the overlapped loop's first block)."""
-            wait_k(step)
+        def first_scores(step, carry):
+            """`overlap`'s first block: its Q K^T and softmax, no P V yet (P carried to the next block's turn);
+            taken as masked (exact for a block all rows see); the accumulator is still zero, so not rescaled."""
+            m, l, acc, _ = carry
             slot = lax.rem(step - lo, stages)
+            wait_k(step)
 
             def qk(acc_ref):
                 issue_qk(acc_ref, slot)
                 return acc_ref[...]
 
-            return pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))
+            if release_k:
+                plgpu.barrier_arrive(k_consumed.at[slot])
+            m_new, l_new, p, _ = softmax(s, m, l, step, True)
+            return m_new, l_new, acc, p.astype(cdt)
 
-        def overlapped_block(step, carry, masked: bool, issue_next: bool):
-            """`overlap`: block `step`'s softmax (its raw scores `s` carried from the block before) while the
-            tensor cores run the next block's Q K^T, issued first (FlashAttention-3's overlap inside a warpgroup);
-            then this block's P V, whose result waits for both wgmmas. The last block issues nothing."""
-            m, l, acc, s = carry
-            slot = lax.rem(step - lo, stages)
+        def overlapped_step(step, carry, masked: bool):
+            """`overlap`, FlashAttention-3's order inside a warpgroup: block `step`'s Q K^T and the previous block's
+            P V issued back to back (with `pingpong`, in this consumer's turn on the ring), then block `step`'s
+            softmax once Q K^T is done (`wgmma_accumulator_load(wait_n=1)`), under the P V still running, then the
+            accumulator read (P V done) and rescaled. P is carried from block to block (in registers when compiled:
+            the P V accumulates in place into the carried accumulator, `acc_ref[...] = acc`; interpreted, through
+            SMEM into a fresh accumulator, added). K's slot is released after Q K^T with `release_k` (the default
+            under `overlap`), the slot (V) after P V."""
+            m, l, acc, p16 = carry
+            slot, prev = lax.rem(step - lo, stages), lax.rem(step - 1 - lo, stages)
 
-            def body(next_ref):
-                if next_ref is not None:
-                    wait_k(step + 1)
-                    issue_qk(next_ref, lax.rem(step + 1 - lo, stages))
+            def body(s_ref, o_ref):
+                if registers:
+                    o_ref[...] = acc
+                else:
+                    ops.store(p_smem, p16)
+                    plgpu.commit_smem()
+                if pingpong:
+                    await_turn()
+                wait_k(step)
+                issue_qk(s_ref, slot)
+                plgpu.barrier_wait(v_bar.at[prev])
+                plgpu.wgmma(o_ref, p16 if registers else p_smem, v_smem.at[prev])
+                if pingpong:  # the last consumer's last turn hands the token to no one
+                    pl.when(jnp.logical_not((wg == C - 1) & (step == hi - 1)))(pass_turn)
+                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # Q K^T done, P V in flight
+                if release_k:
+                    plgpu.barrier_arrive(k_consumed.at[slot])
                 m_new, l_new, p, alpha = softmax(s, m, l, step, masked)
-                plgpu.barrier_wait(v_bar.at[slot])
-                if masked:
-                    zero_past_last_key(step, slot)
-                out = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p.astype(cdt), step, slot, masked)
-                return m_new, l_new, out, (s if next_ref is None else next_ref[...])
+                out = o_ref[...]  # P V done
+                plgpu.barrier_arrive(consumed.at[prev])
+                out = out if registers else acc + out
+                return m_new, l_new, out * lax.broadcast_in_dim(alpha, out.shape, [0]), p.astype(cdt)
 
-            if issue_next:
-                return pl.run_scoped(body, plgpu.ACC((ROWS, block_k), jnp.float32))
-            return body(None)
+            return pl.run_scoped(body, plgpu.ACC((ROWS, block_k), jnp.float32),
+                                 plgpu.ACC((ROWS, head_dim), jnp.float32))
+
+        def last_pv(step, carry):
+            """`overlap`'s last P V (block `step` = hi - 1, whose unwritten slots past the tile's last key are
+            zeroed first), outside the turns, as FlashAttention-3's."""
+            m, l, acc, p16 = carry
+            slot = lax.rem(step - lo, stages)
+            plgpu.barrier_wait(v_bar.at[slot])
+            zero_past_last_key(step, slot)
+            return m, l, pv(acc, p16, step, slot, True, turn=False), p16
 
         row = plgpu.Layout.WGMMA.reduce(1) if not ops.interpret else None
         carry = (ops.cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row),
                  ops.cast(jnp.zeros((ROWS,), jnp.float32), row),
                  ops.cast(jnp.zeros((ROWS, head_dim), jnp.float32), None if ops.interpret else plgpu.Layout.WGMMA))
         if codegen.overlap:
-            # the first block's scores before the loop (none when the partition has no block); every block but
-            # the last issues the next one's; the last is taken as masked (exact for a block all rows see)
+            # the first block's softmax before the loop, each later block's Q K^T with the previous block's P V,
+            # the last P V after (none of them when the partition has no block); with `pingpong` the token starts
+            # at consumer 0 when there is a turn to take (two blocks or more)
             wgmma_layout = None if ops.interpret else plgpu.Layout.WGMMA
-            s = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), scores,
-                              ops.cast(jnp.zeros((ROWS, block_k), jnp.float32), wgmma_layout))
-            last = jnp.maximum(hi - 1, lo)
-            carry = carry + (s,)
-            carry = lax.fori_loop(lo, jnp.minimum(split, last),
-                                  functools.partial(overlapped_block, masked=False, issue_next=True), carry)
-            carry = lax.fori_loop(jnp.minimum(split, last), last,
-                                  functools.partial(overlapped_block, masked=True, issue_next=True), carry)
-            m, l, acc, _ = lax.fori_loop(last, hi, functools.partial(overlapped_block, masked=True,
-                                                                      issue_next=False), carry)
+            carry = carry + (ops.cast(jnp.zeros((ROWS, block_k), cdt), wgmma_layout),)
+            second = jnp.minimum(lo + 1, hi)
+            carry = lax.fori_loop(lo, second, first_scores, carry)
+            if pingpong:
+                pl.when((wg == 0) & (hi - lo >= 2))(lambda: plgpu.barrier_arrive(schedule.at[0]))
+            masked_from = jnp.clip(split, second, hi)
+            carry = lax.fori_loop(second, masked_from, functools.partial(overlapped_step, masked=False), carry)
+            carry = lax.fori_loop(masked_from, hi, functools.partial(overlapped_step, masked=True), carry)
+            m, l, acc, _ = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, last_pv, carry)
         else:
             if wait_k_in_pv:
                 pl.when(hi > lo)(functools.partial(wait_k, lo))
@@ -1200,7 +1237,8 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
                       num_partitions: int | None = None, out_dtype=None, consumers: int = PREFILL_CONSUMERS,
                       block_k: int | None = None, approx_math: bool = True, lookahead: bool = True,
                       pingpong: bool | None = None, registers: bool | None = None, stages: int | None = None,
-                      release_k: bool = False, max_registers: bool | None = None, fma_softmax: bool | None = None,
+                      release_k: bool | None = None, max_registers: bool | None = None,
+                      fma_softmax: bool | None = None,
                       wait_k_in_pv: bool = False, fenced_softmax: bool = False, overlap: bool = False):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
@@ -1223,7 +1261,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
 def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                      num_partitions: int | None = None, out_dtype=None, block_k: int = BLOCK_K,
                      approx_math: bool = True, lookahead: bool = True, stages: int | None = None,
-                     release_k: bool = False, fma_softmax: bool | None = None, wait_k_in_pv: bool = False,
+                     release_k: bool | None = None, fma_softmax: bool | None = None, wait_k_in_pv: bool = False,
                      fenced_softmax: bool = False, overlap: bool = False):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
@@ -1243,7 +1281,8 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
                             consumers: int = PREFILL_CONSUMERS, block_k: int | None = None,
                             decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
                             pingpong: bool | None = None, registers: bool | None = None,
-                            stages: int | None = None, release_k: bool = False, max_registers: bool | None = None,
+                            stages: int | None = None, release_k: bool | None = None,
+                            max_registers: bool | None = None,
                             fma_softmax: bool | None = None, wait_k_in_pv: bool = False, fenced_softmax: bool = False,
                             overlap: bool = False):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,

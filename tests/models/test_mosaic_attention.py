@@ -129,9 +129,10 @@ def test_decode_kernel_split_k_matches_reference():
 
 @pytest.mark.slow  # ~20 s in the interpreter (the prefill race-detector case stays in the default suite)
 def test_overlap_over_split_tiles_matches_reference():
-    """`overlap` (each block's softmax under the next block's Q K^T) in a mixed step through the switch: a decode at
-    300 keys in four partitions of five (2, 2, 1 and 0 blocks: a partition of one block takes its scores before the loop and
-    issues none, an empty one takes none), an empty KVP shard, and a 33-token chunk at 270 keys in three tiles
+    """`overlap` (each block's softmax under the previous block's P V, FlashAttention-3's order) in a mixed step
+    through the switch, the prefill consumers taking turns on the ring: a decode at 300 keys in four partitions of
+    five (2, 2, 1 and 0 blocks: a partition of one block takes its softmax before the loop and its P V after, no
+    turn; an empty one takes none), an empty KVP shard, and a 33-token chunk at 270 keys in three tiles
     split over six partitions (the causal edge inside a partition's last block, masked blocks before it), against the
     reference."""
     rng = np.random.default_rng(21)
@@ -139,29 +140,29 @@ def test_overlap_over_split_tiles_matches_reference():
                      page=16, dtype=jnp.bfloat16, max_pages=30, shuffle=True)
     assert 4 in planned_parts(step, "decode", decode_partitions=5, num_partitions=6, block_k=64)
     assert 2 in planned_parts(step, "prefill", decode_partitions=5, num_partitions=6, block_k=64)
-    check(ma.paged_attention_mosaic, step, overlap=True, decode_partitions=5, num_partitions=6, block_k=64)
+    check(ma.paged_attention_mosaic, step, overlap=True, pingpong=True, decode_partitions=5, num_partitions=6,
+          block_k=64)
 
 
 def test_overlap_refuses_what_orders_the_loop_otherwise():
-    """`overlap` orders a consumer's loop its own way: asking for it with ping-pong, `release_k`, `wait_k_in_pv`
-    or `fenced_softmax` raises, naming them; left to the kernel, ping-pong is off under it."""
-    for clash in ("pingpong", "release_k", "wait_k_in_pv", "fenced_softmax"):
+    """`overlap` orders a consumer's loop its own way (FlashAttention-3's): asking for it with `wait_k_in_pv` or
+    `fenced_softmax` raises, naming them; with ping-pong (the consumers' turns on the ring) and `release_k` (K's
+    slot freed after Q K^T) it combines, and left to the kernel takes both (turns only where the launch would
+    take them: compiled, compute-bound or with 3 slots or more; never in a one-consumer decode)."""
+    for clash in ("wait_k_in_pv", "fenced_softmax"):
         with pytest.raises(ValueError, match=f"does not combine with {clash}"):
             ma.Codegen(overlap=True, **{clash: True}).check(interpret=False)
-    c = ma.Codegen(overlap=True).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=128, block_k=128)
-    assert (c.registers, c.pingpong, c.overlap) == (True, False, True)
+    ma.Codegen(overlap=True, pingpong=True, release_k=True).check(interpret=False)
 
+    def launch(codegen=ma.Codegen(overlap=True), **kw):
+        c = codegen.for_launch(**dict(dict(interpret=False, consumers=2, num_parts=1, head_dim=128, block_k=128), **kw))
+        return c.registers, c.pingpong, c.release_k, c.overlap
 
-@pytest.mark.slow  # ~25 s in the interpreter (the ring with one partition stays in the default suite)
-def test_three_consumers_take_turns_over_split_tiles(race_detection):
-    """Three consumers on the ring of barriers in partitions of two blocks, one and none: a 20-token chunk at 300
-    keys (five 64-key blocks) in four partitions (2, 2, 1 and 0 blocks: the empty one's consumers pass the token
-    0 -> 1 -> 2 and wait for nothing else), against the reference, with the race detector on."""
-    rng = np.random.default_rng(33)
-    step = make_step(rng, [(300, 20, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
-    assert list(planned_parts(step, "prefill", num_partitions=4, consumers=3, block_k=64)) == [4, 4, 4, 4]
-    check(functools.partial(ma.prefill_attention, block_k=64), step, num_partitions=4, consumers=3, pingpong=True)
-    assert not race_detection()
+    assert launch() == (True, True, True, True)
+    assert launch(consumers=1, num_parts=16, block_k=64) == (True, False, True, True)  # a decode: no turns
+    assert launch(interpret=True) == (False, False, True, True)
+    assert launch(ma.Codegen(overlap=True, release_k=False, pingpong=False)) == (True, False, False, True)
+    assert not launch(ma.Codegen())[2]  # without overlap K's slot is freed with V's, as measured faster
 
 
 def test_work_items_share_the_programs_by_the_keys_the_step_holds():
@@ -242,12 +243,15 @@ def race_detection(monkeypatch):
     pytest.param("decode", dict(stages=3), marks=pytest.mark.slow, id="decode-stages3"),
     pytest.param("decode", dict(stages=2), marks=pytest.mark.slow, id="decode-stages2"),
     pytest.param("prefill", dict(stages=4), marks=pytest.mark.slow, id="prefill-stages4"),
-    pytest.param("prefill", dict(overlap=True), id="prefill-overlap"),
+    pytest.param("prefill", dict(overlap=True, pingpong=True), id="prefill-overlap-pingpong"),
+    pytest.param("prefill", dict(overlap=True, release_k=False), marks=pytest.mark.slow,
+                 id="prefill-overlap-shared-release"),
     pytest.param("decode", dict(overlap=True), marks=pytest.mark.slow, id="decode-overlap"),
     pytest.param("prefill", dict(overlap=True, fma_softmax=True, stages=3), marks=pytest.mark.slow,
                  id="prefill-overlap-fma-stages3"),
     pytest.param("prefill", dict(consumers=3, pingpong=True), id="prefill-c3-ring"),
-    pytest.param("prefill", dict(consumers=3, overlap=True), marks=pytest.mark.slow, id="prefill-c3-overlap")],
+    pytest.param("prefill", dict(consumers=3, overlap=True, pingpong=True), marks=pytest.mark.slow,
+                 id="prefill-c3-overlap-ring")],
     ids=str)
 def test_a_program_refills_its_slots_without_races(kind, options, race_detection):
     """One partition over more key blocks than the ring has slots (by default 2 for the one-partition prefill, 4
@@ -262,8 +266,8 @@ def test_a_program_refills_its_slots_without_races(kind, options, race_detection
     rings of 2 to 4 slots (`stages`), with the K slot released after Q K^T on its own barrier (`release_k`: the
     producer waits on two barriers per block; `max_registers` beside it is a no-op in the interpreter), and with
     the rest of `attention_mgpu`'s consumer loop (`fma_softmax`, `wait_k_in_pv`: each K waited for once, the next
-    during P V, and `fenced_softmax`), with each block's softmax under the next block's Q K^T (`overlap`: the
-    scores carried from one block to the next, the last block's issued by none), and with three prefill consumers
+    during P V, and `fenced_softmax`), with each block's softmax under the previous block's P V (`overlap`, FlashAttention-3's order: P carried from one block to the
+    next, K's slot freed after Q K^T, the consumers' turns on a ring of barriers), and with three prefill consumers
     (48-token tiles, 16 tokens a consumer: a 60-token chunk takes two, its second tile's 12 tokens all in the first
     consumer, the other two holding none) passing their turn around a ring of barriers, or overlapping."""
     rng = np.random.default_rng(11)
@@ -406,8 +410,10 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page, options):
               (functools.partial(ma.paged_attention_mosaic, fma_softmax=True, wait_k_in_pv=True, fenced_softmax=True,
                                  registers=False), 2),
               (functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP), 2),
-              (functools.partial(ma.paged_attention_mosaic, overlap=True, max_registers=True), 2),
+              (functools.partial(ma.paged_attention_mosaic, overlap=True, max_registers=True), 2),  # turns on
+              (functools.partial(ma.paged_attention_mosaic, overlap=True, pingpong=False, release_k=False), 2),
               (functools.partial(ma.paged_attention_mosaic, consumers=3), 2),  # the ring, registers split
+              (functools.partial(ma.paged_attention_mosaic, consumers=3, overlap=True), 2),
               (functools.partial(_ONE_PARTITION, registers=True), 2))
     assert_lowers_for_cuda(jnp.bfloat16, base + (tuning if options else ()), "@mosaic_gpu_v2", num_heads=num_heads,
                            page=page)
@@ -581,13 +587,32 @@ def test_each_loop_option_changes_the_kernel_as_it_says():
     assert wait["barrier_wait"] == base["barrier_wait"] + 1 and wait["cond"] > base["cond"]
     fenced = _kernel_primitives(step, fenced_softmax=True)
     assert fenced - base == collections.Counter(optimization_barrier=2) and not base - fenced
-    # `overlap` (ping-pong off under it, so against a base without turns): two more loops (the first block's scores
-    # before the loops, the last block after them), the next block's Q K^T issued in each loop's block and the
-    # first block's before them (one more scope); nothing of the base's loop dropped
+    # `overlap` (FlashAttention-3's order; here without turns and with K freed with V, against a base without
+    # turns): two more loops (the first block's softmax before the two loops of blocks, the last block's P V
+    # after), each loop's block issuing its Q K^T and the previous block's P V into two accumulators, the carried
+    # one handed in (a store into an accumulator), Q K^T's read waiting for it alone (wait_n=1); nothing of the
+    # base's loop dropped but its two in-place P Vs' run_state (one left, the last P V's)
     base = _kernel_primitives(step, pingpong=False)
-    overlap = _kernel_primitives(step, overlap=True)
+    overlap = _kernel_primitives(step, overlap=True, pingpong=False, release_k=False)
     assert overlap["while"] == base["while"] + 2 and overlap["wgmma_ref"] == base["wgmma_ref"] + 2
-    assert overlap["run_scoped"] == base["run_scoped"] + 1 and not base - overlap
+    assert overlap["wgmma_accumulator_store_p"] == base["wgmma_accumulator_store_p"] + 2
+    assert overlap["run_scoped"] == base["run_scoped"] + 1 and base - overlap == collections.Counter(get=2,
+                                                                                                      run_state=1)
+    assert _accumulator_reads(step, wait_n=1, overlap=True) == 2 and _accumulator_reads(step, wait_n=1) == 0
+    # its defaults add the turns on the ring (each loop's block waits for its turn and passes it on, consumer 0
+    # starts it) and K's slot freed after Q K^T (an arrival in the first block and in each loop's block, the
+    # producer's wait for it when refilling and draining)
+    full = _kernel_primitives(step, overlap=True)
+    assert (full - overlap)["barrier_arrive"] == 3 + 3 and (full - overlap)["barrier_wait"] == 2 + 2
+
+
+def _accumulator_reads(step, *, wait_n: int, **options) -> int:
+    """Reads of a wgmma accumulator that wait for all but `wait_n` wgmmas, in the compiled prefill launch's kernel."""
+    options = {"fma_softmax": False, **options}
+    jaxpr = jax.make_jaxpr(lambda s: run(ma.paged_attention_mosaic, s, kind="prefill", **options))(step).jaxpr
+    (launch,) = _kernel_launches(jaxpr)
+    return sum(1 for body in launch.params["jaxprs"] for e in equations(getattr(body, "jaxpr", body), opaque=())
+               if str(e.primitive) == "wgmma_accumulator_deref_p" and e.params.get("wait_n") == wait_n)
 
 
 def test_what_the_kernels_refuse():
@@ -688,7 +713,7 @@ def test_engine_with_compiled_kernels_on_hopper_matches_reference(tmp_path):
 
 # The compiled kernels, each its own test (one that fails to compile or disagrees leaves the others' results), in
 # this order: one-consumer programs first, then the two-consumer prefill programs, then the options (all of them
-# passed on an H200 by the sixteenth session but `overlap`, written after its device time).
+# passed on an H200 by the sixteenth session but `overlap` and three consumers, written after).
 COMPILED = {"decode": ma.decode_attention,
             "prefill-c1": functools.partial(ma.prefill_attention, consumers=1),
             "prefill": ma.prefill_attention,
@@ -709,10 +734,12 @@ COMPILED = {"decode": ma.decode_attention,
             "switch-wait-k-in-pv": functools.partial(ma.paged_attention_mosaic, wait_k_in_pv=True),
             "switch-fenced-softmax": functools.partial(ma.paged_attention_mosaic, fenced_softmax=True),
             "switch-mgpu-loop": functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP),
-            # never run on a GPU yet (sixteenth session)
+            # never run on a GPU yet (`overlap`: FlashAttention-3's loop since the seventeenth session)
             "switch-overlap": functools.partial(ma.paged_attention_mosaic, overlap=True),
             "switch-overlap-max-registers": functools.partial(ma.paged_attention_mosaic, overlap=True,
                                                               max_registers=True),
+            "switch-overlap-no-turns": functools.partial(ma.paged_attention_mosaic, overlap=True, pingpong=False,
+                                                         release_k=False),
             # never run on a GPU yet (seventeenth session): three consumers, taking turns on the ring, or overlapping
             "switch-c3": functools.partial(ma.paged_attention_mosaic, consumers=3),
             "switch-c3-overlap": functools.partial(ma.paged_attention_mosaic, consumers=3, overlap=True)}
