@@ -590,8 +590,8 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref,
     if C > 1:
         barriers += [plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # v slot's keys past the tile's zeroed
                      plgpu.Barrier(num_arrivals=C),  # every consumer's loop done (the staging overlays the ring)
-                     # the consumers' turns on the tensor cores (`pingpong`): two meet at one barrier; three or
-                     # more pass a token around a ring, a barrier each (`_program`)
+                     # the consumers' turns on the tensor cores (`pingpong`): two meet at one barrier; three, or
+                     # any under `overlap`, pass a token around a ring, a barrier each (`_program`)
                      plgpu.Barrier(num_arrivals=C) if C == 2 and not codegen.overlap
                      else plgpu.Barrier(num_arrivals=1, num_barriers=C)]
     tile = (layer_ref, seq_ref, full_ref, hi_ref, items_ref)
@@ -623,9 +623,10 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
     def await_turn():
         """`pingpong` before P V: with two consumers until the other one's turn is done (its arrival after its
-        softmax); with three (`ring`) until the token reaches this consumer's barrier. A consumer's turn on the ring
-        is FlashAttention-3's: its P V, then the next block's Q K^T, after which it passes the token on (`pass_turn`),
-        so while one consumer issues, the other two run their softmax."""
+        softmax); on the ring (three consumers, or any under `overlap`) until the token reaches this consumer's
+        barrier. A consumer's turn on the ring is FlashAttention-3's: its P V, then the next block's Q K^T (under
+        `overlap`: block j's Q K^T and block j-1's P V), after which it passes the token on (`pass_turn`), so while
+        one consumer issues, the others run their softmax."""
         plgpu.barrier_wait(schedule.at[wg] if ring else schedule)
 
     def pass_turn():  # `ring`: the tensor cores to the next consumer

@@ -165,6 +165,21 @@ def test_overlap_refuses_what_orders_the_loop_otherwise():
     assert not launch(ma.Codegen())[2]  # without overlap K's slot is freed with V's, as measured faster
 
 
+@pytest.mark.slow  # ~25 s each in the interpreter (the ring with one partition stays in the default suite)
+@pytest.mark.parametrize("options", [pytest.param({}, id="ring"), pytest.param(dict(overlap=True), id="overlap")])
+def test_three_consumers_take_turns_over_split_tiles(options, race_detection):
+    """Three consumers on the ring of barriers in partitions of two blocks, one and none: a 20-token chunk at 300
+    keys (five 64-key blocks) in four partitions (2, 2, 1 and 0 blocks: the empty one's consumers pass the token
+    0 -> 1 -> 2 and wait for nothing else; under `overlap` a partition of one block takes no turn, and the
+    token starts only where there are two blocks or more), against the reference, with the race detector on."""
+    rng = np.random.default_rng(33)
+    step = make_step(rng, [(300, 20, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16, dtype=jnp.bfloat16)
+    assert list(planned_parts(step, "prefill", num_partitions=4, consumers=3, block_k=64)) == [4, 4, 4, 4]
+    check(functools.partial(ma.prefill_attention, block_k=64), step, num_partitions=4, consumers=3, pingpong=True,
+          **options)
+    assert not race_detection()
+
+
 def test_work_items_share_the_programs_by_the_keys_the_step_holds():
     """`_work_items`, by hand: a tile that holds tokens gets one partition or more, spare partitions (the most a
     tile may take, less the tiles that hold tokens) go by key blocks, never more partitions than blocks; past the
@@ -780,7 +795,7 @@ def test_compiled_kernels_split_a_short_chunk_among_many_sequence_slots_on_hoppe
 def test_compiled_kernels_at_head_dim_64_on_hopper_match_float32_reference(options):
     """The compiled kernels at the llama3.2-1b attention shape (32 q heads, 8 kv heads, head dim 64, page 16), whose
     prefill tiles take 128-key blocks by default (`prefill_block_k`), with 64-key blocks asked for, and with each
-    block's softmax under the next block's Q K^T (`overlap`, registers redistributed), and with three consumers
+    block's softmax under the previous block's P V (`overlap`, registers redistributed), and with three consumers
     (192-row programs of 48 tokens, FlashAttention-3's tile at this head dim)."""
     rng = np.random.default_rng(64)
     seqs = [(5000, 512, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (1, 1, 0), (0, 3, 0), (900, 17, 3000)]
