@@ -318,6 +318,12 @@ class Codegen:
                                    max_registers=max_registers and many, fma_softmax=fma_softmax)
 
 
+def _ring(consumers: int, codegen: Codegen) -> bool:
+    """Whether the consumers' turns (`pingpong`) pass a token around a ring of barriers, one each (three consumers,
+    or any under `overlap`: FlashAttention-3's scheduler barriers), rather than two meeting at one barrier."""
+    return consumers > 2 or codegen.overlap
+
+
 def _swizzled(dtype) -> tuple:
     """SMEM transforms of wgmma's operand layout: 8-row tiles of 128 bytes, swizzled over 128 bytes. A store into
     such a buffer from WGMMA-layout registers is free of bank conflicts."""
@@ -590,10 +596,9 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref,
     if C > 1:
         barriers += [plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # v slot's keys past the tile's zeroed
                      plgpu.Barrier(num_arrivals=C),  # every consumer's loop done (the staging overlays the ring)
-                     # the consumers' turns on the tensor cores (`pingpong`): two meet at one barrier; three, or
-                     # any under `overlap`, pass a token around a ring, a barrier each (`_program`)
-                     plgpu.Barrier(num_arrivals=C) if C == 2 and not codegen.overlap
-                     else plgpu.Barrier(num_arrivals=1, num_barriers=C)]
+                     # the consumers' turns on the tensor cores (`pingpong`): a token around a ring, or a meeting
+                     plgpu.Barrier(num_arrivals=1, num_barriers=C) if _ring(C, codegen)
+                     else plgpu.Barrier(num_arrivals=C)]
     tile = (layer_ref, seq_ref, full_ref, hi_ref, items_ref)
     pl.run_scoped(functools.partial(_program, tile, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
                                     num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
@@ -611,8 +616,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
     k_consumed, sync = (more[0], more[1:]) if release_k else (consumed, more)  # the K slot's release
     v_zeroed, loop_done, schedule = sync if C > 1 else (None, None, None)
 
-    # `pingpong` of three consumers, or under `overlap`: a token passed around the consumers, not a meeting of two
-    ring = C > 2 or codegen.overlap
+    ring = _ring(C, codegen)
 
     def take_turn():
         """`pingpong` (two consumers): arrive at the schedule barrier and wait for the other consumer to arrive
@@ -737,6 +741,20 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
         def issue_qk(acc_ref, slot):  # Q K^T of the block in `slot` into `acc_ref` (K transposed by the descriptor)
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
 
+        def scores(slot, after_issue=None):
+            """The raw scores of the block in `slot` (its K waited for), `after_issue` run once Q K^T is issued;
+            with `release_k` K's slot is freed once they are read."""
+            def qk(acc_ref):
+                issue_qk(acc_ref, slot)
+                if after_issue is not None:
+                    after_issue()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))
+            if release_k:  # Q K^T has completed (its accumulator read): the K slot is free
+                plgpu.barrier_arrive(k_consumed.at[slot])
+            return s
+
         def softmax(s, m, l, step, masked: bool):
             """The online softmax of block `step`'s raw scores `s`: (m_new, l_new, p, alpha)."""
             # m is kept in base-2 logits (scores x scale, the softmax scale with log2(e) folded in)
@@ -815,15 +833,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             if not wait_k_in_pv:  # else waited for during the previous block's P V (the first: before the loop)
                 wait_k(step)
 
-            def qk(acc_ref):
-                issue_qk(acc_ref, slot)
-                if pingpong:
-                    pass_turn() if ring else take_turn()
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))  # raw scores
-            if release_k:  # Q K^T has completed (its accumulator read): the K slot is free
-                plgpu.barrier_arrive(k_consumed.at[slot])
+            s = scores(slot, (pass_turn if ring else take_turn) if pingpong else None)
             m_new, l, p, alpha = softmax(s, m, l, step, masked)
             if fenced:  # everything of the softmax done before the turn is handed over (`fenced_softmax`)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -843,17 +853,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             """`overlap`'s first block: its Q K^T and softmax, no P V yet (P carried to the next block's turn);
             taken as masked (exact for a block all rows see); the accumulator is still zero, so not rescaled."""
             m, l, acc, _ = carry
-            slot = lax.rem(step - lo, stages)
             wait_k(step)
-
-            def qk(acc_ref):
-                issue_qk(acc_ref, slot)
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))
-            if release_k:
-                plgpu.barrier_arrive(k_consumed.at[slot])
-            m_new, l_new, p, _ = softmax(s, m, l, step, True)
+            m_new, l_new, p, _ = softmax(scores(lax.rem(step - lo, stages)), m, l, step, True)
             return m_new, l_new, acc, p.astype(cdt)
 
         def overlapped_step(step, carry, masked: bool):
