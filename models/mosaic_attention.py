@@ -69,8 +69,13 @@ as mutable refs (`jax.new_ref`, aliased in and out of the kernel), every token w
 one-kind step (`kind` decode or prefill) starts them at (0, NEG_INF), what a token of the other kind gets. So no
 slice, transpose, merge or scatter follows the kernel. A tile split over several partitions writes a float32 partial
 (acc, m, l) per partition, at its item's index (below the most partitions a tile may take, `num_parts`: the partial
-buffers are that small), and `_merge_items` combines each split tile's partials exactly right after the kernel
-and `_scatter_into` puts their rows in token order into the same buffers.
+buffers are that small; only the rows its tokens take: a decode tile's G rows in one 8-row tile, not 64), and one
+more kernel right after the launch (`_merge_partials`, a program per split tile, kv head and consumer's rows, one
+warpgroup, the partials TMA-copied through a ring of 4 SMEM slots) merges each split tile's partials exactly
+(log-sum-exp, online) and writes their rows in token order into the same buffers, as a one-partition program
+writes its own (eighteenth session, unmeasured: in the engine's decode step it replaces three XLA fusions and a
+scatter a layer, `scripts/aot_step.py --show_layer`); `merge_kernel=False` gives XLA's merge and scatter back
+(`_merge_items`, `pa._scatter_into`) for a side-by-side measurement.
 
 Supported (anything else raises, no fallback): bfloat16 or float16 q and cache (wgmma's 16-bit inputs; float32
 accumulation, float32 softmax); head dim 64, 128 or 256 (a multiple of the 128-byte swizzle, at most wgmma's
@@ -241,7 +246,9 @@ class Codegen:
     last; P (bf16) is carried from block to block, as FlashAttention-3's registers hold it. With `pingpong` (its
     default where the launch takes turns) the issuing is the consumer's turn on a ring of barriers, as
     FlashAttention-3's scheduler barriers, for two consumers as for three. It orders the loop its own way: with
-    `wait_k_in_pv` or `fenced_softmax` it raises)."""
+    `wait_k_in_pv` or `fenced_softmax` it raises). On and unmeasured: `merge_kernel` (a launch's split tiles merged
+    and written in token order by one more kernel, `_merge_partials`, where XLA took three fusions and a scatter;
+    False: XLA's, `_merge_items`, for a side-by-side measurement)."""
 
     approx_math: bool = True
     lookahead: bool = True
@@ -254,6 +261,7 @@ class Codegen:
     wait_k_in_pv: bool = False
     fenced_softmax: bool = False
     overlap: bool = False
+    merge_kernel: bool = True
 
     def check(self, interpret: bool):
         if self.stages is not None and self.stages not in STAGES_RANGE:
@@ -338,6 +346,14 @@ def _token_rows_tiled(group: int) -> bool:
 
 def _cdiv(a, b):
     return pa._cdiv(a, b)
+
+
+def _partial_rows(tokens: int, group: int) -> tuple[int, int]:
+    """(rows of acc, rows of m and l) of a consumer's float32 partial that its `tokens` tokens x `group` heads
+    take, what a split tile's programs write and the merge reads: whole 8-row tiles of acc (a decode tile's G <= 8
+    rows: 8, not 64), and of m / l a multiple of 32 floats (a TMA copy into SMEM moves a multiple of 128 bytes)."""
+    rows = min(ROWS, -(-tokens * group // 8) * 8)
+    return rows, min(ROWS, -(-rows // 32) * 32)
 
 
 def supported_page_size(page_size: int, block_k: int = BLOCK_K) -> bool:
@@ -532,12 +548,15 @@ class _Ops:
             return tuple(groups)
         return plgpu.RefUnion(*groups)
 
-    def load_rows(self, ref):
+    def load_rows(self, ref):  # [64] (a value per row of a wgmma tile)
+        return self.load(ref, plgpu.Layout.WGMMA.reduce(1) if plgpu is not None else None)
+
+    def load(self, ref, layout):
         if self.interpret:
             return ref[...]
         if _LOAD_NEEDS_INDEX:
-            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
-        return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
+            return plgpu.load(ref, (), layout=layout)
+        return plgpu.load(ref, layout=layout)
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -548,7 +567,7 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref,
     tiles, 1 for decode tiles).
 
     layer_ref i32[1]; seq_ref / full_ref / hi_ref i32[nt]: the tile's sequence, the keys all its rows see, the keys
-    its furthest row sees (the step's plan, shared by every layer); items_ref i32[3, W]: each program's tile (nt:
+    its furthest row sees (the step's plan, shared by every layer); items_ref i32[4, W]: each program's tile (nt:
     none, the program does nothing), partition and its tile's partitions (`_work_items`); lim_ref i32[nt, 64 C]
     keys each row sees; table_ref i32[B, M]; q_ref [nt, K, 64 C, H]; k_ref / v_ref the cache [L, P, S, K, H].
     io_refs = (tok_ref i32[nt, BQ]: the tile's tokens, T = empty slot; out [T, N, H] in `out_dtype`; lse f32[T, N]):
@@ -556,7 +575,8 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref,
     straight to their place (token i of the tile is rows i*G .. i*G+G-1); empty slots write nothing. When tiles
     may be split (num_parts > 1: the most partitions a tile may take), io_refs also hold the partials (acc
     [num_parts, K, 64 C, H], m [num_parts, K, 64 C] base-2, l [num_parts, K, 64 C], float32), where a program whose
-    tile has several partitions writes its own at its item's index (< num_parts: see `_work_items`)."""
+    tile has several partitions writes its own at its item's index (< num_parts: see `_work_items`), only the rows
+    its tokens take (`_partial_rows`: a decode tile's 8 of 64)."""
     _, _, S, _, H = k_ref.shape
     C = q_ref.shape[2] // ROWS
     stages = codegen.stages
@@ -940,42 +960,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             plgpu.barrier_wait(loop_done)
 
         def write_normalised():  # one partition: the merge is the normalisation, (out, lse) in token order
-            tok_ref, out_ref, lse_ref = io_refs[:3]
-            num_tokens, G = out_ref.shape[0], group
-            empty = l == 0.0
-            safe = jnp.where(empty, 1.0, l)
-            ops.store(o_smem, jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0,
-                                        acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype),
-                      optimized=_token_rows_tiled(G))
-            ops.store(m_smem, jnp.where(empty, NEG_INF, (m + jnp.log2(safe)) * (1.0 / LOG2E)))
-            plgpu.commit_smem()
-
-            lse_by_tma = G % 4 == 0  # G float32 make a 16-byte TMA row (with N = K x G, every row offset aligned)
-
-            bq = tok_ref.shape[1] // C  # this consumer's tokens: the tile's wg*bq .. wg*bq+bq-1
-
-            def write_token(i, _):  # its token i: rows i*G .. i*G+G-1 -> out[tok, kvh*G : kvh*G+G, :]
-                tok = tok_ref[t, wg * bq + i]
-
-                @pl.when(tok < num_tokens)  # an empty slot (tok == T) writes nothing
-                def _():
-                    rows = pl.ds(pl.multiple_of(i * G, min(G, 8)), G)
-                    plgpu.copy_smem_to_gmem(o_smem.at[rows], out_ref.at[tok, pl.ds(kvh * G, G)])
-                    if lse_by_tma:
-                        plgpu.copy_smem_to_gmem(m_smem.at[pl.ds(i * G, G)], lse_ref.at[tok, pl.ds(kvh * G, G)])
-                return ()
-
-            def write_lse(r, _):  # G < 4: a row narrower than a TMA copy takes (16 bytes), a scalar store each
-                tok = tok_ref[t, wg * bq + lax.div(r, G)]
-
-                @pl.when(tok < num_tokens)
-                def _():
-                    lse_ref[tok, kvh * G + lax.rem(r, G)] = m_smem[r]
-                return ()
-
-            lax.fori_loop(0, bq, write_token, ())
-            if not lse_by_tma:
-                lax.fori_loop(0, bq * G, write_lse, ())
+            _write_normalised(acc, m, l, io_refs[:3], t=t, consumer=wg, consumers=C, kvh=kvh, group=group,
+                              o_smem=o_smem, m_smem=m_smem, ops=ops)
 
         def write_partial():  # several partitions: this one's float32 partial, merged after the kernel
             acc_ref, m_ref, l_ref = io_refs[3:]
@@ -983,9 +969,12 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             ops.store(m_smem, m)
             ops.store(l_smem, l)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(f_smem, acc_ref.at[item, kvh, rows])
-            plgpu.copy_smem_to_gmem(m_smem, m_ref.at[item, kvh, rows])
-            plgpu.copy_smem_to_gmem(l_smem, l_ref.at[item, kvh, rows])
+            # only the rows its tokens can take (a decode tile's G of 64, in whole 8-row tiles: what is merged)
+            r, mr = _partial_rows(io_refs[0].shape[1] // C, group)
+            first = pl.multiple_of(wg * ROWS, ROWS)
+            plgpu.copy_smem_to_gmem(f_smem.at[pl.ds(0, r)], acc_ref.at[item, kvh, pl.ds(first, r)])
+            plgpu.copy_smem_to_gmem(m_smem.at[pl.ds(0, mr)], m_ref.at[item, kvh, pl.ds(first, mr)])
+            plgpu.copy_smem_to_gmem(l_smem.at[pl.ds(0, mr)], l_ref.at[item, kvh, pl.ds(first, mr)])
 
         if num_parts == 1:
             write_normalised()
@@ -995,11 +984,56 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
         plgpu.wait_smem_to_gmem(0)
 
 
+def _write_normalised(acc, m, l, io_refs, *, t, consumer, consumers: int, kvh, group: int, o_smem, m_smem,
+                      ops: _Ops):
+    """One consumer's 64 rows of tile `t` (accumulator acc [64, H], m base 2, l), normalised and written in token
+    order: io_refs = (tok_ref i32[nt, BQ], out [T, N, H], lse f32[T, N]); the consumer's tokens are the tile's
+    consumer*bq .. consumer*bq+bq-1 (bq = BQ / consumers), its token i rows i*G .. i*G+G-1, staged in `o_smem` [64,
+    H] (out's dtype) and `m_smem` f32[64]; an empty slot (T) writes nothing. A row with no visible key (l = 0)
+    gets out 0 and lse NEG_INF."""
+    tok_ref, out_ref, lse_ref = io_refs
+    num_tokens, G = out_ref.shape[0], group
+    empty = l == 0.0
+    safe = jnp.where(empty, 1.0, l)
+    ops.store(o_smem, jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), 0.0,
+                                acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype),
+              optimized=_token_rows_tiled(G))
+    ops.store(m_smem, jnp.where(empty, NEG_INF, (m + jnp.log2(safe)) * (1.0 / LOG2E)))
+    plgpu.commit_smem()
+
+    lse_by_tma = G % 4 == 0  # G float32 make a 16-byte TMA row (with N = K x G, every row offset aligned)
+
+    bq = tok_ref.shape[1] // consumers  # this consumer's tokens: the tile's consumer*bq .. consumer*bq+bq-1
+
+    def write_token(i, _):  # its token i: rows i*G .. i*G+G-1 -> out[tok, kvh*G : kvh*G+G, :]
+        tok = tok_ref[t, consumer * bq + i]
+
+        @pl.when(tok < num_tokens)  # an empty slot (tok == T) writes nothing
+        def _():
+            rows = pl.ds(pl.multiple_of(i * G, min(G, 8)), G)
+            plgpu.copy_smem_to_gmem(o_smem.at[rows], out_ref.at[tok, pl.ds(kvh * G, G)])
+            if lse_by_tma:
+                plgpu.copy_smem_to_gmem(m_smem.at[pl.ds(i * G, G)], lse_ref.at[tok, pl.ds(kvh * G, G)])
+        return ()
+
+    def write_lse(r, _):  # G < 4: a row narrower than a TMA copy takes (16 bytes), a scalar store each
+        tok = tok_ref[t, consumer * bq + lax.div(r, G)]
+
+        @pl.when(tok < num_tokens)
+        def _():
+            lse_ref[tok, kvh * G + lax.rem(r, G)] = m_smem[r]
+        return ()
+
+    lax.fori_loop(0, bq, write_token, ())
+    if not lse_by_tma:
+        lax.fori_loop(0, bq * G, write_lse, ())
+
+
 # ------------------------------------------------------------------------------------------ the wrappers
 def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interpret: bool, out_dtype, into=None,
                   codegen: Codegen = Codegen()):
     """One kernel launch over the work items of `launch` (`pa.Launch` of `_launch`: tokens i32[nt, BQ], T = empty
-    slot, one sequence per tile, with their metadata for 64-row programs; `work` the programs' items, i32[3, W];
+    slot, one sequence per tile, with their metadata for 64-row programs; `work` the programs' items, i32[4, W];
     `num_parts` the most partitions a tile may take). Returns ((out [T, N, H] in `out_dtype`, lse f32[T, N]) with
     the rows of the tokens of tiles of one partition written, normalised by the kernel; the merged rows of the
     tiles split over several, for `pa._scatter_into`, or None when no tile may be split). Into `into` = (out, lse)
@@ -1062,13 +1096,17 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     written = (jax.freeze(refs[0]), jax.freeze(refs[1])) if into is not None else (outs.pop(0), outs.pop(0))
     if NP == 1:
         return written, None
+    if codegen.merge_kernel:
+        return _merge_partials(written, outs, items, tile_tok, group=G, interpret=interpret,
+                               approx_math=codegen.approx_math), None
     acc, m, l = (x[..., :bq * G, :] if x.ndim == 4 else x[..., :bq * G] for x in outs)
     return written, _merge_items(acc, m, l, items, tile_tok, T)
 
 
 def _work_items(has_tokens, kv_hi, block_k: int, num_parts: int):
-    """The programs' work items, i32[3, W] (W = max(nt, num_parts)): each program's tile (nt past the step's
-    items: nothing to do), its partition and its tile's partitions. Every tile that holds a token is one item or
+    """The programs' work items, i32[4, W] (W = max(nt, num_parts)): each program's tile (nt past the step's
+    items: nothing to do), its partition and its tile's partitions; and the first item of the split tiles (those
+    of several partitions) in order, W past the last (the merge kernel's work). Every tile that holds a token is one item or
     more; the programs a single tile would fill the GPU with (`num_parts`) are shared out: when the step holds
     fewer such tiles, n, than that, each tile of b key blocks gets 1 + floor((num_parts - n) x b / (the tiles'
     blocks)) partitions (at most b), so the tiles' partitions number at most num_parts, and every item of a tile
@@ -1088,7 +1126,11 @@ def _work_items(has_tokens, kv_hi, block_k: int, num_parts: int):
     tile = jnp.where(w < parts.sum(), tile, nt)
     t = jnp.minimum(tile, nt - 1)
     valid = tile < nt
-    return jnp.stack([tile, jnp.where(valid, w - first[t], 0), jnp.where(valid, parts[t], 0)]).astype(jnp.int32)
+    split = parts > 1  # the split tiles, in order: the merge kernel's programs (`_merge_partials`)
+    split_first = jnp.full((W,), W, jnp.int32).at[jnp.where(split, jnp.cumsum(split) - 1, W)].set(
+        first.astype(jnp.int32), mode="drop")
+    return jnp.stack([tile, jnp.where(valid, w - first[t], 0), jnp.where(valid, parts[t], 0),
+                      split_first]).astype(jnp.int32)
 
 
 def _merge_items(acc, m, l, items, tile_tok, num_tokens: int):
@@ -1118,6 +1160,116 @@ def _merge_items(acc, m, l, items, tile_tok, num_tokens: int):
     tok = tile_tok[jnp.minimum(tile, nt - 1)].astype(jnp.int32)  # group g's tile is item g's
     tok = jnp.where(same.any(axis=1)[:, None], tok, T)  # only the split tiles' rows: the others are dropped
     return tok, out, lse
+
+
+MERGE_SLOTS = 4  # partials of a split tile in flight in a merge program (`_merge_partials`), where they fit
+
+
+def merge_slots(*, head_dim: int, out_itemsize: int, num_parts: int) -> int:
+    """SMEM slots of a merge program: MERGE_SLOTS, or fewer where the partitions are fewer or a block's SMEM holds
+    fewer [64, head_dim] float32 slots beside the output staging (head dim 256: 2)."""
+    fixed = ROWS * head_dim * out_itemsize + ROWS * 4 + SMEM_MARGIN
+    per_slot = ROWS * head_dim * 4 + 2 * ROWS * 4
+    return max(1, min(MERGE_SLOTS, num_parts, (SMEM_PER_BLOCK - fixed) // per_slot))
+
+
+def _merge_partials(written, partials, items, tile_tok, *, group: int, interpret: bool, approx_math: bool):
+    """`written` = (out [T, N, H], lse f32[T, N]) with the rows of the tiles split over several partitions set, in
+    token order, by one kernel (`_merge_kernel`) from their float32 partials = (acc [NP, K, 64 C, H], m base 2 / l
+    [NP, K, 64 C], item i's at i: `_kernel`'s): the exact merge (log-sum-exp) of `_merge_items`, and
+    `pa._scatter_into`'s placement, where XLA takes three fusions and a scatter for them. The buffers go in as
+    mutable refs (aliased in and out, as a step's second launch takes the first's): the other rows keep their
+    values. items i32[4, W] (`_work_items`), tile_tok i32[nt, BQ]."""
+    out, lse = written
+    acc, m, l = partials
+    NP, K, R, H = acc.shape
+    refs = [jax.new_ref(out, memory_space=plgpu.GMEM), jax.new_ref(lse, memory_space=plgpu.GMEM)]
+    with jax_config._check_vma(False):  # as `_attend_tiles`
+        pl.kernel(
+            functools.partial(_merge_kernel, num_parts=NP, group=group, ops=_Ops(interpret)),
+            out_type=[],
+            # a program per split tile, kv head and consumer's rows; a tile of several partitions has two or more
+            # items below NP, so a step has at most NP // 2 such tiles
+            mesh=plgpu.Mesh(grid=(NP // 2, K, R // ROWS), grid_names=("split", "kvh", "c")),
+            compiler_params=None if interpret else compiler_params(approx_math),
+            interpret=_interpret_params() if interpret else False,
+            name="paged_attention_merge",
+        )(items, tile_tok.astype(jnp.int32), acc, m, l, *refs)
+    return jax.freeze(refs[0]), jax.freeze(refs[1])
+
+
+def _merge_kernel(items_ref, tok_ref, acc_ref, m_ref, l_ref, out_ref, lse_ref, *, num_parts: int, group: int,
+                  ops: _Ops):
+    """One (split tile, kv head, consumer) program of `_merge_partials`, one warpgroup: the consumer's rows of the
+    tile's partials, `MERGE_SLOTS` in flight (TMA into a ring of SMEM slots, the slot refilled once read), merged
+    online in registers (the running max rescales, as the kernel's softmax does), then normalised and written in
+    token order as a one-partition program writes its own (`_write_normalised`). Only the rows the consumer's tokens
+    take are copied (`_partial_rows`); the slots' other rows hold whatever they held, merged but never written."""
+    H = acc_ref.shape[-1]
+    C = acc_ref.shape[2] // ROWS
+    slots = merge_slots(head_dim=H, out_itemsize=jnp.dtype(out_ref.dtype).itemsize, num_parts=num_parts)
+    f32 = jnp.float32
+    scratch = [plgpu.SMEM((slots, ROWS, H), f32, transforms=_swizzled(f32)),  # acc
+               plgpu.SMEM((slots, ROWS), f32),  # m
+               plgpu.SMEM((slots, ROWS), f32),  # l
+               plgpu.SMEM((ROWS, H), out_ref.dtype,  # output staging, as `_kernel`'s
+                          transforms=_swizzled(out_ref.dtype) if _token_rows_tiled(group) else ()),
+               plgpu.SMEM((ROWS,), f32)]  # lse staging
+    rows = _partial_rows(tok_ref.shape[1] // C, group)
+    pl.run_scoped(functools.partial(_merge_program, (items_ref, tok_ref, acc_ref, m_ref, l_ref, out_ref, lse_ref),
+                                    num_parts=num_parts, group=group, ops=ops, consumers=C, rows=rows),
+                  *scratch, plgpu.Barrier(num_arrivals=3, num_barriers=slots))
+
+
+def _merge_program(refs, acc_slots, m_slots, l_slots, o_smem, lse_smem, full, *, num_parts, group, ops, consumers,
+                   rows):
+    items_ref, tok_ref, acc_ref, m_ref, l_ref, out_ref, lse_ref = refs
+    slots = acc_slots.shape[0]
+    r, mr = rows
+    split, kvh, c = lax.axis_index("split"), lax.axis_index("kvh"), lax.axis_index("c")
+    first = items_ref[3, split]  # the tile's first item (num_parts or more: no such tile, nothing to do)
+
+    @pl.when(first < num_parts)
+    def _():
+        t, parts = items_ref[0, first], items_ref[2, first]
+        base = pl.multiple_of(c * ROWS, ROWS)
+
+        def fetch(p):  # partition p's partial into slot p % slots
+            slot, item = lax.rem(p, slots), first + p
+            plgpu.copy_gmem_to_smem(acc_ref.at[item, kvh, pl.ds(base, r)], acc_slots.at[slot, pl.ds(0, r)],
+                                    full.at[slot])
+            plgpu.copy_gmem_to_smem(m_ref.at[item, kvh, pl.ds(base, mr)], m_slots.at[slot, pl.ds(0, mr)],
+                                    full.at[slot])
+            plgpu.copy_gmem_to_smem(l_ref.at[item, kvh, pl.ds(base, mr)], l_slots.at[slot, pl.ds(0, mr)],
+                                    full.at[slot])
+
+        for p in range(slots):
+            pl.when(p < parts)(functools.partial(fetch, p))
+
+        def merge(p, carry):
+            m, l, acc = carry
+            slot = lax.rem(p, slots)
+            plgpu.barrier_wait(full.at[slot])
+            m_p, l_p = ops.load_rows(m_slots.at[slot]), ops.load_rows(l_slots.at[slot])
+            acc_p = ops.load(acc_slots.at[slot], None if ops.interpret else plgpu.Layout.WGMMA)
+            @pl.when(p + slots < parts)
+            def _():  # the slot read: refill it, once the reads (generic proxy) are ordered before TMA's write
+                plgpu.commit_smem()  # (async proxy): fence.proxy.async, which the interpreter checks too
+                fetch(p + slots)
+            m_new = jnp.maximum(m, m_p)
+            a, b = jnp.exp2(m - m_new), jnp.exp2(m_p - m_new)
+            acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0]) + acc_p * lax.broadcast_in_dim(b, acc.shape, [0]))
+            return m_new, l * a + l_p * b, acc
+
+        row = None if ops.interpret else plgpu.Layout.WGMMA.reduce(1)
+        carry = (ops.cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row),
+                 ops.cast(jnp.zeros((ROWS,), jnp.float32), row),
+                 ops.cast(jnp.zeros((ROWS, acc_slots.shape[-1]), jnp.float32),
+                          None if ops.interpret else plgpu.Layout.WGMMA))
+        m, l, acc = lax.fori_loop(0, parts, merge, carry)
+        _write_normalised(acc, m, l, (tok_ref, out_ref, lse_ref), t=t, consumer=c, consumers=consumers, kvh=kvh,
+                          group=group, o_smem=o_smem, m_smem=lse_smem, ops=ops)
+        plgpu.wait_smem_to_gmem(0)
 
 
 def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret: bool, out_dtype=None,
@@ -1241,7 +1393,8 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
                       pingpong: bool | None = None, registers: bool | None = None, stages: int | None = None,
                       release_k: bool | None = None, max_registers: bool | None = None,
                       fma_softmax: bool | None = None,
-                      wait_k_in_pv: bool = False, fenced_softmax: bool = False, overlap: bool = False):
+                      wait_k_in_pv: bool = False, fenced_softmax: bool = False, overlap: bool = False,
+                      merge_kernel: bool = True):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
     `models.attention.paged_attention` (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by
@@ -1256,7 +1409,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     return _single(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, num_partitions=num_partitions,
                    out_dtype=out_dtype, consumers=consumers, block_k=block_k,
                    codegen=Codegen(approx_math, lookahead, pingpong, registers, stages, release_k, max_registers,
-                                   fma_softmax, wait_k_in_pv, fenced_softmax, overlap))
+                                   fma_softmax, wait_k_in_pv, fenced_softmax, overlap, merge_kernel))
 
 
 @pa._jit
@@ -1264,7 +1417,7 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fals
                      num_partitions: int | None = None, out_dtype=None, block_k: int = BLOCK_K,
                      approx_math: bool = True, lookahead: bool = True, stages: int | None = None,
                      release_k: bool | None = None, fma_softmax: bool | None = None, wait_k_in_pv: bool = False,
-                     fenced_softmax: bool = False, overlap: bool = False):
+                     fenced_softmax: bool = False, overlap: bool = False, merge_kernel: bool = True):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
     `prefill_attention`."""
@@ -1274,7 +1427,7 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fals
                    out_dtype=out_dtype, block_k=block_k,
                    codegen=Codegen(approx_math, lookahead, stages=stages, release_k=release_k,
                                    fma_softmax=fma_softmax, wait_k_in_pv=wait_k_in_pv, fenced_softmax=fenced_softmax,
-                                   overlap=overlap))
+                                   overlap=overlap, merge_kernel=merge_kernel))
 
 
 def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
@@ -1286,7 +1439,7 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
                             stages: int | None = None, release_k: bool | None = None,
                             max_registers: bool | None = None,
                             fma_softmax: bool | None = None, wait_k_in_pv: bool = False, fenced_softmax: bool = False,
-                            overlap: bool = False):
+                            overlap: bool = False, merge_kernel: bool = True):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
@@ -1306,7 +1459,7 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
                          "decode_partitions, kind, consumers or a block size too")
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,
                     codegen=Codegen(approx_math, lookahead, pingpong, registers, stages, release_k, max_registers,
-                                    fma_softmax, wait_k_in_pv, fenced_softmax, overlap))
+                                    fma_softmax, wait_k_in_pv, fenced_softmax, overlap, merge_kernel))
 
 
 paged_attention_mosaic = pa._jit(_paged_attention_mosaic, dynamic=("tiles",))

@@ -183,27 +183,75 @@ def test_three_consumers_take_turns_over_split_tiles(options, race_detection):
 def test_work_items_share_the_programs_by_the_keys_the_step_holds():
     """`_work_items`, by hand: a tile that holds tokens gets one partition or more, spare partitions (the most a
     tile may take, less the tiles that hold tokens) go by key blocks, never more partitions than blocks; past the
-    items, programs get tile nt (nothing to do). (tile, partition, partitions of the tile) per program."""
+    items, programs get tile nt (nothing to do). (tile, partition, partitions of the tile) per program, and the first
+    item of each split tile in order (W past the last): the merge kernel's programs."""
     def items(has_tokens, kv_hi, num_parts, block_k=64):
         return np.asarray(ma._work_items(jnp.asarray(has_tokens), jnp.asarray(kv_hi, jnp.int32), block_k, num_parts))
 
     # one chunk's tile among 3 static tile slots (the engine's many sequence slots), 16 partitions allowed:
     # 100 blocks, so all 16
     got = items([True, False, False], [6400, 0, 0], 16)
-    np.testing.assert_array_equal(got, [[0] * 16, list(range(16)), [16] * 16])
+    np.testing.assert_array_equal(got, [[0] * 16, list(range(16)), [16] * 16, [0] + [16] * 15])
     # two tiles of 30 and 10 blocks and a tile with tokens but no key (one partition: it writes out 0, lse
     # NEG_INF): 16 - 3 = 13 spare, floor(13 x 30 / 40) = 9 and floor(13 x 10 / 40) = 3 more; an empty slot; 15 of
     # the 16 programs have an item
     got = items([True, True, True, False], [1920, 640, 0, 0], 16)
     np.testing.assert_array_equal(got, [[0] * 10 + [1] * 4 + [2, 4],
                                         list(range(10)) + list(range(4)) + [0, 0],
-                                        [10] * 10 + [4] * 4 + [1, 0]])
+                                        [10] * 10 + [4] * 4 + [1, 0],
+                                        [0, 10] + [16] * 14])  # the split tiles' first items
     # as many tiles with tokens as partitions allowed: one each, and the static slots past them do nothing
     got = items([True] * 4 + [False] * 2, [64 * 9] * 4 + [0, 0], 4)
-    np.testing.assert_array_equal(got, [[0, 1, 2, 3, 6, 6], [0] * 6, [1, 1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(got, [[0, 1, 2, 3, 6, 6], [0] * 6, [1, 1, 1, 1, 0, 0], [6] * 6])  # none split
     # a 3-block tile alone never gets more than its 3 partitions; tiles holding tokens need not be the first
     got = items([False, True], [0, 150], 8)
-    np.testing.assert_array_equal(got, [[1, 1, 1, 2, 2, 2, 2, 2], [0, 1, 2, 0, 0, 0, 0, 0], [3, 3, 3] + [0] * 5])
+    np.testing.assert_array_equal(got, [[1, 1, 1, 2, 2, 2, 2, 2], [0, 1, 2, 0, 0, 0, 0, 0], [3, 3, 3] + [0] * 5,
+                                        [0] + [8] * 7])
+
+
+@pytest.mark.parametrize("kind", ["decode", pytest.param("mixed", marks=pytest.mark.slow)])  # mixed: ~70 s
+def test_merge_kernel_merges_split_tiles_in_token_order_without_races(kind, race_detection):
+    """The merge kernel (`merge_kernel=True`, the default) after each launch: a decode at 390 keys in six partitions of
+    its seven blocks (2, 2, 2, 1, 0, 0: more partials than the kernel's 4 slots, so it refills them; two empty,
+    l = 0) and an empty KVP shard's decode (one partition, written by the attention kernel); mixed, beside them a
+    20-token chunk at 300 keys in three partitions whose tile's 20 tokens fill the first consumer's 16 and 4 of the
+    second's (the merge's programs are per consumer: the second merges the 16 rows its 4 tokens take, of the 64 it
+    holds), two kv heads (the decode alone: one). Rows shuffled. In float32 against the reference with the race
+    detector on, and against XLA's merge of the same partials (`merge_kernel=False`) to float32 rounding."""
+    rng = np.random.default_rng(23)
+    mixed = kind == "mixed"
+    seqs = [(390, 1, 0), (0, 1, 0)] + ([(300, 20, 0)] if mixed else [])
+    step = make_step(rng, seqs, num_heads=8 if mixed else 4, num_kv_heads=2 if mixed else 1, head_dim=64,
+                     page=16, dtype=jnp.bfloat16, shuffle=True, max_pages=25)
+    plan = dict(decode_partitions=7, num_partitions=3, block_k=64)
+    assert list(planned_parts(step, "decode", **plan))[:7] == [6] * 6 + [1]
+    if mixed:
+        assert list(planned_parts(step, "prefill", **plan)) == [3, 3, 3]
+        check(ma.paged_attention_mosaic, step, **plan)  # out in bf16 too
+    fn = ma.paged_attention_mosaic if mixed else functools.partial(ma.paged_attention_mosaic, kind="decode")
+    got = run(fn, step, interpret=True, out_dtype=jnp.float32, **plan)
+    assert not race_detection()
+    ref = run(paged_attention, f32(step), block_pages=2, precision=HIGHEST)
+    assert_close(got, ref, **tolerance(step))
+    xla = run(fn, step, interpret=True, out_dtype=jnp.float32, merge_kernel=False, **plan)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(xla[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(xla[1]), rtol=1e-6, atol=1e-5)
+
+
+def test_merge_slots_fit_a_blocks_shared_memory():
+    """A merge program's float32 [64, head dim] slots: 4 where they fit beside the output staging within a block's
+    227 KB (8 KB kept for Mosaic's own), 2 at head dim 256 (3 x 64.5 KB + 32 KB would not), never more than the
+    partitions."""
+    assert ma.merge_slots(head_dim=64, out_itemsize=2, num_parts=16) == 4
+    assert ma.merge_slots(head_dim=128, out_itemsize=4, num_parts=33) == 4  # 4 x 32.5 KB + 32 KB + 8 KB
+    assert ma.merge_slots(head_dim=128, out_itemsize=2, num_parts=2) == 2
+    assert ma.merge_slots(head_dim=256, out_itemsize=2, num_parts=16) == 2
+    assert ma.merge_slots(head_dim=256, out_itemsize=4, num_parts=16) == 2
+    assert ma._partial_rows(1, 4) == (8, 32)  # a decode tile: its 4 rows in one 8-row tile; m / l 128 bytes
+    assert ma._partial_rows(1, 8) == (8, 32)
+    assert ma._partial_rows(1, 64) == (64, 64)
+    assert ma._partial_rows(16, 4) == (64, 64)  # a prefill consumer's 16 tokens: all its rows
+    assert ma._partial_rows(6, 8) == (48, 64)
 
 
 @pytest.mark.slow  # ~38 s in the interpreter
@@ -389,10 +437,10 @@ def test_float32_out_for_a_kvp_partial_is_the_unrounded_result():
         run(ma.paged_attention_mosaic, step, out_dtype=jnp.float16, **kw)
 
 
-# The launches of each output path, (fn, kernels a mixed step launches): split-K partials merged after the kernel,
-# token order in the model's dtype, a KVP rank's float32 out.
+# The launches of each output path, (fn, kernels a mixed step launches; a one-kind step half as many): split-K
+# partials merged by the merge kernel after each launch, token order in the model's dtype, a KVP rank's float32 out.
 _ONE_PARTITION = functools.partial(ma.paged_attention_mosaic, num_partitions=1, decode_partitions=1)
-OUTPUT_PATHS = ((ma.paged_attention_mosaic, 2), (_ONE_PARTITION, 2),
+OUTPUT_PATHS = ((ma.paged_attention_mosaic, 4), (_ONE_PARTITION, 2),
                 (functools.partial(_ONE_PARTITION, out_dtype=jnp.float32), 2))
 
 
@@ -413,22 +461,24 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page, options):
     (layouts, swizzled SMEM, TMA copies of pages, transposed wgmma, warpgroups) to the Mosaic GPU custom call for
     CUDA, alone and inside the step's shard_map (on the CPU; compiling to PTX and running need a Hopper GPU); with
     `options`, the tuning options too."""
-    base = ((ma.paged_attention_mosaic, 2), (ma.decode_attention, 1),
+    base = ((ma.paged_attention_mosaic, 4),  # both launches split, each followed by its merge kernel
+            (ma.decode_attention, 2),
             (_ONE_PARTITION, 2),  # token-order writes, the second launch into the first's buffers
             (functools.partial(_ONE_PARTITION, kind="decode"), 1),  # into (0, NEG_INF) buffers
-            (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 2),  # token order + a scatter
+            (functools.partial(ma.paged_attention_mosaic, num_partitions=1), 3),  # token order + the decode's merge
+            (functools.partial(ma.paged_attention_mosaic, merge_kernel=False), 2),  # merged by XLA's ops instead
             (functools.partial(_ONE_PARTITION, out_dtype=jnp.float32), 2))  # a KVP rank's float32 partial
-    tuning = ((functools.partial(ma.paged_attention_mosaic, pingpong=True, block_k=128), 2),
-              (functools.partial(ma.paged_attention_mosaic, stages=3, block_k=64), 2),
-              (functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True), 2),
-              (functools.partial(ma.paged_attention_mosaic, release_k=True, max_registers=True), 2),
+    tuning = ((functools.partial(ma.paged_attention_mosaic, pingpong=True, block_k=128), 4),
+              (functools.partial(ma.paged_attention_mosaic, stages=3, block_k=64), 4),
+              (functools.partial(ma.paged_attention_mosaic, registers=True, pingpong=True), 4),
+              (functools.partial(ma.paged_attention_mosaic, release_k=True, max_registers=True), 4),
               (functools.partial(ma.paged_attention_mosaic, fma_softmax=True, wait_k_in_pv=True, fenced_softmax=True,
-                                 registers=False), 2),
-              (functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP), 2),
-              (functools.partial(ma.paged_attention_mosaic, overlap=True, max_registers=True), 2),  # turns on
-              (functools.partial(ma.paged_attention_mosaic, overlap=True, pingpong=False, release_k=False), 2),
-              (functools.partial(ma.paged_attention_mosaic, consumers=3), 2),  # the ring, registers split
-              (functools.partial(ma.paged_attention_mosaic, consumers=3, overlap=True), 2),
+                                 registers=False), 4),
+              (functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP), 4),
+              (functools.partial(ma.paged_attention_mosaic, overlap=True, max_registers=True), 4),  # turns on
+              (functools.partial(ma.paged_attention_mosaic, overlap=True, pingpong=False, release_k=False), 4),
+              (functools.partial(ma.paged_attention_mosaic, consumers=3), 4),  # the ring, registers split
+              (functools.partial(ma.paged_attention_mosaic, consumers=3, overlap=True), 4),
               (functools.partial(_ONE_PARTITION, registers=True), 2))
     assert_lowers_for_cuda(jnp.bfloat16, base + (tuning if options else ()), "@mosaic_gpu_v2", num_heads=num_heads,
                            page=page)
@@ -467,7 +517,7 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
         counted = ma.program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=ring)
         limit = min(H100_SMEM_PER_BLOCK, H100_SMEM_PER_SM // per_sm - SMEM_RESERVED_PER_BLOCK,
                     counted + ma.SMEM_MARGIN)
-        paths = tuple((functools.partial(fn, kind=kind), 1) for fn, _ in OUTPUT_PATHS)
+        paths = tuple((functools.partial(fn, kind=kind), n // 2) for fn, n in OUTPUT_PATHS)
         with mgpu_core.artificial_shared_memory_limit(limit):
             assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
     if head_dim <= 128:  # a ring of 4 slots of 64 keys with one partition, attention_mgpu's loop with 128-key
@@ -475,7 +525,7 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
         # program still fits (one per SM), at 256 not; a decode program with a ring of 3 fits one per SM
         for kind, options in (("prefill", dict(stages=4, block_k=64)), ("decode", dict(stages=3)),
                               ("prefill", MGPU_LOOP), ("prefill", dict(consumers=3))):
-            paths = tuple((functools.partial(fn, kind=kind, **options), 1) for fn, _ in OUTPUT_PATHS)
+            paths = tuple((functools.partial(fn, kind=kind, **options), n // 2) for fn, n in OUTPUT_PATHS)
             with mgpu_core.artificial_shared_memory_limit(H100_SMEM_PER_BLOCK):
                 assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
 
@@ -785,6 +835,24 @@ def test_compiled_kernels_split_a_short_chunk_among_many_sequence_slots_on_hoppe
                      head_dim=128, page=16, dtype=jnp.bfloat16)
     assert planned_parts(step, "prefill").max() == 16 and planned_parts(step, "decode").max() == 16
     check_compiled(step, (ma.paged_attention_mosaic,))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
+@pytest.mark.parametrize("num_heads", [32, 64])
+def test_compiled_merge_kernel_matches_xla_merge_on_hopper(num_heads):
+    """Never run on a GPU yet (eighteenth session): the merge kernel of the split tiles (the default) against XLA's
+    merge of the same partials (`merge_kernel=False`), float32 out, at the Llama-3-8B / -70B shapes in the engine's
+    layout: 64 sequence slots, a 32-token chunk at 40,000 keys, decodes at 30,000 and 100 keys and an empty KVP
+    shard's decode, 16 partitions a launch; both against the float32 reference too."""
+    rng = np.random.default_rng(18)
+    step = make_step(rng, [(40000, 32, 0), (30000, 1, 0), (100, 1, 0), (0, 1, 0)] + [(0, 0, 0)] * 60,
+                     num_heads=num_heads, num_kv_heads=8, head_dim=128, page=16, dtype=jnp.bfloat16)
+    assert planned_parts(step, "prefill").max() == 16 and planned_parts(step, "decode").max() > 1
+    check_compiled(step, (ma.paged_attention_mosaic, functools.partial(ma.paged_attention_mosaic, merge_kernel=False)))
+    kernel, xla = (run(ma.paged_attention_mosaic, step, out_dtype=jnp.float32, merge_kernel=m) for m in (True, False))
+    np.testing.assert_allclose(np.asarray(kernel[0]), np.asarray(xla[0]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kernel[1]), np.asarray(xla[1]), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
