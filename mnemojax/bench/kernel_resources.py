@@ -1,0 +1,252 @@
+"""What ptxas makes of the Mosaic GPU attention kernels: registers, spills and SMEM per kernel and option, on any
+machine, a CPU-only one included.
+
+    python scripts/kernel_resources.py [--model llama3-8b] [--chunks 1,32,2048] [--context 1048576]
+        [--impl mosaic,mosaic+max_registers=true,mosaic+overlap=true] [--target h100] [--sass]
+
+From jax 0.11, XLA's compilation of a step for an NVIDIA GPU compiles its Mosaic GPU kernels too: Mosaic lowers
+each to PTX and assembles it with ptxas then, not when the kernel first runs. So a deviceless compilation (jax's
+CUDA plugin, compile-only devices of the `--target` GPU, as `scripts/aot_step.py`; no GPU, driver or CUDA install)
+with Mosaic's dumps on (`MOSAIC_GPU_DUMP_PTXAS`, `MOSAIC_GPU_DUMP_TO`) gives ptxas's own report of every kernel:
+registers per thread, bytes of local memory spilled (stores, loads) and the stack. For each `--impl` label
+(`impl+name=value` kernel options, as `scripts/bench_attention.py`'s) and chunk, one layer's attention at the
+model's shape (q heads, kv heads, head dim; bf16, pages of 16) is compiled on the step's plan for the step's kind
+(chunk 1: decode tiles, one sequence at `--context` keys; else a chunk of that many tokens ending at `--context`:
+prefill tiles), and each kernel's report is read: the attention kernel (`paged_attention_mosaic`) and the merge
+kernel of its split tiles (`paged_attention_merge`).
+
+A thread of a program of W warpgroups may take at most 65,536 / (128 W) registers (rounded down to 8): 168 for a
+two-consumer prefill program (with its producer), 128 for three consumers, unless the program redistributes them
+(`max_registers`: `setmaxnreg`, the consumers up to 232 or 160); past that, ptxas spills to local memory. A spill in
+a compute-bound kernel's key-block loop costs local-memory traffic every block; elsewhere (the prologue, the output
+staging) little. `--sass` says which: it assembles the dumped PTX itself (ptxas and nvdisasm of a CUDA toolkit as
+new as the PTX, found on PATH or in `--cuda_bin`: `pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm`), finds the
+innermost loops that issue wgmma (HGMMA: the key-block loops, masked and not) and counts their local loads and
+stores (LDL, STL) and exponentials (MUFU.EX2).
+
+These are the compiler's facts about the code, not timings: what they cost is measured on a GPU
+(`scripts/bench_attention.py`). Prints the command, the target and jax's version, then a table.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+MOSAIC = "mosaic"
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
+_KERNEL_FILE = re.compile(r"^(?P<name>.+)_(?P<index>\d+)$")
+
+
+@dataclasses.dataclass
+class KernelReport:
+    """One kernel's resources, as ptxas (and Mosaic's resource count) report them."""
+    name: str  # the kernel's name (`paged_attention_mosaic`, `paged_attention_merge`)
+    registers: int  # per thread, as the launch asks (a `setmaxnreg` program's warpgroups then move them)
+    stack: int  # bytes per thread
+    spill_stores: int  # bytes per thread
+    spill_loads: int
+    smem: int | None  # bytes of SMEM scratch Mosaic allocates (None: not reported)
+    index: int = 0  # Mosaic's count of the kernels it compiled (its dump files' suffix)
+    loops: list | None = None  # `--sass`: (HGMMA, MUFU.EX2, STL, LDL) of each innermost wgmma loop
+
+
+def read_ptxas(text: str) -> tuple[int, int, int, int]:
+    """(registers, stack, spill store bytes, spill load bytes) of ptxas's -v report `text` (one entry function)."""
+    used = _PTXAS_USED.search(text)
+    spills = _PTXAS_SPILLS.search(text)
+    if used is None or spills is None:
+        raise ValueError(f"not a ptxas report of one kernel: {text[:200]!r}")
+    return int(used.group(1)), int(spills.group(1)), int(spills.group(2)), int(spills.group(3))
+
+
+def read_dump(folder: str) -> list[KernelReport]:
+    """The kernels Mosaic dumped into `folder` (`<name>_<i>.ptxas`, `<name>_<i>.resources.txt`), in the order
+    they were compiled."""
+    reports = []
+    for path in glob.glob(os.path.join(folder, "*.ptxas")):
+        stem = os.path.basename(path)[:-len(".ptxas")]
+        m = _KERNEL_FILE.match(stem)
+        name, index = (m.group("name"), int(m.group("index"))) if m else (stem, 0)
+        registers, stack, stores, loads = read_ptxas(open(path).read())
+        smem = None
+        resources = os.path.join(folder, stem + ".resources.txt")
+        if os.path.exists(resources):
+            found = _SMEM.search(open(resources).read())
+            smem = int(found.group(1)) if found else None
+        reports.append(KernelReport(name, registers, stack, stores, loads, smem, index))
+    return sorted(reports, key=lambda r: r.index)
+
+
+def sass_loops(sass: str) -> list[tuple[int, int, int, int]]:
+    """(HGMMA, MUFU.EX2, STL, LDL) of each innermost loop of the disassembly `sass` (nvdisasm -c) that issues
+    wgmma: a loop is a backward branch to a label; innermost, one that holds no other such loop."""
+    lines = sass.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"^\.(L_x_\d+):", line.strip())
+        if m:
+            labels[m.group(1)] = i
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bBRA\b.*?\.(L_x_\d+)", line)
+        if m and labels.get(m.group(1), i) < i:
+            loops.append((labels[m.group(1)], i))
+
+    def count(a, b, what):
+        return sum(what in x for x in lines[a:b + 1])
+
+    with_wgmma = sorted({(a, b) for a, b in loops if count(a, b, "HGMMA")})
+    inner = [(a, b) for a, b in with_wgmma
+             if not any((c, d) != (a, b) and a <= c and d <= b for c, d in with_wgmma)]
+    return [(count(a, b, "HGMMA"), count(a, b, "MUFU.EX2"), count(a, b, "STL"), count(a, b, "LDL")) for a, b in inner]
+
+
+def find_tool(name: str, cuda_bin: str | None) -> str:
+    path = shutil.which(name, path=cuda_bin) if cuda_bin else shutil.which(name)
+    if path is None:
+        raise SystemExit(f"--sass needs {name} (a CUDA toolkit as new as the PTX Mosaic writes): put it on PATH or "
+                         "give --cuda_bin (pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm: nvidia/cu13/bin)")
+    return path
+
+
+def disassemble(folder: str, kernel: KernelReport, target: str, cuda_bin: str | None) -> str:
+    ptx = os.path.join(folder, f"{kernel.name}_{kernel.index}.ptx")
+    cubin = ptx[:-len(".ptx")] + ".cubin"
+    arch = {"h100": "sm_90a", "h200": "sm_90a"}[target]
+    subprocess.run([find_tool("ptxas", cuda_bin), f"-arch={arch}", "-O3", ptx, "-o", cubin], check=True,
+                   capture_output=True, text=True)
+    return subprocess.run([find_tool("nvdisasm", cuda_bin), "-c", cubin], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def compile_layer(*, label: str, chunk: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  page_size: int, device, folder: str):
+    """One layer's attention for `label` (`impl+options`) compiled for `device` (compile-only), Mosaic's dumps
+    into `folder`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from mnemojax.bench.attention import split_label
+    from models.attention import AttentionMetadata, attention, plan_attention, split_kernel_options
+    from models.kernels import DECODE, PREFILL
+    from shardings.mesh import make_mesh
+
+    impl, options = split_label(label)
+    if impl != MOSAIC:
+        raise SystemExit(f"--impl {label!r}: only the compiled Mosaic kernels ({MOSAIC}) have a ptxas report")
+    plan_opts, call_opts = split_kernel_options(impl, options)
+    mesh = make_mesh(1, 1, 1, devices=[device])
+    rep = NamedSharding(mesh, P())
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+    pages = -(-context // page_size)
+    q = sds((chunk, num_heads, head_dim), jnp.bfloat16)
+    cache = sds((1, pages + 1, page_size, num_kv_heads, head_dim), jnp.bfloat16)
+    meta = AttentionMetadata(seq_ids=sds((chunk,), jnp.int32), positions=sds((chunk,), jnp.int32),
+                             page_table=sds((1, pages), jnp.int32), kv_lens=sds((1,), jnp.int32),
+                             kv_start=sds((1,), jnp.int32))
+    kind = DECODE if chunk == 1 else PREFILL  # the step's kind, as the engine passes it
+    dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size)
+
+    def layer(q, k, v, meta):
+        plan = plan_attention(impl, meta, kind=kind, **dims, **plan_opts)
+        return attention(impl, q, k, v, jnp.int32(0), meta, block_pages=8, kind=kind, plan=plan, **call_opts)
+
+    os.environ["MOSAIC_GPU_DUMP_TO"] = folder  # read by Mosaic at each compilation
+    step = jax.shard_map(layer, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    jax.jit(step).trace(q, cache, cache, meta).lower(lowering_platforms=("cuda",)).compile()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama3-8b", help="a preset whose attention shape to compile (q heads, kv "
+                   "heads, head dim)")
+    p.add_argument("--impl", default=MOSAIC, help="comma-separated labels, impl+name=value kernel options")
+    p.add_argument("--chunks", default="1,32,2048", help="query tokens per step: 1 = decode")
+    p.add_argument("--context", type=int, default=1 << 20, help="keys of the sequence after the step")
+    p.add_argument("--page_size", type=int, default=16)
+    p.add_argument("--target", default="h100", choices=("h100", "h200"))
+    p.add_argument("--sass", action="store_true", help="also count the local loads / stores in the key-block loops "
+                   "(needs ptxas and nvdisasm)")
+    p.add_argument("--cuda_bin", default=None, help="folder of ptxas and nvdisasm for --sass (default: PATH)")
+    args = p.parse_args(argv)
+    args.impls = [x for x in args.impl.split(",") if x]
+    args.chunk_list = [int(x) for x in args.chunks.split(",") if x]
+    if not args.impls or not args.chunk_list or min(args.chunk_list) < 1:
+        p.error("--impl and --chunks need at least one entry each, chunks >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices come from the CUDA plugin, not a GPU
+    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+    os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
+    import jax
+
+    from mnemojax.bench.aot_step import target_devices
+    from models.config import preset
+
+    config = preset(args.model)
+    device = target_devices(args.target, 1)[0]
+    print("command: python scripts/kernel_resources.py " + shlex.join(sys.argv[1:] if argv is None else argv))
+    print(f"target: {device.device_kind} (compile-only: XLA's deviceless compilation, Mosaic's ptxas report); "
+          f"{args.model} attention shape: {config.num_heads} q heads, {config.num_kv_heads} kv "
+          f"heads, head dim {config.head_dim}, bf16, pages of {args.page_size}; context {args.context}; "
+          f"jax {jax.__version__}")
+    rows = []
+    for label in args.impls:
+        for chunk in args.chunk_list:
+            folder = tempfile.mkdtemp(prefix="kernel_resources_")
+            try:
+                compile_layer(label=label, chunk=chunk, context=args.context, num_heads=config.num_heads,
+                              num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                              page_size=args.page_size, device=device, folder=folder)
+                kernels = read_dump(folder)
+                if not kernels:
+                    raise RuntimeError("no ptxas report was dumped: jax >= 0.11 compiles Mosaic kernels with XLA")
+                if args.sass:
+                    for kernel in kernels:
+                        kernel.loops = sass_loops(disassemble(folder, kernel, args.target, args.cuda_bin))
+                rows += [(label, chunk, k) for k in kernels]
+            except Exception as e:  # one label that does not compile is reported, the others still run
+                rows.append((label, chunk, f"{type(e).__name__}: {str(e)[:160]}"))
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+    print_table(rows, args.sass)
+
+
+def print_table(rows, sass: bool) -> None:
+    head = f"{'label':44} {'chunk':>6} {'kernel':24} {'regs':>5} {'spill st':>8} {'spill ld':>8} {'stack':>6} {'smem':>7}"
+    if sass:
+        head += "  key-block loops (HGMMA/EX2/STL/LDL)"
+    print(head)
+    for label, chunk, k in rows:
+        if isinstance(k, str):
+            print(f"{label:44} {chunk:>6} failed: {k}")
+            continue
+        line = (f"{label:44} {chunk:>6} {k.name:24} {k.registers:>5} {k.spill_stores:>8} {k.spill_loads:>8} "
+                f"{k.stack:>6} {k.smem if k.smem is not None else '-':>7}")
+        if sass and k.loops is not None:
+            line += "  " + " ".join("/".join(map(str, loop)) for loop in k.loops)
+        print(line)
+    print("(regs: per thread as launched; spill st / ld: bytes of local memory per thread ptxas spilled to; smem: "
+          "Mosaic's SMEM scratch, bytes)")
+
+
+if __name__ == "__main__":
+    main()

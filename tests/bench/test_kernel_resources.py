@@ -1,0 +1,89 @@
+"""scripts/kernel_resources.py: reading ptxas's report, Mosaic's dump folder and a disassembly's key-block loops
+(texts as ptxas, Mosaic and nvdisasm wrote them for the eighteenth session's compilations), and its arguments. The
+compilation itself needs jax >= 0.11 with its CUDA plugin, which the test environment does not install; it was run
+by hand (docs/benchmarks.md, eighteenth session)."""
+import pytest
+
+from mnemojax.bench import kernel_resources as kr
+
+# ptxas -v of the two-consumer prefill kernel with 128-key blocks at head dim 128 (jax 0.11.2, sm_90a)
+SPILLING = """ptxas warning : Registers are spilled to local memory in function 'paged_attention_mosaic_mosaic_gpu_kernel', 536 bytes spill stores, 676 bytes spill loads
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'paged_attention_mosaic_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for paged_attention_mosaic_mosaic_gpu_kernel
+    368 bytes stack frame, 536 bytes spill stores, 676 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 368 bytes cumulative stack size, 1 bytes smem
+ptxas info    : Compile time = 310.250 ms
+"""
+CLEAN = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'paged_attention_merge_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for paged_attention_merge_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 163 registers, used 2 barriers, 1 bytes smem
+ptxas info    : Compile time = 41.119 ms
+"""
+RESOURCES = ("Resources(smem_scratch_bytes=201728, tmem_scratch_cols=0, tmem_collective_scratch_cols=0, "
+             "barrier_counts=Counter({Barrier(arrival_count=256, num_barriers=2, orders_tensor_core=False): 2}), "
+             "scoped_gmem_semaphores={})")
+
+
+def test_ptxas_report_gives_registers_stack_and_spills():
+    assert kr.read_ptxas(SPILLING) == (168, 368, 536, 676)
+    assert kr.read_ptxas(CLEAN) == (163, 0, 0, 0)
+    with pytest.raises(ValueError, match="not a ptxas report"):
+        kr.read_ptxas("ptxas info    : 0 bytes gmem\n")
+
+
+def test_dump_folder_lists_kernels_in_compile_order(tmp_path):
+    """Mosaic names its dumps <kernel>_<n>, n counting the kernels it compiled; the merge kernel reports no
+    resources file here, so its SMEM is unknown (-)."""
+    (tmp_path / "paged_attention_merge_3.ptxas").write_text(CLEAN)
+    (tmp_path / "paged_attention_mosaic_2.ptxas").write_text(SPILLING)
+    (tmp_path / "paged_attention_mosaic_2.resources.txt").write_text(RESOURCES)
+    (tmp_path / "paged_attention_mosaic_2.ptx").write_text("// not read")
+    got = kr.read_dump(str(tmp_path))
+    assert [(k.name, k.index, k.registers, k.spill_stores, k.spill_loads, k.stack, k.smem) for k in got] == [
+        ("paged_attention_mosaic", 2, 168, 536, 676, 368, 201728),
+        ("paged_attention_merge", 3, 163, 0, 0, 0, None)]
+
+
+# A disassembly's shape, trimmed: a prologue, an outer loop (.L_x_1) around two key-block loops, the first
+# (.L_x_2) clean, the second (.L_x_3) spilling, and an epilogue loop (.L_x_4) with no wgmma.
+SASS = """        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   STL [R1+0xd0], R10 ;
+.L_x_1:
+        /*0020*/                   IMAD R2, R2, 0x2, RZ ;
+.L_x_2:
+        /*0030*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT ;
+        /*0040*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0050*/                   MUFU.EX2 R5, R5 ;
+        /*0060*/                   MUFU.EX2 R6, R6 ;
+        /*0070*/              @!P1 BRA `(.L_x_2) ;
+.L_x_3:
+        /*0080*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT ;
+        /*0090*/                   LDL R7, [R1+0x10] ;
+        /*00a0*/                   MUFU.EX2 R5, R5 ;
+        /*00b0*/                   STL [R1+0x14], R8 ;
+        /*00c0*/                   LDL R9, [R1+0x18] ;
+        /*00d0*/              @!P2 BRA `(.L_x_3) ;
+        /*00e0*/               @P3 BRA `(.L_x_1) ;
+.L_x_4:
+        /*00f0*/                   LDL R9, [R1+0x18] ;
+        /*0100*/               @P4 BRA `(.L_x_4) ;
+        /*0110*/                   EXIT ;
+"""
+
+
+def test_key_block_loops_are_the_innermost_that_issue_wgmma():
+    """(HGMMA, MUFU.EX2, STL, LDL) of each innermost loop holding wgmma: the outer loop (around both) and the
+    epilogue's loop (no wgmma) are not counted; spills outside the loops neither."""
+    assert kr.sass_loops(SASS) == [(2, 2, 0, 0), (1, 1, 1, 2)]
+
+
+def test_arguments():
+    args = kr.parse_args(["--impl", "mosaic,mosaic+max_registers=false", "--chunks", "1,2048", "--model",
+                          "llama3.2-1b"])
+    assert args.impls == ["mosaic", "mosaic+max_registers=false"] and args.chunk_list == [1, 2048]
+    assert (args.context, args.target, args.sass) == (1 << 20, "h100", False)
+    with pytest.raises(SystemExit):
+        kr.parse_args(["--chunks", "0"])
