@@ -43,10 +43,13 @@ long context) with the deepest ring that fits the SMEM (with 64-key blocks 4 slo
 two-consumer split-K launch's 128-key blocks at head dim 128 fit 2, and then take no turns), compute-bound ones
 (two-consumer prefill tiles, one partition) with 2 slots; prefill key blocks of 128 at head dims 64 and 128
 (`prefill_block_k`), else 64; `fma_softmax` (one multiply-add per score for the exponent, as jax's
-`attention_mgpu`) for compute-bound prefill launches at head dim 64. Off, as measured no faster on an H200
-(sixteenth session, Llama-3-8B shape at 1M, each alone against the defaults): `release_k` (the K slot freed after
-Q K^T on its own barrier; chunk 2048 75.8 -> 80.4 ms), `max_registers` (`plgpu.set_max_registers`: consumers 232
-per thread, the producer 40; 76.0), `wait_k_in_pv` (the next K waited for during P V; 79.3) and `fenced_softmax`
+`attention_mgpu`) for compute-bound prefill launches at head dim 64; `max_registers` (`plgpu.set_max_registers`:
+consumers 232 per thread, the producer 40) for compute-bound two-consumer launches (eighteenth session, unmeasured:
+with 128-key blocks their 168 registers a thread spill in the key-block loop, by ptxas's report,
+`scripts/kernel_resources.py`; alone with 64-key blocks, which do not spill, it measured 76.0 against 75.8 ms) and
+for three consumers. Off, as measured no faster on an H200 (sixteenth session, Llama-3-8B shape at 1M, each alone
+against the defaults): `release_k` (the K slot freed after Q K^T on its own barrier; chunk 2048 75.8 -> 80.4 ms),
+`wait_k_in_pv` (the next K waited for during P V; 79.3) and `fenced_softmax`
 (the softmax finished before the turn is handed over; 75.7), each as `attention_mgpu` does; all of them with
 128-key blocks, 70.4 against 66.1 with 128-key blocks alone. Off and unmeasured: `overlap`, FlashAttention-3's
 loop (its overlap inside a warpgroup, which neither `attention_mgpu` nor the default loop has): each block's Q K^T
@@ -69,10 +72,11 @@ as mutable refs (`jax.new_ref`, aliased in and out of the kernel), every token w
 one-kind step (`kind` decode or prefill) starts them at (0, NEG_INF), what a token of the other kind gets. So no
 slice, transpose, merge or scatter follows the kernel. A tile split over several partitions writes a float32 partial
 (acc, m, l) per partition, at its item's index (below the most partitions a tile may take, `num_parts`: the partial
-buffers are that small; only the rows its tokens take: a decode tile's G rows in one 8-row tile, not 64), and one
+buffers are that small; only the rows its tokens take: a decode tile's G rounded up to 8, not 64), and one
 more kernel right after the launch (`_merge_partials`, a program per split tile, kv head and consumer's rows, one
-warpgroup, the partials TMA-copied through a ring of 4 SMEM slots) merges each split tile's partials exactly
-(log-sum-exp, online) and writes their rows in token order into the same buffers, as a one-partition program
+warpgroup, the partials TMA-copied through a ring of 4 SMEM slots, 2 at head dim 256) merges each split tile's
+partials exactly (log-sum-exp, online: to float32 rounding) and writes their rows in token order into the same
+buffers, as a one-partition program
 writes its own (eighteenth session, unmeasured: in the engine's decode step it replaces three XLA fusions and a
 scatter a layer, `scripts/aot_step.py --show_layer`); `merge_kernel=False` gives XLA's merge and scatter back
 (`_merge_items`, `pa._scatter_into`) for a side-by-side measurement.
@@ -235,7 +239,9 @@ class Codegen:
     consumer holds a block's V past the next block's Q K^T) and `max_registers` (prefill programs redistribute
     registers, `register_split`: with two consumers each consumer thread up to 232, the producer's down to 40,
     `plgpu.set_max_registers`, as FlashAttention-3 and `attention_mgpu`; None, its default: on with three consumers,
-    which need it, off with two), and the rest of what `attention_mgpu` does in its consumers' loop and
+    which need it, and with two where the launch is compute-bound, where they spill without it since the 128-key
+    blocks (eighteenth session, on ptxas's report: `for_launch`), off for memory-bound ones), and the rest of what
+    `attention_mgpu` does in its consumers' loop and
     ours did not: `wait_k_in_pv` (the next block's K waited
     for while this block's P V wgmma runs, the first block's before the loop, rather than at the top of each
     block) and `fenced_softmax` (the accumulator's rescale, P's conversion and l finished, behind an optimization
@@ -293,7 +299,15 @@ class Codegen:
             chunk 32 was slower: 2.02 -> 2.37 ms);
           - `fma_softmax`: compute-bound launches at head dim 64, where a score carries the least wgmma work
             (sixteenth session: the llama3.2-1b shape's chunk 8192 at 1M 198.6 -> 192.4 ms); elsewhere no (the
-            Llama-3-8B shape's chunk 2048 75.8 -> 75.1 ms, within the run's spread, chunk 32 1.25 -> 1.28 ms).
+            Llama-3-8B shape's chunk 2048 75.8 -> 75.1 ms, within the run's spread, chunk 32 1.25 -> 1.28 ms);
+          - `max_registers`: programs of three consumers (each thread may take 128 registers without it), and
+            compute-bound ones of two (eighteenth session, on ptxas's report, unmeasured on a GPU: with the
+            128-key blocks the sixteenth session adopted, a thread's 168 registers spill ~540 bytes at head dim 128,
+            4 local stores and 5 loads in each key block of the unmasked loop and ~115 / ~160 in the masked one,
+            at head dim 64 8 / 16 bytes; redistributed, none, at both head counts, with `overlap` too,
+            `scripts/kernel_resources.py`; measured alone with 64-key blocks, which do not spill, it cost nothing:
+            chunk 2048 75.8 -> 76.0 ms); memory-bound two-consumer launches (split-K) keep theirs (chunk 32 then
+            1.25 -> 1.28 ms).
         `num_parts`: the partitions the launch's tiles are expected to take (the split is chosen per step, so the
         caller gives more than one when the step's tokens could not fill the partitions' worth of tiles)."""
         registers = (not interpret) if self.registers is None else self.registers
@@ -318,7 +332,9 @@ class Codegen:
         pingpong = self.pingpong
         if pingpong is None:
             pingpong = registers and (not memory_bound or stages >= 3)
-        max_registers = consumers > PREFILL_CONSUMERS if self.max_registers is None else self.max_registers
+        max_registers = self.max_registers
+        if max_registers is None:  # three consumers need it; two, compute-bound, spill without it (`for_launch`)
+            max_registers = consumers > PREFILL_CONSUMERS or (consumers == PREFILL_CONSUMERS and not memory_bound)
         many = consumers > 1  # turns and a register split need two consumers or more: a decode has one
         release_k = self.overlap if self.release_k is None else self.release_k
         return dataclasses.replace(self, registers=registers, stages=stages, pingpong=pingpong and many,
@@ -350,8 +366,9 @@ def _cdiv(a, b):
 
 def _partial_rows(tokens: int, group: int) -> tuple[int, int]:
     """(rows of acc, rows of m and l) of a consumer's float32 partial that its `tokens` tokens x `group` heads
-    take, what a split tile's programs write and the merge reads: whole 8-row tiles of acc (a decode tile's G <= 8
-    rows: 8, not 64), and of m / l a multiple of 32 floats (a TMA copy into SMEM moves a multiple of 128 bytes)."""
+    take, what a split tile's programs write and the merge reads: whole 8-row tiles of acc (a decode tile's G rows
+    rounded up to 8, not 64), and of m / l a multiple of 32 floats (Pallas' lowering of a copy into SMEM splits its
+    bytes among a warpgroup's 128 threads, so it takes a multiple of 128 bytes)."""
     rows = min(ROWS, -(-tokens * group // 8) * 8)
     return rows, min(ROWS, -(-rows // 32) * 32)
 
@@ -576,7 +593,7 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref,
     may be split (num_parts > 1: the most partitions a tile may take), io_refs also hold the partials (acc
     [num_parts, K, 64 C, H], m [num_parts, K, 64 C] base-2, l [num_parts, K, 64 C], float32), where a program whose
     tile has several partitions writes its own at its item's index (< num_parts: see `_work_items`), only the rows
-    its tokens take (`_partial_rows`: a decode tile's 8 of 64)."""
+    its tokens take (`_partial_rows`: a decode tile's G rounded up to 8, of 64)."""
     _, _, S, _, H = k_ref.shape
     C = q_ref.shape[2] // ROWS
     stages = codegen.stages
@@ -1035,8 +1052,9 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     """One kernel launch over the work items of `launch` (`pa.Launch` of `_launch`: tokens i32[nt, BQ], T = empty
     slot, one sequence per tile, with their metadata for 64-row programs; `work` the programs' items, i32[4, W];
     `num_parts` the most partitions a tile may take). Returns ((out [T, N, H] in `out_dtype`, lse f32[T, N]) with
-    the rows of the tokens of tiles of one partition written, normalised by the kernel; the merged rows of the
-    tiles split over several, for `pa._scatter_into`, or None when no tile may be split). Into `into` = (out, lse)
+    the rows of the launch's tokens written: of tiles of one partition normalised by the kernel, of tiles split
+    over several by the merge kernel after it (`_merge_partials`); None, or with `merge_kernel=False` the split
+    tiles' merged rows for `pa._scatter_into`, which the buffers then lack). Into `into` = (out, lse)
     when given (passed to the kernel as mutable refs, i.e. aliased in and out: the other rows keep their values),
     else into fresh buffers whose other rows are undefined (uninitialised memory on a GPU, NaN in the
     interpreter), so the caller must cover every token.
@@ -1176,7 +1194,8 @@ def merge_slots(*, head_dim: int, out_itemsize: int, num_parts: int) -> int:
 def _merge_partials(written, partials, items, tile_tok, *, group: int, interpret: bool, approx_math: bool):
     """`written` = (out [T, N, H], lse f32[T, N]) with the rows of the tiles split over several partitions set, in
     token order, by one kernel (`_merge_kernel`) from their float32 partials = (acc [NP, K, 64 C, H], m base 2 / l
-    [NP, K, 64 C], item i's at i: `_kernel`'s): the exact merge (log-sum-exp) of `_merge_items`, and
+    [NP, K, 64 C], item i's at i: `_kernel`'s): the exact merge (log-sum-exp) of `_merge_items` (online, so equal
+    to float32 rounding, not bit for bit), and
     `pa._scatter_into`'s placement, where XLA takes three fusions and a scatter for them. The buffers go in as
     mutable refs (aliased in and out, as a step's second launch takes the first's): the other rows keep their
     values. items i32[4, W] (`_work_items`), tile_tok i32[nt, BQ]."""
@@ -1189,8 +1208,8 @@ def _merge_partials(written, partials, items, tile_tok, *, group: int, interpret
             functools.partial(_merge_kernel, num_parts=NP, group=group, ops=_Ops(interpret)),
             out_type=[],
             # a program per split tile, kv head and consumer's rows; a tile of several partitions has two or more
-            # items below NP, so a step has at most NP // 2 such tiles
-            mesh=plgpu.Mesh(grid=(NP // 2, K, R // ROWS), grid_names=("split", "kvh", "c")),
+            # items below NP, so a step has at most NP // 2 such tiles (and at most its nt tiles)
+            mesh=plgpu.Mesh(grid=(min(NP // 2, tile_tok.shape[0]), K, R // ROWS), grid_names=("split", "kvh", "c")),
             compiler_params=None if interpret else compiler_params(approx_math),
             interpret=_interpret_params() if interpret else False,
             name="paged_attention_merge",
@@ -1201,10 +1220,11 @@ def _merge_partials(written, partials, items, tile_tok, *, group: int, interpret
 def _merge_kernel(items_ref, tok_ref, acc_ref, m_ref, l_ref, out_ref, lse_ref, *, num_parts: int, group: int,
                   ops: _Ops):
     """One (split tile, kv head, consumer) program of `_merge_partials`, one warpgroup: the consumer's rows of the
-    tile's partials, `MERGE_SLOTS` in flight (TMA into a ring of SMEM slots, the slot refilled once read), merged
+    tile's partials, `merge_slots` in flight (TMA into a ring of SMEM slots, the slot refilled once read), merged
     online in registers (the running max rescales, as the kernel's softmax does), then normalised and written in
     token order as a one-partition program writes its own (`_write_normalised`). Only the rows the consumer's tokens
-    take are copied (`_partial_rows`); the slots' other rows hold whatever they held, merged but never written."""
+    take are copied (`_partial_rows`); the slots' other rows hold whatever they held, merged but never written. A
+    consumer of the tile with no token (its first slot empty) does nothing."""
     H = acc_ref.shape[-1]
     C = acc_ref.shape[2] // ROWS
     slots = merge_slots(head_dim=H, out_itemsize=jnp.dtype(out_ref.dtype).itemsize, num_parts=num_parts)
@@ -1223,53 +1243,71 @@ def _merge_kernel(items_ref, tok_ref, acc_ref, m_ref, l_ref, out_ref, lse_ref, *
 
 def _merge_program(refs, acc_slots, m_slots, l_slots, o_smem, lse_smem, full, *, num_parts, group, ops, consumers,
                    rows):
-    items_ref, tok_ref, acc_ref, m_ref, l_ref, out_ref, lse_ref = refs
-    slots = acc_slots.shape[0]
-    r, mr = rows
+    items_ref, tok_ref, out_ref = refs[0], refs[1], refs[5]
     split, kvh, c = lax.axis_index("split"), lax.axis_index("kvh"), lax.axis_index("c")
     first = items_ref[3, split]  # the tile's first item (num_parts or more: no such tile, nothing to do)
 
     @pl.when(first < num_parts)
     def _():
         t, parts = items_ref[0, first], items_ref[2, first]
-        base = pl.multiple_of(c * ROWS, ROWS)
+        # a tile's empty slots are its last (`pa._sequence_tiles`): a consumer whose first slot is empty has none
+        pl.when(tok_ref[t, c * (tok_ref.shape[1] // consumers)] < out_ref.shape[0])(functools.partial(
+            _merge_rows, refs, (acc_slots, m_slots, l_slots), (o_smem, lse_smem), full, first=first, t=t,
+            parts=parts, kvh=kvh, c=c, group=group, ops=ops, consumers=consumers, rows=rows))
 
-        def fetch(p):  # partition p's partial into slot p % slots
-            slot, item = lax.rem(p, slots), first + p
-            plgpu.copy_gmem_to_smem(acc_ref.at[item, kvh, pl.ds(base, r)], acc_slots.at[slot, pl.ds(0, r)],
-                                    full.at[slot])
-            plgpu.copy_gmem_to_smem(m_ref.at[item, kvh, pl.ds(base, mr)], m_slots.at[slot, pl.ds(0, mr)],
-                                    full.at[slot])
-            plgpu.copy_gmem_to_smem(l_ref.at[item, kvh, pl.ds(base, mr)], l_slots.at[slot, pl.ds(0, mr)],
-                                    full.at[slot])
 
-        for p in range(slots):
-            pl.when(p < parts)(functools.partial(fetch, p))
+def _merge_rows(refs, in_slots, staging, full, *, first, t, parts, kvh, c, group, ops, consumers, rows):
+    """Consumer c's rows of split tile t, whose partitions are items first .. first+parts-1: fetched through the
+    ring of slots, merged online, normalised and written in token order."""
+    items_ref, tok_ref, acc_ref, m_ref, l_ref, out_ref, lse_ref = refs
+    acc_slots, m_slots, l_slots = in_slots
+    slots = acc_slots.shape[0]
+    r, mr = rows
+    base = pl.multiple_of(c * ROWS, ROWS)
 
-        def merge(p, carry):
-            m, l, acc = carry
-            slot = lax.rem(p, slots)
-            plgpu.barrier_wait(full.at[slot])
-            m_p, l_p = ops.load_rows(m_slots.at[slot]), ops.load_rows(l_slots.at[slot])
-            acc_p = ops.load(acc_slots.at[slot], None if ops.interpret else plgpu.Layout.WGMMA)
-            @pl.when(p + slots < parts)
-            def _():  # the slot read: refill it, once the reads (generic proxy) are ordered before TMA's write
-                plgpu.commit_smem()  # (async proxy): fence.proxy.async, which the interpreter checks too
-                fetch(p + slots)
-            m_new = jnp.maximum(m, m_p)
-            a, b = jnp.exp2(m - m_new), jnp.exp2(m_p - m_new)
-            acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0]) + acc_p * lax.broadcast_in_dim(b, acc.shape, [0]))
-            return m_new, l * a + l_p * b, acc
+    def fetch(p):  # partition p's partial into slot p % slots
+        slot, item = lax.rem(p, slots), first + p
+        plgpu.copy_gmem_to_smem(acc_ref.at[item, kvh, pl.ds(base, r)], acc_slots.at[slot, pl.ds(0, r)],
+                                full.at[slot])
+        plgpu.copy_gmem_to_smem(m_ref.at[item, kvh, pl.ds(base, mr)], m_slots.at[slot, pl.ds(0, mr)],
+                                full.at[slot])
+        plgpu.copy_gmem_to_smem(l_ref.at[item, kvh, pl.ds(base, mr)], l_slots.at[slot, pl.ds(0, mr)],
+                                full.at[slot])
 
-        row = None if ops.interpret else plgpu.Layout.WGMMA.reduce(1)
-        carry = (ops.cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row),
-                 ops.cast(jnp.zeros((ROWS,), jnp.float32), row),
-                 ops.cast(jnp.zeros((ROWS, acc_slots.shape[-1]), jnp.float32),
-                          None if ops.interpret else plgpu.Layout.WGMMA))
-        m, l, acc = lax.fori_loop(0, parts, merge, carry)
-        _write_normalised(acc, m, l, (tok_ref, out_ref, lse_ref), t=t, consumer=c, consumers=consumers, kvh=kvh,
-                          group=group, o_smem=o_smem, m_smem=lse_smem, ops=ops)
-        plgpu.wait_smem_to_gmem(0)
+    for p in range(slots):
+        pl.when(p < parts)(functools.partial(fetch, p))
+
+    def merge(p, carry):
+        m, l, acc = carry
+        slot = lax.rem(p, slots)
+        plgpu.barrier_wait(full.at[slot])
+        m_p, l_p = ops.load_rows(m_slots.at[slot]), ops.load_rows(l_slots.at[slot])
+        acc_p = ops.load(acc_slots.at[slot], None if ops.interpret else plgpu.Layout.WGMMA)
+
+        # The slot read: refill it, once the reads (generic proxy) are ordered before TMA's write (async proxy) by
+        # fence.proxy.async, which the interpreter checks too. (At head dim 256 the running and the read
+        # accumulators take 128 registers each: ptxas spills ~76 bytes a thread, with the refill here or after the
+        # update alike, `scripts/kernel_resources.py`.)
+        @pl.when(p + slots < parts)
+        def _():
+            plgpu.commit_smem()
+            fetch(p + slots)
+
+        m_new = jnp.maximum(m, m_p)
+        a, b = jnp.exp2(m - m_new), jnp.exp2(m_p - m_new)
+        acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0]) + acc_p * lax.broadcast_in_dim(b, acc.shape, [0]))
+        return m_new, l * a + l_p * b, acc
+
+    row = None if ops.interpret else plgpu.Layout.WGMMA.reduce(1)
+    carry = (ops.cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row),
+             ops.cast(jnp.zeros((ROWS,), jnp.float32), row),
+             ops.cast(jnp.zeros((ROWS, acc_slots.shape[-1]), jnp.float32),
+                      None if ops.interpret else plgpu.Layout.WGMMA))
+    m, l, acc = lax.fori_loop(0, parts, merge, carry)
+    o_smem, lse_smem = staging
+    _write_normalised(acc, m, l, (tok_ref, out_ref, lse_ref), t=t, consumer=c, consumers=consumers, kvh=kvh,
+                      group=group, o_smem=o_smem, m_smem=lse_smem, ops=ops)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret: bool, out_dtype=None,
@@ -1278,8 +1316,9 @@ def _combine(q, k_cache, v_cache, layer, meta, tiles: pa.StepTiles, *, interpret
     laid out in the launches of `tiles` (`plan_step`), no token in two.
 
     The launches write their tokens' rows in place, one after the other into the same buffers (the second takes
-    the first's output as an aliased input), so no scatter but of split tiles' merged rows, after both (jax 0.11's
-    kernels refuse an aliased buffer that a scatter inside a shard_map made varying over a mesh axis): the first
+    the first's output as an aliased input), split tiles' rows by each launch's merge kernel, so no scatter (with
+    `merge_kernel=False`, XLA's merge and one scatter of split tiles' rows, after both: jax 0.11's kernels refuse
+    an aliased buffer that a scatter inside a shard_map made varying over a mesh axis): the first
     allocates them, uninitialised, when the launches cover every token (a mixed step: every token is a decode or
     in a prefill tile), else they start as (0, NEG_INF), what a token in no launch gets."""
     T, N, H = q.shape

@@ -215,18 +215,19 @@ def test_merge_kernel_merges_split_tiles_in_token_order_without_races(kind, race
     its seven blocks (2, 2, 2, 1, 0, 0: more partials than the kernel's 4 slots, so it refills them; two empty,
     l = 0) and an empty KVP shard's decode (one partition, written by the attention kernel); mixed, beside them a
     20-token chunk at 300 keys in three partitions whose tile's 20 tokens fill the first consumer's 16 and 4 of the
-    second's (the merge's programs are per consumer: the second merges the 16 rows its 4 tokens take, of the 64 it
-    holds), two kv heads (the decode alone: one). Rows shuffled. In float32 against the reference with the race
+    second's (the merge's programs are per consumer: the second merges its 64 rows and writes the 16 its 4 tokens
+    take), and a 5-token chunk at 200 keys in two, whose second consumer holds no token (its merge program does
+    nothing); two kv heads (the decode alone: one). Rows shuffled. In float32 against the reference with the race
     detector on, and against XLA's merge of the same partials (`merge_kernel=False`) to float32 rounding."""
     rng = np.random.default_rng(23)
     mixed = kind == "mixed"
-    seqs = [(390, 1, 0), (0, 1, 0)] + ([(300, 20, 0)] if mixed else [])
+    seqs = [(390, 1, 0), (0, 1, 0)] + ([(300, 20, 0), (200, 5, 0)] if mixed else [])
     step = make_step(rng, seqs, num_heads=8 if mixed else 4, num_kv_heads=2 if mixed else 1, head_dim=64,
                      page=16, dtype=jnp.bfloat16, shuffle=True, max_pages=25)
-    plan = dict(decode_partitions=7, num_partitions=3, block_k=64)
+    plan = dict(decode_partitions=7, num_partitions=6, block_k=64)
     assert list(planned_parts(step, "decode", **plan))[:7] == [6] * 6 + [1]
     if mixed:
-        assert list(planned_parts(step, "prefill", **plan)) == [3, 3, 3]
+        assert list(planned_parts(step, "prefill", **plan)) == [3, 3, 3, 2, 2, 0]
         check(ma.paged_attention_mosaic, step, **plan)  # out in bf16 too
     fn = ma.paged_attention_mosaic if mixed else functools.partial(ma.paged_attention_mosaic, kind="decode")
     got = run(fn, step, interpret=True, out_dtype=jnp.float32, **plan)
@@ -573,15 +574,20 @@ def test_code_generation_is_chosen_per_launch():
     with pytest.raises(ValueError, match="no ring of 128-key slots fits: ask for block_k=64"):
         ma.Codegen(stages=2).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=256, block_k=128)
     # three consumers: the registers redistributed (without, each thread may take 128), turns on the ring; a given
-    # max_registers wins; two consumers keep theirs unsplit; the split stays within an SM's 65,536 registers, in
-    # setmaxnreg's range (24 to 256, multiples of 8)
+    # max_registers wins; two consumers redistribute theirs when compute-bound (168 a thread spill with 128-key
+    # blocks), not when memory-bound (split-K); the split stays within an SM's 65,536 registers, in setmaxnreg's
+    # range (24 to 256, multiples of 8)
     def three(codegen=ma.Codegen(), **launch):
         return codegen.for_launch(**dict(dict(interpret=False, consumers=3, num_parts=1, head_dim=64, block_k=128),
                                          **launch))
     assert (three().max_registers, three().pingpong, three().stages, three().fma_softmax) == (True, True, 2, True)
     assert not three(ma.Codegen(max_registers=False)).max_registers
-    assert not ma.Codegen().for_launch(interpret=False, consumers=2, num_parts=1, head_dim=64,
-                                       block_k=128).max_registers
+    assert ma.Codegen().for_launch(interpret=False, consumers=2, num_parts=1, head_dim=64, block_k=128).max_registers
+    assert ma.Codegen().for_launch(interpret=False, consumers=2, num_parts=1, head_dim=128, block_k=128).max_registers
+    assert not ma.Codegen().for_launch(interpret=False, consumers=2, num_parts=16, head_dim=128,
+                                       block_k=128).max_registers  # split-K: memory-bound
+    assert not ma.Codegen(max_registers=False).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=128,
+                                                          block_k=128).max_registers
     assert (ma.register_split(2), ma.register_split(3)) == ((40, 232), (32, 160))
     for consumers in (2, 3):
         producer, consumer = ma.register_split(consumers)
