@@ -21,8 +21,8 @@ two-consumer prefill program (with its producer), 128 for three consumers, unles
 a compute-bound kernel's key-block loop costs local-memory traffic every block; elsewhere (the prologue, the output
 staging) little. `--sass` says which: it assembles the dumped PTX itself (ptxas and nvdisasm of a CUDA toolkit as
 new as the PTX, found on PATH or in `--cuda_bin`: `pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm`), finds the
-innermost loops that issue wgmma (HGMMA: the key-block loops, masked and not) and counts their local loads and
-stores (LDL, STL) and exponentials (MUFU.EX2).
+innermost loops that issue wgmma (HGMMA: the key-block loops) and counts their exponentials (MUFU.EX2), selects
+(FSEL: a masked loop has one a score, the unmasked one none) and local stores and loads (STL, LDL).
 
 These are the compiler's facts about the code, not timings: what they cost is measured on a GPU
 (`scripts/bench_attention.py`). Prints the command, the target and jax's version, then a table.
@@ -57,7 +57,7 @@ class KernelReport:
     spill_loads: int
     smem: int | None  # bytes of SMEM scratch Mosaic allocates (None: not reported)
     index: int = 0  # Mosaic's count of the kernels it compiled (its dump files' suffix)
-    loops: list | None = None  # `--sass`: (HGMMA, MUFU.EX2, STL, LDL) of each innermost wgmma loop
+    loops: list | None = None  # `--sass`: (HGMMA, MUFU.EX2, FSEL, STL, LDL) of each innermost wgmma loop
 
 
 def read_ptxas(text: str) -> tuple[int, int, int, int]:
@@ -87,9 +87,10 @@ def read_dump(folder: str) -> list[KernelReport]:
     return sorted(reports, key=lambda r: r.index)
 
 
-def sass_loops(sass: str) -> list[tuple[int, int, int, int]]:
-    """(HGMMA, MUFU.EX2, STL, LDL) of each innermost loop of the disassembly `sass` (nvdisasm -c) that issues
-    wgmma: a loop is a backward branch to a label; innermost, one that holds no other such loop."""
+def sass_loops(sass: str) -> list[tuple[int, int, int, int, int]]:
+    """(HGMMA, MUFU.EX2, FSEL, STL, LDL) of each innermost loop of the disassembly `sass` (nvdisasm -c) that issues
+    wgmma: a loop is a backward branch to a label; innermost, one that holds no other such loop. FSEL (selects)
+    tell a masked key-block loop (a select a score) from the unmasked one (none)."""
     lines = sass.splitlines()
     labels = {}
     for i, line in enumerate(lines):
@@ -108,7 +109,7 @@ def sass_loops(sass: str) -> list[tuple[int, int, int, int]]:
     with_wgmma = sorted({(a, b) for a, b in loops if count(a, b, "HGMMA")})
     inner = [(a, b) for a, b in with_wgmma
              if not any((c, d) != (a, b) and a <= c and d <= b for c, d in with_wgmma)]
-    return [(count(a, b, "HGMMA"), count(a, b, "MUFU.EX2"), count(a, b, "STL"), count(a, b, "LDL")) for a, b in inner]
+    return [tuple(count(a, b, what) for what in ("HGMMA", "MUFU.EX2", "FSEL", "STL", "LDL")) for a, b in inner]
 
 
 def find_tool(name: str, cuda_bin: str | None) -> str:
@@ -233,7 +234,7 @@ def main(argv=None) -> None:
 def print_table(rows, sass: bool) -> None:
     head = f"{'label':44} {'chunk':>6} {'kernel':24} {'regs':>5} {'spill st':>8} {'spill ld':>8} {'stack':>6} {'smem':>7}"
     if sass:
-        head += "  key-block loops (HGMMA/EX2/STL/LDL)"
+        head += "  key-block loops (HGMMA/EX2/FSEL/STL/LDL)"
     print(head)
     for label, chunk, k in rows:
         if isinstance(k, str):

@@ -48,7 +48,7 @@ def test_dump_folder_lists_kernels_in_compile_order(tmp_path):
 
 
 # A disassembly's shape, trimmed: a prologue, an outer loop (.L_x_1) around two key-block loops, the first
-# (.L_x_2) clean, the second (.L_x_3) spilling, and an epilogue loop (.L_x_4) with no wgmma.
+# (.L_x_2) clean, the second (.L_x_3) masking and spilling, and an epilogue loop (.L_x_4) with no wgmma.
 SASS = """        /*0000*/                   MOV R1, c[0x0][0x28] ;
         /*0010*/                   STL [R1+0xd0], R10 ;
 .L_x_1:
@@ -62,6 +62,7 @@ SASS = """        /*0000*/                   MOV R1, c[0x0][0x28] ;
 .L_x_3:
         /*0080*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT ;
         /*0090*/                   LDL R7, [R1+0x10] ;
+        /*0098*/                   FSEL R5, R5, -1e30, P0 ;
         /*00a0*/                   MUFU.EX2 R5, R5 ;
         /*00b0*/                   STL [R1+0x14], R8 ;
         /*00c0*/                   LDL R9, [R1+0x18] ;
@@ -75,9 +76,9 @@ SASS = """        /*0000*/                   MOV R1, c[0x0][0x28] ;
 
 
 def test_key_block_loops_are_the_innermost_that_issue_wgmma():
-    """(HGMMA, MUFU.EX2, STL, LDL) of each innermost loop holding wgmma: the outer loop (around both) and the
-    epilogue's loop (no wgmma) are not counted; spills outside the loops neither."""
-    assert kr.sass_loops(SASS) == [(2, 2, 0, 0), (1, 1, 1, 2)]
+    """(HGMMA, MUFU.EX2, FSEL, STL, LDL) of each innermost loop holding wgmma: the outer loop (around both) and the
+    epilogue's loop (no wgmma) are not counted; spills outside the loops neither. The second loop selects (masks)."""
+    assert kr.sass_loops(SASS) == [(2, 2, 0, 0, 0), (1, 1, 1, 1, 2)]
 
 
 def test_arguments():
