@@ -43,7 +43,8 @@ long context) with the deepest ring that fits the SMEM (with 64-key blocks 4 slo
 two-consumer split-K launch's 128-key blocks at head dim 128 fit 2, and then take no turns), compute-bound ones
 (two-consumer prefill tiles, one partition) with 2 slots; prefill key blocks of 128 at head dims 64 and 128
 (`prefill_block_k`), else 64; `fma_softmax` (one multiply-add per score for the exponent, as jax's
-`attention_mgpu`) for compute-bound prefill launches at head dim 64; `max_registers` (`plgpu.set_max_registers`:
+`attention_mgpu`) for compute-bound prefill launches (at head dim 128 since the eighteenth session, unmeasured
+alone: 64 multiplies a thread fewer in each key block, by the disassembly); `max_registers` (`plgpu.set_max_registers`:
 consumers 232 per thread, the producer 40) for compute-bound two-consumer launches (eighteenth session, unmeasured:
 with 128-key blocks their 168 registers a thread spill in the key-block loop, by ptxas's report,
 `scripts/kernel_resources.py`; alone with 64-key blocks, which do not spill, it measured 76.0 against 75.8 ms) and
@@ -297,9 +298,11 @@ class Codegen:
           - `pingpong`: with P in registers, programs of two consumers or more take turns (chunk 2048 78.9 -> 75.5 ms; chunk 32
             with the ring of 4 2.01 -> 1.93 ms), but memory-bound ones only with a ring of 3 or more slots (with 2,
             chunk 32 was slower: 2.02 -> 2.37 ms);
-          - `fma_softmax`: compute-bound launches at head dim 64, where a score carries the least wgmma work
-            (sixteenth session: the llama3.2-1b shape's chunk 8192 at 1M 198.6 -> 192.4 ms); elsewhere no (the
-            Llama-3-8B shape's chunk 2048 75.8 -> 75.1 ms, within the run's spread, chunk 32 1.25 -> 1.28 ms);
+          - `fma_softmax`: compute-bound launches (sixteenth session: the llama3.2-1b shape's chunk 8192 at 1M
+            198.6 -> 192.4 ms; the Llama-3-8B shape's chunk 2048 75.8 -> 75.1 ms, within the run's spread, then left
+            off at head dim 128; on there since the eighteenth session, on the disassembly: the unmasked key-block
+            loop 529 -> 467 instructions a thread, 64 multiplies fewer, the count of `attention_mgpu`'s, 472,
+            `scripts/kernel_resources.py`); memory-bound ones no (chunk 32 1.25 -> 1.28 ms);
           - `max_registers`: programs of three consumers (each thread may take 128 registers without it), and
             compute-bound ones of two (eighteenth session, on ptxas's report, unmeasured on a GPU: with the
             128-key blocks the sixteenth session adopted, a thread's 168 registers spill ~540 bytes at head dim 128,
@@ -314,7 +317,7 @@ class Codegen:
         memory_bound = consumers == 1 or num_parts > 1
         fma_softmax = self.fma_softmax
         if fma_softmax is None:
-            fma_softmax = head_dim == 64 and not memory_bound
+            fma_softmax = not memory_bound
         stages = self.stages
         if stages is None:
             stages = (deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k) if memory_bound

@@ -42,10 +42,12 @@ OLD_DEFAULTS = "mosaic+block_k=64+decode_partitions=33"
 # consumers (`c3`), never run
 NEW_CORRECT = ("engine or short_chunk or head_dim_64 and default or decode-32 or prefill-32 or prefill-c1-32 "
                "or switch-32 or switch-64 or exact-math-32 or overlap or c3 or merge")
-# the two-consumer prefill kernel as before the eighteenth session (its registers not redistributed: with 128-key
-# blocks it spills in the key-block loop, by ptxas's report); FlashAttention-3's loop with its defaults (turns on the
-# ring, K freed after Q K^T, registers redistributed: no spill), and without turns
-OVERLAP = ("mosaic+max_registers=false", "mosaic+overlap=true", "mosaic+overlap=true+pingpong=false")
+# each of the eighteenth session's new defaults undone: the two-consumer prefill kernel's registers not
+# redistributed (with 128-key blocks it spills in the key-block loop, by ptxas's report), the exponent's multiply
+# and subtraction unfused at head dim 128 (64 more multiplies a key block); FlashAttention-3's loop with its
+# defaults (turns on the ring, K freed after Q K^T, registers redistributed: no spill), and without turns
+OVERLAP = ("mosaic+max_registers=false", "mosaic+fma_softmax=false", "mosaic+overlap=true",
+           "mosaic+overlap=true+pingpong=false")
 # three consumer warpgroups (192-row programs), taking turns on the ring (the default for them) and without turns
 # (with `overlap` too, ptxas spills ~200 bytes a thread in the key-block loop at head dim 64: left out)
 CONSUMERS3 = ("mosaic+consumers=3", "mosaic+consumers=3+pingpong=false")
@@ -74,8 +76,9 @@ STAGES = (
                        "llama3.2-1b", "--contexts", "1048576", "--chunks", "8192", "--decode_batches", "",
                        "--samples", "2", "--calls", "3", "--no_baselines")), 200, 100,
           env=(("MOSAIC_GPU_DUMP_PTXAS", "1"),),
-          why="issue 15: the defaults (registers redistributed since the eighteenth session) against the kernel "
-              "as before (max_registers=false: it spills in the key-block loop), and FlashAttention-3's loop "
+          why="issue 15: the defaults against each of the eighteenth session's new ones undone (max_registers=false: "
+              "the kernel spills in its key-block loop; fma_softmax=false at head dim 128: 64 more multiplies a "
+              "block), and FlashAttention-3's loop "
               "(`overlap`: each block's softmax under the previous block's P V, issued in the consumer's turn on a "
               "ring) with and without turns: the 8B shape at 1M and the llama3.2-1b shape's chunk 8192 (its TTFT's "
               "attention); ptxas's report (registers, spills) in the log"),

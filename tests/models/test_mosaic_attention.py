@@ -559,13 +559,13 @@ def test_code_generation_is_chosen_per_launch():
     decode = ma.Codegen(pingpong=True, max_registers=True).for_launch(interpret=False, consumers=1, num_parts=33,
                                                                       head_dim=128, block_k=64)
     assert (decode.pingpong, decode.max_registers) == (False, False)
-    # fma_softmax: compute-bound launches at head dim 64 only; a given value wins
+    # fma_softmax: compute-bound launches (every head dim since the eighteenth session); a given value wins
     def fma(codegen=ma.Codegen(), **launch):
         return codegen.for_launch(**dict(dict(interpret=False, consumers=2, num_parts=1, head_dim=64, block_k=128),
                                          **launch)).fma_softmax
-    assert fma() and fma(interpret=True)
-    assert not fma(num_parts=16) and not fma(consumers=1, block_k=64) and not fma(head_dim=128)
-    assert not fma(ma.Codegen(fma_softmax=False)) and fma(ma.Codegen(fma_softmax=True), head_dim=128)
+    assert fma() and fma(interpret=True) and fma(head_dim=128) and fma(head_dim=256, block_k=64)
+    assert not fma(num_parts=16) and not fma(consumers=1, block_k=64)
+    assert not fma(ma.Codegen(fma_softmax=False)) and fma(ma.Codegen(fma_softmax=True), num_parts=16)
     # a ring deeper than the SMEM holds is refused when compiled, naming what fits
     with pytest.raises(ValueError, match=r"stages=3: 3 K/V slots of 128 keys at head dim 128.*the most that fit: 2"):
         ma.Codegen(stages=3).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=128, block_k=128)
@@ -636,7 +636,7 @@ def test_compiled_kernels_name_lane_lowering_semantics():
 
 def _kernel_primitives(step, **options) -> collections.Counter:
     """The primitives of the compiled prefill launch's kernel body (nested jaxprs included) for `options` (the
-    others off, fma_softmax too, which head dim 64 would otherwise take)."""
+    others off, fma_softmax too, which a compute-bound launch would otherwise take)."""
     options = {"fma_softmax": False, **options}
     jaxpr = jax.make_jaxpr(lambda s: run(ma.paged_attention_mosaic, s, kind="prefill", **options))(step).jaxpr
     (launch,) = _kernel_launches(jaxpr)
