@@ -43,16 +43,17 @@ long context) with the deepest ring that fits the SMEM (with 64-key blocks 4 slo
 two-consumer split-K launch's 128-key blocks at head dim 128 fit 2, and then take no turns), compute-bound ones
 (two-consumer prefill tiles, one partition) with 2 slots; prefill key blocks of 128 at head dims 64 and 128
 (`prefill_block_k`), else 64; `fma_softmax` (one multiply-add per score for the exponent, as jax's
-`attention_mgpu`) for compute-bound prefill launches (at head dim 128 since the eighteenth session, unmeasured
-alone: 64 multiplies a thread fewer in each key block, by the disassembly); `max_registers` (`plgpu.set_max_registers`:
+`attention_mgpu`) for compute-bound prefill launches (at every head dim since the eighteenth session, unmeasured
+alone at 128: 64 multiplies a thread fewer in each key block, by the disassembly); `max_registers` (`plgpu.set_max_registers`:
 consumers 232 per thread, the producer 40) for compute-bound two-consumer launches (eighteenth session, unmeasured:
 with 128-key blocks their 168 registers a thread spill in the key-block loop, by ptxas's report,
 `scripts/kernel_resources.py`; alone with 64-key blocks, which do not spill, it measured 76.0 against 75.8 ms) and
 for three consumers. Off, as measured no faster on an H200 (sixteenth session, Llama-3-8B shape at 1M, each alone
 against the defaults): `release_k` (the K slot freed after Q K^T on its own barrier; chunk 2048 75.8 -> 80.4 ms),
 `wait_k_in_pv` (the next K waited for during P V; 79.3) and `fenced_softmax`
-(the softmax finished before the turn is handed over; 75.7), each as `attention_mgpu` does; all of them with
-128-key blocks, 70.4 against 66.1 with 128-key blocks alone. Off and unmeasured: `overlap`, FlashAttention-3's
+(the softmax finished before the turn is handed over; 75.7), each as `attention_mgpu` does; those three, with
+`max_registers` and `fma_softmax` and 128-key blocks (the one run of the new defaults together, with the three
+off options besides): 70.4 against 66.1 with 128-key blocks alone. Off and unmeasured: `overlap`, FlashAttention-3's
 loop (its overlap inside a warpgroup, which neither `attention_mgpu` nor the default loop has): each block's Q K^T
 and the previous block's P V issued back to back, in the consumer's turn on a ring of barriers, then the block's
 softmax under that P V, P carried from block to block and K's slot freed after Q K^T (`release_k`).
@@ -233,17 +234,14 @@ class Codegen:
     `stages` (K/V slots in the ring), `fma_softmax` (the row max taken of the raw scores and scaled after, the same
     value since the scale is positive and rounding monotonic, so each score's exponent is one multiply-add,
     `s * scale - m`, rather than a multiply and then a subtraction; blocks at the causal edge keep the multiply,
-    their mask works on scaled scores; as jax's `attention_mgpu`). None (the default of those four): chosen per
-    launch (`for_launch`). Off, measured no faster on an H200 (sixteenth session; the module's docstring has the
+    their mask works on scaled scores; as jax's `attention_mgpu`) and `max_registers` (prefill programs redistribute
+    registers, `register_split`: with two consumers each consumer thread up to 232, the producer's down to 40,
+    `plgpu.set_max_registers`, as FlashAttention-3 and `attention_mgpu`). None (the default of those five): chosen
+    per launch (`for_launch`). Off, measured no faster on an H200 (sixteenth session; the module's docstring has the
     numbers): `release_k` (the K slot released after Q K^T, the V slot after P V: separate "consumed" barriers, so
     the producer refills K while P V runs, as `attention_mgpu`; None, its default: on under `overlap`, whose
-    consumer holds a block's V past the next block's Q K^T) and `max_registers` (prefill programs redistribute
-    registers, `register_split`: with two consumers each consumer thread up to 232, the producer's down to 40,
-    `plgpu.set_max_registers`, as FlashAttention-3 and `attention_mgpu`; None, its default: on with three consumers,
-    which need it, and with two where the launch is compute-bound, where they spill without it since the 128-key
-    blocks (eighteenth session, on ptxas's report: `for_launch`), off for memory-bound ones), and the rest of what
-    `attention_mgpu` does in its consumers' loop and
-    ours did not: `wait_k_in_pv` (the next block's K waited
+    consumer holds a block's V past the next block's Q K^T), and the rest of what `attention_mgpu` does in its
+    consumers' loop and ours did not: `wait_k_in_pv` (the next block's K waited
     for while this block's P V wgmma runs, the first block's before the loop, rather than at the top of each
     block) and `fenced_softmax` (the accumulator's rescale, P's conversion and l finished, behind an optimization
     barrier, before the consumer hands the tensor cores over at the schedule barrier and waits for V, rather than
@@ -285,7 +283,9 @@ class Codegen:
     def for_launch(self, *, interpret: bool, consumers: int, num_parts: int, head_dim: int, block_k: int
                    ) -> "Codegen":
         """The options of one launch: those given, and for those left to the kernel (None) what measured fastest
-        on an H200 (docs/benchmarks.md, 2026-11-26, fourteenth session; Llama-3-8B shape at 1M keys):
+        on an H200 (docs/benchmarks.md, 2026-11-26, fourteenth and sixteenth sessions; Llama-3-8B shape at 1M
+        keys), or, marked unmeasured (eighteenth session, no GPU), what ptxas's report and the disassembly favour
+        (`scripts/kernel_resources.py`, at head dims 64 and 128; head dim 256 follows the same rule unchecked):
           - `registers`: compiled, yes (chunk 2048 83.6 -> 78.9 ms, chunk 32 2.30 -> 2.02 ms); interpreted, no
             (the interpreter runs neither P in registers nor the in-place accumulator);
           - `stages`: for memory-bound launches (one-consumer programs: decode tiles, and consumers=1 prefill

@@ -38,28 +38,34 @@ class Stage:
 # the defaults the sixteenth session adopted, each against the fourteenth session's (the options give those back)
 OLD_DEFAULTS = "mosaic+block_k=64+decode_partitions=33"
 # the `gpu` tests of the launches the new defaults changed: 128-key prefill blocks at head dim 128 (both head
-# counts), decode in 16 partitions, fma_softmax at head dim 64, and the engine with them; `overlap` and three
-# consumers (`c3`), never run
+# counts), decode in 16 partitions, fma_softmax at head dim 64 (sixteenth session); the merge kernel, fma_softmax
+# and max_registers in compute-bound launches at every head dim (eighteenth: the default paths of switch-32,
+# prefill-32 and the others); the engine with them; `overlap` and three consumers (`c3`), never run
 NEW_CORRECT = ("engine or short_chunk or head_dim_64 and default or decode-32 or prefill-32 or prefill-c1-32 "
                "or switch-32 or switch-64 or exact-math-32 or overlap or c3 or merge")
-# each of the eighteenth session's new defaults undone: the two-consumer prefill kernel's registers not
-# redistributed (with 128-key blocks it spills in the key-block loop, by ptxas's report), the exponent's multiply
-# and subtraction unfused at head dim 128 (64 more multiplies a key block); FlashAttention-3's loop with its
-# defaults (turns on the ring, K freed after Q K^T, registers redistributed: no spill), and without turns
-OVERLAP = ("mosaic+max_registers=false", "mosaic+fma_softmax=false", "mosaic+overlap=true",
-           "mosaic+overlap=true+pingpong=false")
-# three consumer warpgroups (192-row programs), taking turns on the ring (the default for them) and without turns
-# (with `overlap` too, ptxas spills ~200 bytes a thread in the key-block loop at head dim 64: left out)
-CONSUMERS3 = ("mosaic+consumers=3", "mosaic+consumers=3+pingpong=false")
+# each of the eighteenth session's new defaults undone (compute-bound launches): the two-consumer prefill
+# kernel's registers not redistributed (with 128-key blocks it spills in the key-block loop, by ptxas's report),
+# the exponent's multiply and subtraction unfused at head dim 128 (64 more multiplies a key block); the registers
+# redistributed in the memory-bound launch too (chunk 32, which spills the same way and keeps them); FlashAttention-3's
+# loop with its defaults (turns on the ring, K freed after Q K^T, registers redistributed where compute-bound), with
+# them redistributed at chunk 32 too (the only way it does not spill there), and without turns
+OVERLAP = ("mosaic+max_registers=false", "mosaic+fma_softmax=false", "mosaic+max_registers=true",
+           "mosaic+overlap=true", "mosaic+overlap=true+max_registers=true", "mosaic+overlap=true+pingpong=false")
+# the llama3.2-1b shape's chunk 8192 (compute-bound: fma_softmax was already its default there)
+OVERLAP_1B = ("mosaic+max_registers=false", "mosaic+overlap=true")
+# three consumer warpgroups (192-row programs), taking turns on the ring (the default for them), without turns, and
+# FlashAttention-3's loop (`overlap`; at head dim 64 ptxas spills ~200 bytes a thread, in the masked key-block loop
+# only)
+CONSUMERS3 = ("mosaic+consumers=3", "mosaic+consumers=3+pingpong=false", "mosaic+consumers=3+overlap=true")
 
 STAGES = (
     Stage("new-correct", (("-m", "pytest", "-q", "-m", "gpu", "tests/models/test_mosaic_attention.py", "-k",
                            NEW_CORRECT),), 210, 120,
           env=(("JAX_PLATFORMS", "cuda,cpu"),),
-          why="the sixteenth session's new defaults (128-key prefill blocks at head dim 128, decode in one wave of "
-              "16 partitions, fma_softmax at head dim 64), overlap and three consumers against the float32 "
-              "reference at both head counts, and the engine's greedy tokens with attention='auto' (mosaic on "
-              "Hopper)"),
+          why="the sixteenth and eighteenth sessions' new defaults (128-key prefill blocks at head dim 128, decode "
+              "in one wave of 16 partitions, the merge kernel, fma_softmax and max_registers in compute-bound "
+              "launches), overlap and three consumers against the float32 reference at both head counts, the merge "
+              "kernel against XLA's merge, and the engine's greedy tokens with attention='auto' (mosaic on Hopper)"),
     Stage("new-speed", (("scripts/bench_attention.py", "--impl", f"mosaic,{OLD_DEFAULTS}", "--contexts",
                          "262144,1048576", "--chunks", "32,2048", "--decode_batches", "1,8", "--samples", "3",
                          "--calls", "10", "--repeats", "3"),
@@ -70,11 +76,11 @@ STAGES = (
               "70B shape at 1M: 128-key blocks there were measured only with all of attention_mgpu's loop), with "
               "cuDNN, torch SDPA and jax's attention_mgpu in the same run"),
     Stage("overlap", (("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + OVERLAP), "--contexts",
-                       "1048576", "--chunks", "32,2048", "--decode_batches", "1", "--samples", "3", "--calls", "10",
-                       "--repeats", "3", "--no_baselines"),
-                      ("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + OVERLAP), "--model_shape",
+                       "1048576", "--chunks", "32,2048", "--decode_batches", "", "--samples", "2", "--calls", "10",
+                       "--repeats", "2", "--no_baselines"),
+                      ("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + OVERLAP_1B), "--model_shape",
                        "llama3.2-1b", "--contexts", "1048576", "--chunks", "8192", "--decode_batches", "",
-                       "--samples", "2", "--calls", "3", "--no_baselines")), 200, 100,
+                       "--samples", "2", "--calls", "3", "--no_baselines")), 240, 100,
           env=(("MOSAIC_GPU_DUMP_PTXAS", "1"),),
           why="issue 15: the defaults against each of the eighteenth session's new ones undone (max_registers=false: "
               "the kernel spills in its key-block loop; fma_softmax=false at head dim 128: 64 more multiplies a "

@@ -7,7 +7,8 @@ machine, a CPU-only one included.
 From jax 0.11, XLA's compilation of a step for an NVIDIA GPU compiles its Mosaic GPU kernels too: Mosaic lowers
 each to PTX and assembles it with ptxas then, not when the kernel first runs. So a deviceless compilation (jax's
 CUDA plugin, compile-only devices of the `--target` GPU, as `scripts/aot_step.py`; no GPU, driver or CUDA install)
-with Mosaic's dumps on (`MOSAIC_GPU_DUMP_PTXAS`, `MOSAIC_GPU_DUMP_TO`) gives ptxas's own report of every kernel:
+with Mosaic's dumps on (`MOSAIC_GPU_DUMP_TO`: every dump, ptxas's report among them) gives ptxas's own report of
+every kernel:
 registers per thread, bytes of local memory spilled (stores, loads) and the stack. For each `--impl` label
 (`impl+name=value` kernel options, as `scripts/bench_attention.py`'s) and chunk, one layer's attention at the
 model's shape (q heads, kv heads, head dim; bf16, pages of 16) is compiled on the step's plan for the step's kind
@@ -20,9 +21,10 @@ two-consumer prefill program (with its producer), 128 for three consumers, unles
 (`max_registers`: `setmaxnreg`, the consumers up to 232 or 160); past that, ptxas spills to local memory. A spill in
 a compute-bound kernel's key-block loop costs local-memory traffic every block; elsewhere (the prologue, the output
 staging) little. `--sass` says which: it assembles the dumped PTX itself (ptxas and nvdisasm of a CUDA toolkit as
-new as the PTX, found on PATH or in `--cuda_bin`: `pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm`), finds the
-innermost loops that issue wgmma (HGMMA: the key-block loops) and counts their exponentials (MUFU.EX2), selects
-(FSEL: a masked loop has one a score, the unmasked one none) and local stores and loads (STL, LDL).
+new as the PTX, found on PATH or in `--cuda_bin`: `pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm`; its
+registers may differ a little from the report's, which Mosaic's own ptxas made), finds the innermost loops that
+issue wgmma (HGMMA: the key-block loops, unmasked and masked) and counts their exponentials (MUFU.EX2), selects
+(FSEL: two a score in a masked loop, none in the unmasked one) and local stores and loads (STL, LDL).
 
 These are the compiler's facts about the code, not timings: what they cost is measured on a GPU
 (`scripts/bench_attention.py`). Prints the command, the target and jax's version, then a table.
@@ -57,7 +59,8 @@ class KernelReport:
     spill_loads: int
     smem: int | None  # bytes of SMEM scratch Mosaic allocates (None: not reported)
     index: int = 0  # Mosaic's count of the kernels it compiled (its dump files' suffix)
-    loops: list | None = None  # `--sass`: (HGMMA, MUFU.EX2, FSEL, STL, LDL) of each innermost wgmma loop
+    stem: str = ""  # the dump files' name, less the extension
+    loops: list | str | None = None  # `--sass`: (HGMMA, MUFU.EX2, FSEL, STL, LDL) a loop, or why it failed
 
 
 def read_ptxas(text: str) -> tuple[int, int, int, int]:
@@ -83,30 +86,34 @@ def read_dump(folder: str) -> list[KernelReport]:
         if os.path.exists(resources):
             found = _SMEM.search(open(resources).read())
             smem = int(found.group(1)) if found else None
-        reports.append(KernelReport(name, registers, stack, stores, loads, smem, index))
+        reports.append(KernelReport(name, registers, stack, stores, loads, smem, index, stem))
     return sorted(reports, key=lambda r: r.index)
 
 
 def sass_loops(sass: str) -> list[tuple[int, int, int, int, int]]:
     """(HGMMA, MUFU.EX2, FSEL, STL, LDL) of each innermost loop of the disassembly `sass` (nvdisasm -c) that issues
-    wgmma: a loop is a backward branch to a label; innermost, one that holds no other such loop. FSEL (selects)
-    tell a masked key-block loop (a select a score) from the unmasked one (none)."""
+    wgmma. A loop is a label and the furthest backward branch to it, with no unpredicated EXIT between them (ptxas
+    outlines an mbarrier wait's retry after the function's EXIT, and its branch back into the loop's middle is no
+    loop); innermost: it holds no other such loop. FSEL (selects) tell a masked key-block loop (two a score) from the
+    unmasked one (none)."""
     lines = sass.splitlines()
     labels = {}
     for i, line in enumerate(lines):
         m = re.match(r"^\.(L_x_\d+):", line.strip())
         if m:
             labels[m.group(1)] = i
-    loops = []
+    furthest = {}  # label line -> its furthest backward branch
     for i, line in enumerate(lines):
         m = re.search(r"\bBRA\b.*?\.(L_x_\d+)", line)
         if m and labels.get(m.group(1), i) < i:
-            loops.append((labels[m.group(1)], i))
+            furthest[labels[m.group(1)]] = i
+    exits = [i for i, line in enumerate(lines) if re.search(r"\*/\s+EXIT\b", line)]  # unpredicated
 
     def count(a, b, what):
         return sum(what in x for x in lines[a:b + 1])
 
-    with_wgmma = sorted({(a, b) for a, b in loops if count(a, b, "HGMMA")})
+    loops = [(a, b) for a, b in furthest.items() if not any(a < e < b for e in exits)]
+    with_wgmma = sorted((a, b) for a, b in loops if count(a, b, "HGMMA"))
     inner = [(a, b) for a, b in with_wgmma
              if not any((c, d) != (a, b) and a <= c and d <= b for c, d in with_wgmma)]
     return [tuple(count(a, b, what) for what in ("HGMMA", "MUFU.EX2", "FSEL", "STL", "LDL")) for a, b in inner]
@@ -120,14 +127,14 @@ def find_tool(name: str, cuda_bin: str | None) -> str:
     return path
 
 
-def disassemble(folder: str, kernel: KernelReport, target: str, cuda_bin: str | None) -> str:
-    ptx = os.path.join(folder, f"{kernel.name}_{kernel.index}.ptx")
+def disassemble(folder: str, kernel: KernelReport, target: str, tools: tuple[str, str]) -> str:
+    """nvdisasm of the kernel's dumped PTX, assembled by `tools` = (ptxas, nvdisasm)."""
+    ptxas, nvdisasm = tools
+    ptx = os.path.join(folder, f"{kernel.stem}.ptx")
     cubin = ptx[:-len(".ptx")] + ".cubin"
     arch = {"h100": "sm_90a", "h200": "sm_90a"}[target]
-    subprocess.run([find_tool("ptxas", cuda_bin), f"-arch={arch}", "-O3", ptx, "-o", cubin], check=True,
-                   capture_output=True, text=True)
-    return subprocess.run([find_tool("nvdisasm", cuda_bin), "-c", cubin], check=True, capture_output=True,
-                          text=True).stdout
+    subprocess.run([ptxas, f"-arch={arch}", "-O3", ptx, "-o", cubin], check=True, capture_output=True, text=True)
+    return subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True).stdout
 
 
 def compile_layer(*, label: str, chunk: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -146,7 +153,7 @@ def compile_layer(*, label: str, chunk: int, context: int, num_heads: int, num_k
 
     impl, options = split_label(label)
     if impl != MOSAIC:
-        raise SystemExit(f"--impl {label!r}: only the compiled Mosaic kernels ({MOSAIC}) have a ptxas report")
+        raise ValueError(f"--impl {label!r}: only the compiled Mosaic kernels ({MOSAIC}) have a ptxas report")
     plan_opts, call_opts = split_kernel_options(impl, options)
     mesh = make_mesh(1, 1, 1, devices=[device])
     rep = NamedSharding(mesh, P())
@@ -167,9 +174,12 @@ def compile_layer(*, label: str, chunk: int, context: int, num_heads: int, num_k
         plan = plan_attention(impl, meta, kind=kind, **dims, **plan_opts)
         return attention(impl, q, k, v, jnp.int32(0), meta, block_pages=8, kind=kind, plan=plan, **call_opts)
 
-    os.environ["MOSAIC_GPU_DUMP_TO"] = folder  # read by Mosaic at each compilation
     step = jax.shard_map(layer, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-    jax.jit(step).trace(q, cache, cache, meta).lower(lowering_platforms=("cuda",)).compile()
+    os.environ["MOSAIC_GPU_DUMP_TO"] = folder  # read by Mosaic at each compilation
+    try:
+        jax.jit(step).trace(q, cache, cache, meta).lower(lowering_platforms=("cuda",)).compile()
+    finally:
+        del os.environ["MOSAIC_GPU_DUMP_TO"]
 
 
 def parse_args(argv=None):
@@ -181,28 +191,52 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=1 << 20, help="keys of the sequence after the step")
     p.add_argument("--page_size", type=int, default=16)
     p.add_argument("--target", default="h100", choices=("h100", "h200"))
-    p.add_argument("--sass", action="store_true", help="also count the local loads / stores in the key-block loops "
-                   "(needs ptxas and nvdisasm)")
+    p.add_argument("--sass", action="store_true", help="also count HGMMA, MUFU.EX2, FSEL and the local stores / loads "
+                   "in the key-block loops (needs ptxas and nvdisasm)")
     p.add_argument("--cuda_bin", default=None, help="folder of ptxas and nvdisasm for --sass (default: PATH)")
     args = p.parse_args(argv)
     args.impls = [x for x in args.impl.split(",") if x]
-    args.chunk_list = [int(x) for x in args.chunks.split(",") if x]
+    try:
+        args.chunk_list = [int(x) for x in args.chunks.split(",") if x]
+    except ValueError:
+        p.error(f"--chunks takes comma-separated ints, got {args.chunks!r}")
     if not args.impls or not args.chunk_list or min(args.chunk_list) < 1:
         p.error("--impl and --chunks need at least one entry each, chunks >= 1")
+    if max(args.chunk_list) > args.context:
+        p.error(f"--chunks: a chunk ends at --context ({args.context}) keys, so may not exceed it")
+    from mnemojax.bench.attention import split_label
+    for label in args.impls:
+        try:
+            impl, _ = split_label(label)
+        except ValueError as e:
+            p.error(f"--impl: {e}")
+        if impl != MOSAIC:
+            p.error(f"--impl {label!r}: only the compiled Mosaic kernels ({MOSAIC}) have a ptxas report")
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices come from the CUDA plugin, not a GPU
-    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
-    os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
+    tools = (find_tool("ptxas", args.cuda_bin), find_tool("nvdisasm", args.cuda_bin)) if args.sass else None
+    import jax
+
+    from models.config import preset
+
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # a cached executable would dump nothing
+    try:
+        _report(args, tools, preset(args.model), argv)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+
+
+def _report(args, tools, config, argv) -> None:
+    """The compilations and the table of `main`."""
     import jax
 
     from mnemojax.bench.aot_step import target_devices
-    from models.config import preset
 
-    config = preset(args.model)
     device = target_devices(args.target, 1)[0]
     print("command: python scripts/kernel_resources.py " + shlex.join(sys.argv[1:] if argv is None else argv))
     print(f"target: {device.device_kind} (compile-only: XLA's deviceless compilation, Mosaic's ptxas report); "
@@ -220,9 +254,11 @@ def main(argv=None) -> None:
                 kernels = read_dump(folder)
                 if not kernels:
                     raise RuntimeError("no ptxas report was dumped: jax >= 0.11 compiles Mosaic kernels with XLA")
-                if args.sass:
-                    for kernel in kernels:
-                        kernel.loops = sass_loops(disassemble(folder, kernel, args.target, args.cuda_bin))
+                for kernel in kernels if tools else ():
+                    try:  # a disassembly that fails keeps the kernel's ptxas report
+                        kernel.loops = sass_loops(disassemble(folder, kernel, args.target, tools))
+                    except (OSError, subprocess.CalledProcessError) as e:
+                        kernel.loops = f"--sass failed: {(getattr(e, 'stderr', None) or str(e)).strip()[:200]}"
                 rows += [(label, chunk, k) for k in kernels]
             except Exception as e:  # one label that does not compile is reported, the others still run
                 rows.append((label, chunk, f"{type(e).__name__}: {str(e)[:160]}"))
@@ -243,7 +279,7 @@ def print_table(rows, sass: bool) -> None:
         line = (f"{label:44} {chunk:>6} {k.name:24} {k.registers:>5} {k.spill_stores:>8} {k.spill_loads:>8} "
                 f"{k.stack:>6} {k.smem if k.smem is not None else '-':>7}")
         if sass and k.loops is not None:
-            line += "  " + " ".join("/".join(map(str, loop)) for loop in k.loops)
+            line += "  " + (k.loops if isinstance(k.loops, str) else " ".join("/".join(map(str, x)) for x in k.loops))
         print(line)
     print("(regs: per thread as launched; spill st / ld: bytes of local memory per thread ptxas spilled to; smem: "
           "Mosaic's SMEM scratch, bytes)")

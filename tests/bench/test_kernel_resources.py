@@ -81,10 +81,67 @@ def test_key_block_loops_are_the_innermost_that_issue_wgmma():
     assert kr.sass_loops(SASS) == [(2, 2, 0, 0, 0), (1, 1, 1, 1, 2)]
 
 
+# ptxas's outlining of an mbarrier wait: the retry sits after the function's EXIT and branches back into the middle
+# of the loop; and a loop with two back edges (a `continue`) to its label
+OUTLINED = """.L_x_1:
+        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT ;
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR8], R106 ;
+        /*0020*/              @!P1 BRA `(.L_x_9) ;
+.L_x_2:
+        /*0030*/                   MUFU.EX2 R5, R5 ;
+        /*0040*/              @P2 BRA `(.L_x_1) ;
+        /*0050*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0060*/              @P3 BRA `(.L_x_1) ;
+        /*0070*/                   LDL R9, [R1+0x18] ;
+        /*0080*/                   EXIT ;
+.L_x_9:
+        /*0090*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR8], R106 ;
+        /*00a0*/              @!P1 BRA `(.L_x_9) ;
+        /*00b0*/                   BRA `(.L_x_2) ;
+"""
+
+
+def test_an_outlined_wait_and_a_second_back_edge_make_no_loop_of_their_own():
+    """The retry's branch back to .L_x_2 crosses the EXIT: no loop (it would span the loop's tail, the LDL after it
+    and the EXIT); the loop is .L_x_1 to its furthest back edge, once."""
+    assert kr.sass_loops(OUTLINED) == [(2, 1, 0, 0, 0)]
+
+
 def test_arguments():
     args = kr.parse_args(["--impl", "mosaic,mosaic+max_registers=false", "--chunks", "1,2048", "--model",
                           "llama3.2-1b"])
     assert args.impls == ["mosaic", "mosaic+max_registers=false"] and args.chunk_list == [1, 2048]
     assert (args.context, args.target, args.sass) == (1 << 20, "h100", False)
-    with pytest.raises(SystemExit):
-        kr.parse_args(["--chunks", "0"])
+    for bad in (["--chunks", "0"], ["--chunks", "two"], ["--chunks", "4096", "--context", "2048"],
+                ["--impl", "mosaic,pallas"], ["--impl", "mosaic+fast"]):
+        with pytest.raises(SystemExit):
+            kr.parse_args(bad)
+
+
+def test_a_label_that_fails_is_reported_and_the_others_still_run(monkeypatch, capsys):
+    """main: each (label, chunk) compiled on its own; one that raises gets a "failed" row, the table still prints
+    (the compilation stands in: it writes the dump Mosaic would); jax's compilation cache, off meanwhile, is left
+    as it was."""
+    import jax
+
+    from mnemojax.bench import aot_step
+
+    def fake_compile(*, label, chunk, folder, **_):
+        if "overlap" in label:
+            raise ValueError("does not lower")
+        with open(f"{folder}/paged_attention_mosaic_0.ptxas", "w") as f:
+            f.write(SPILLING if "max_registers=false" in label else CLEAN.replace("merge", "mosaic"))
+
+    class Device:
+        device_kind = "NVIDIA H100 80GB HBM3"
+
+    monkeypatch.setattr(kr, "compile_layer", fake_compile)
+    monkeypatch.setattr(aot_step, "target_devices", lambda target, count: [Device()])
+    cache = jax.config.jax_enable_compilation_cache
+    kr.main(["--impl", "mosaic+max_registers=false,mosaic+overlap=true,mosaic", "--chunks", "2048"])
+    assert jax.config.jax_enable_compilation_cache == cache
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:-1]]
+    assert [r[:6] for r in rows] == [
+        ["mosaic+max_registers=false", "2048", "paged_attention_mosaic", "168", "536", "676"],
+        ["mosaic+overlap=true", "2048", "failed:", "ValueError:", "does", "not"],
+        ["mosaic", "2048", "paged_attention_mosaic", "163", "0", "0"]]
