@@ -571,6 +571,14 @@ class _Ops:
     def load_rows(self, ref):  # [64] (a value per row of a wgmma tile)
         return self.load(ref, plgpu.Layout.WGMMA.reduce(1) if plgpu is not None else None)
 
+    def empty_rows(self, head_dim: int):
+        """(m, l, acc) of 64 rows that have seen no key: m NEG_INF (base 2), l 0 [64], acc 0 [64, head_dim], in the
+        WGMMA layouts when compiled: an online softmax's (and an online merge's) starting state."""
+        row = None if self.interpret else plgpu.Layout.WGMMA.reduce(1)
+        return (self.cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row),
+                self.cast(jnp.zeros((ROWS,), jnp.float32), row),
+                self.cast(jnp.zeros((ROWS, head_dim), jnp.float32), None if self.interpret else plgpu.Layout.WGMMA))
+
     def load(self, ref, layout):
         if self.interpret:
             return ref[...]
@@ -943,10 +951,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
             zero_past_last_key(step, slot)
             return m, l, pv(acc, p16, step, slot, True, turn=False), p16
 
-        row = plgpu.Layout.WGMMA.reduce(1) if not ops.interpret else None
-        carry = (ops.cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row),
-                 ops.cast(jnp.zeros((ROWS,), jnp.float32), row),
-                 ops.cast(jnp.zeros((ROWS, head_dim), jnp.float32), None if ops.interpret else plgpu.Layout.WGMMA))
+        carry = ops.empty_rows(head_dim)
         if codegen.overlap:
             # the first block's softmax before the loop, each later block's Q K^T with the previous block's P V,
             # the last P V after (none of them when the partition has no block); with `pingpong` the token starts
@@ -1285,7 +1290,7 @@ def _merge_rows(refs, in_slots, staging, full, *, first, t, parts, kvh, c, group
         slot = lax.rem(p, slots)
         plgpu.barrier_wait(full.at[slot])
         m_p, l_p = ops.load_rows(m_slots.at[slot]), ops.load_rows(l_slots.at[slot])
-        acc_p = ops.load(acc_slots.at[slot], None if ops.interpret else plgpu.Layout.WGMMA)
+        acc_p = ops.load(acc_slots.at[slot], plgpu.Layout.WGMMA)
 
         # The slot read: refill it, once the reads (generic proxy) are ordered before TMA's write (async proxy) by
         # fence.proxy.async, which the interpreter checks too. (At head dim 256 the running and the read
@@ -1301,12 +1306,7 @@ def _merge_rows(refs, in_slots, staging, full, *, first, t, parts, kvh, c, group
         acc = (acc * lax.broadcast_in_dim(a, acc.shape, [0]) + acc_p * lax.broadcast_in_dim(b, acc.shape, [0]))
         return m_new, l * a + l_p * b, acc
 
-    row = None if ops.interpret else plgpu.Layout.WGMMA.reduce(1)
-    carry = (ops.cast(jnp.full((ROWS,), NEG_INF, jnp.float32), row),
-             ops.cast(jnp.zeros((ROWS,), jnp.float32), row),
-             ops.cast(jnp.zeros((ROWS, acc_slots.shape[-1]), jnp.float32),
-                      None if ops.interpret else plgpu.Layout.WGMMA))
-    m, l, acc = lax.fori_loop(0, parts, merge, carry)
+    m, l, acc = lax.fori_loop(0, parts, merge, ops.empty_rows(acc_slots.shape[-1]))
     o_smem, lse_smem = staging
     _write_normalised(acc, m, l, (tok_ref, out_ref, lse_ref), t=t, consumer=c, consumers=consumers, kvh=kvh,
                       group=group, o_smem=o_smem, m_smem=lse_smem, ops=ops)

@@ -42,7 +42,8 @@ import subprocess
 import sys
 import tempfile
 
-MOSAIC = "mosaic"
+from models.kernels import MOSAIC
+
 _PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
