@@ -42,7 +42,8 @@ FlashAttention-3 and jax's `attention_mgpu`); memory-bound launches (decode tile
 long context) with the deepest ring that fits the SMEM (with 64-key blocks 4 slots at head dims 64 and 128; a
 two-consumer split-K launch's 128-key blocks at head dim 128 fit 2, and then take no turns), compute-bound ones
 (two-consumer prefill tiles, one partition) with 2 slots; prefill key blocks of 128 at head dims 64 and 128
-(`prefill_block_k`), else 64; `fma_softmax` (one multiply-add per score for the exponent, as jax's
+(`prefill_block_k`), else 64 (192, an option at head dim 64, unmeasured: FlashAttention-3's key block there without
+a causal mask); `fma_softmax` (one multiply-add per score for the exponent, as jax's
 `attention_mgpu`) for compute-bound prefill launches (at every head dim since the eighteenth session, unmeasured
 alone at 128: 64 multiplies a thread fewer in each key block, by the disassembly); `max_registers` (`plgpu.set_max_registers`:
 consumers 232 per thread, the producer 40) for compute-bound two-consumer launches (eighteenth session, unmeasured:
@@ -58,13 +59,17 @@ loop (its overlap inside a warpgroup, which neither `attention_mgpu` nor the def
 and the previous block's P V issued back to back, in the consumer's turn on a ring of barriers, then the block's
 softmax under that P V, P carried from block to block and K's slot freed after Q K^T (`release_k`).
 The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once every consumer's
-loop ends, which the consumers wait for with a barrier when C > 1). With 2 slots a decode program takes 54,328 /
-95,288 / 177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count; with separate staging head dim 256 and a float32
-output exceeded a block's 227 KB), and a two-consumer prefill program 70,744 / 119,896 / 218,200 and holds an SM
-alone (its registers too); each further slot adds 4 x block_k x head dim bytes (`program_smem_bytes`): a decode program
-with the default 4 slots at head dim 128 (160,824 bytes) also holds an SM alone (at 1M keys 1.04 ms, against 1.12
-with 2 slots and two programs per SM, P in registers both), so its partitions are one wave of 128 programs, not
-two of 264 (`default_partitions`); at head dim 64 a 4-slot decode program still fits two per SM.
+loop ends, which the consumers wait for with a barrier when C > 1). P has a buffer (64 x block_k per consumer) only
+where it goes through SMEM (`registers=False`, the interpreter's path; nineteenth session: compiled with P in
+registers, none, `program_smem_bytes(p_in_smem=False)`). With 2 slots and P's buffer a decode program takes 54,328 /
+95,288 / 177,208 bytes at head dim 64 / 128 / 256 (Mosaic's count; 8,192 less without P's buffer; with separate
+staging head dim 256 and a float32 output exceeded a block's 227 KB), and a two-consumer prefill program with 64-key
+blocks 70,744 / 119,896 / 218,200 (16,384 less without P's) and holds an SM alone (its registers too); each further
+slot adds 4 x block_k x head dim bytes (`program_smem_bytes`): a decode program with the default 4 slots at head dim
+128 (160,824 bytes with P's buffer) also holds an SM alone (at 1M keys 1.04 ms, against 1.12 with 2 slots and two
+programs per SM, P in registers both), so its partitions are one wave of 128 programs, not two of 264
+(`default_partitions`, which counts P's buffer, as the interpreter's path has it: without, two still do not fit); at
+head dim 64 a 4-slot decode program still fits two per SM.
 With one partition the consumer normalises and writes (out, lse) itself, in token order: the tile's token i
 (index `tile_tok[t, i]`, read from GMEM) owns rows i*G .. i*G+G-1, a [G, H] box that one TMA copy takes from the
 SMEM staging (in q's dtype) to out[tok, kvh*G : kvh*G+G, :], and its G lse floats by a second TMA copy when G % 4
@@ -144,8 +149,10 @@ PREFILL_CONSUMERS = 2  # consumer warpgroups of a prefill program: 128 rows shar
 MAX_CONSUMERS = 3  # `consumers=3`: 192 rows share each load (FlashAttention-3's tile at head dim 64), 4 warpgroups
 # (512 threads) whose registers must be redistributed (`register_split`)
 BLOCK_K = 64  # keys per block of the online softmax (the default; `block_k` / `decode_block_k`: BLOCK_KS)
-BLOCK_KS = (64, 128)  # key blocks the kernel takes: P is [64, block_k] (whole 64-column swizzle tiles), and two
-# 128-key K/V slots of head dim 128 still fit a two-consumer program's SMEM
+BLOCK_KS = (64, 128, 192)  # key blocks the kernel takes: multiples of 64, as P V's contraction over them must be
+# (Mosaic's wgmma: whole 128-byte swizzle groups of V's rows; P through SMEM: whole 64-column tiles); two 128-key
+# K/V slots of head dim 128 still fit a two-consumer program's SMEM, two of 192 keys only at head dim 64
+# (FlashAttention-3's key block there without a causal mask)
 STAGES = 2  # K/V SMEM slots in flight between the producer and the consumers (compute-bound launches' default;
 # memory-bound ones: `deepest_ring`; `stages`: 2 to 4)
 STAGES_RANGE = (2, 3, 4)
@@ -172,25 +179,30 @@ SMEM_MARGIN = 8 * 1024  # what Mosaic's count adds to `program_smem_bytes` (row 
 # alignment): 5,176 bytes for a one-consumer program, 5,208 for a two-consumer one, 8 per slot more with `release_k`
 
 
-def program_smem_bytes(*, consumers: int, head_dim: int, block_k: int, stages: int, itemsize: int = 2) -> int:
+def program_smem_bytes(*, consumers: int, head_dim: int, block_k: int, stages: int, itemsize: int = 2,
+                       p_in_smem: bool = True) -> int:
     """SMEM of one program's big buffers: Q (64 rows per consumer), and over one region (`_Ops.union`) the K/V ring
-    with P, or the output staging (at most float32). Mosaic's count of a whole program is ~5.2 KB more (e.g.
-    95,288 for a decode program at head dim 128 with 2 slots of 64 keys, 5,176 more): `SMEM_MARGIN` covers it."""
+    with P (`p_in_smem`: P through SMEM, `registers=False`; with P in registers it has no buffer), or the output
+    staging (at most float32). Mosaic's count of a whole program is ~5.2 KB more (e.g. 95,288 for a decode program
+    at head dim 128 with 2 slots of 64 keys and P's buffer, 5,176 more): `SMEM_MARGIN` covers it. The plan's
+    choices that precede the code generation (`prefill_block_k`, `programs_per_sm`) count P's buffer."""
     q = consumers * ROWS * head_dim * itemsize
-    ring = 2 * stages * block_k * head_dim * itemsize + consumers * ROWS * block_k * itemsize
+    ring = 2 * stages * block_k * head_dim * itemsize + p_in_smem * consumers * ROWS * block_k * itemsize
     staging = consumers * ROWS * head_dim * 4
     return q + max(ring, staging)
 
 
-def rings_that_fit(*, consumers: int, head_dim: int, block_k: int) -> list[int]:
+def rings_that_fit(*, consumers: int, head_dim: int, block_k: int, p_in_smem: bool = True) -> list[int]:
     """The K/V slot counts (of `STAGES_RANGE`) whose program fits a block's SMEM."""
     return [s for s in STAGES_RANGE if program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k,
-                                                          stages=s) + SMEM_MARGIN <= SMEM_PER_BLOCK]
+                                                          stages=s, p_in_smem=p_in_smem) + SMEM_MARGIN
+            <= SMEM_PER_BLOCK]
 
 
-def deepest_ring(*, consumers: int, head_dim: int, block_k: int) -> int:
+def deepest_ring(*, consumers: int, head_dim: int, block_k: int, p_in_smem: bool = True) -> int:
     """The most K/V slots (of `STAGES_RANGE`) whose program still fits a block's SMEM."""
-    return max(rings_that_fit(consumers=consumers, head_dim=head_dim, block_k=block_k), default=STAGES)
+    return max(rings_that_fit(consumers=consumers, head_dim=head_dim, block_k=block_k, p_in_smem=p_in_smem),
+               default=STAGES)
 
 
 def register_split(consumers: int) -> tuple[int, int]:
@@ -320,17 +332,21 @@ class Codegen:
             fma_softmax = not memory_bound
         stages = self.stages
         if stages is None:
-            stages = (deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k) if memory_bound
+            stages = (deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k, p_in_smem=not registers)
+                      if memory_bound
                       else STAGES)
         if not interpret:  # given or not: a ring the SMEM cannot hold raises here, naming what fits
-            fits = rings_that_fit(consumers=consumers, head_dim=head_dim, block_k=block_k)
+            fits = rings_that_fit(consumers=consumers, head_dim=head_dim, block_k=block_k, p_in_smem=not registers)
             if stages not in fits:
-                need = program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=stages)
+                need = program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=stages,
+                                          p_in_smem=not registers)
+                smaller = [b for b in BLOCK_KS if b < block_k and rings_that_fit(
+                    consumers=consumers, head_dim=head_dim, block_k=b, p_in_smem=not registers)]
                 raise ValueError(f"stages={stages}: {stages} K/V slots of {block_k} keys at head dim {head_dim} "
                                  f"({consumers} consumer(s)) need about {need + SMEM_MARGIN} bytes of SMEM, over the "
                                  f"{SMEM_PER_BLOCK} a block may take; "
                                  + (f"the most that fit: {max(fits)}" if fits else f"no ring of {block_k}-key slots "
-                                    + (f"fits: ask for block_k={BLOCK_K}" if block_k > BLOCK_K else
+                                    + (f"fits: ask for block_k={max(smaller)}" if smaller else
                                        f"fits {consumers} consumer(s) at head dim {head_dim}")))
         pingpong = self.pingpong
         if pingpong is None:
@@ -615,8 +631,9 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref,
     # waited for each; every wgmma reading them has completed: it read its accumulator), and the output staging is
     # live only after it: one SMEM region holds both (`_Ops.union`), so the staging costs no SMEM of its own.
     loop = (plgpu.SMEM((stages, block_k, H), cdt, transforms=tr),  # k slots
-            plgpu.SMEM((stages, block_k, H), cdt, transforms=tr),  # v slots
-            plgpu.SMEM((C, ROWS, block_k), cdt, transforms=tr))  # p, one per consumer
+            plgpu.SMEM((stages, block_k, H), cdt, transforms=tr))  # v slots
+    if not codegen.registers:  # P through SMEM for P V, one per consumer (with P in registers, no buffer)
+        loop += (plgpu.SMEM((C, ROWS, block_k), cdt, transforms=tr),)
     # output staging: rows of G heads copied out per token (out_dtype; tiled only where G-row slices are whole
     # tiles: `_token_rows_tiled`), or the float32 partial, copied out whole: tiled and swizzled as the wgmma
     # operands are, so the store from registers is free of bank conflicts (jax 0.12 refuses the untiled store of
@@ -657,7 +674,7 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref,
 def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smems, union, lim_smems, m_smems,
              l_smems, q_bars, k_bar, v_bar, consumed, *more, num_parts, group, scale, ops, page_size, max_pages,
              block_k, codegen):
-    (k_smem, v_smem, p_smems), o_smems, *f_smems = union  # the ring and P; the token-order, float32 staging
+    (k_smem, v_smem, *p_smems), o_smems, *f_smems = union  # the ring and P; the token-order, float32 staging
     C = q_smems.shape[0]  # consumer warpgroups; warpgroup C produces
     stages, lookahead, registers = codegen.stages, codegen.lookahead, codegen.registers
     pingpong, max_registers, release_k = codegen.pingpong, codegen.max_registers, codegen.release_k  # `for_launch`
@@ -770,8 +787,9 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
     def _consumer():  # rows wg*64 .. wg*64+63 of the tile
         if max_registers:
             plgpu.set_max_registers(register_split(C)[1], action="increase")
-        q_smem, p_smem, o_smem, lim_smem, m_smem, l_smem, q_bar = (
-            x.at[wg] for x in (q_smems, p_smems, o_smems, lim_smems, m_smems, l_smems, q_bars))
+        q_smem, o_smem, lim_smem, m_smem, l_smem, q_bar = (
+            x.at[wg] for x in (q_smems, o_smems, lim_smems, m_smems, l_smems, q_bars))
+        p_smem = p_smems[0].at[wg] if p_smems else None
         f_smem = f_smems[0].at[wg] if f_smems else None
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
         plgpu.copy_gmem_to_smem(q_ref.at[t, kvh, rows], q_smem, q_bar)

@@ -42,7 +42,7 @@ OLD_DEFAULTS = "mosaic+block_k=64+decode_partitions=33"
 # and max_registers in compute-bound launches at every head dim (eighteenth: the default paths of switch-32,
 # prefill-32 and the others); the engine with them; `overlap` and three consumers (`c3`), never run
 NEW_CORRECT = ("engine or short_chunk or head_dim_64 and default or decode-32 or prefill-32 or prefill-c1-32 "
-               "or switch-32 or switch-64 or exact-math-32 or overlap or c3 or merge")
+               "or switch-32 or switch-64 or exact-math-32 or overlap or c3 or merge or block192")
 # each of the eighteenth session's new defaults undone (compute-bound launches): the two-consumer prefill
 # kernel's registers not redistributed (with 128-key blocks it spills in the key-block loop, by ptxas's report),
 # the exponent's multiply and subtraction unfused at head dim 128 (64 more multiplies a key block); the registers
@@ -57,10 +57,14 @@ OVERLAP_1B = ("mosaic+max_registers=false", "mosaic+overlap=true")
 # FlashAttention-3's loop (`overlap`; at head dim 64 ptxas spills ~200 bytes a thread, in the masked key-block loop
 # only)
 CONSUMERS3 = ("mosaic+consumers=3", "mosaic+consumers=3+pingpong=false", "mosaic+consumers=3+overlap=true")
+# 192-key blocks (nineteenth session: FlashAttention-3's at head dim 64 without a causal mask; 3.0 instructions a key
+# in the unmasked loop against 3.3 with 128, by the disassembly), with the ring of 2 and of 3 (which fits since P in
+# registers has no SMEM buffer)
+BLOCK192 = ("mosaic+block_k=192", "mosaic+block_k=192+stages=3")
 
 STAGES = (
     Stage("new-correct", (("-m", "pytest", "-q", "-m", "gpu", "tests/models/test_mosaic_attention.py", "-k",
-                           NEW_CORRECT),), 210, 120,
+                           NEW_CORRECT),), 240, 120,
           env=(("JAX_PLATFORMS", "cuda,cpu"),),
           why="the sixteenth and eighteenth sessions' new defaults (128-key prefill blocks at head dim 128, decode "
               "in one wave of 16 partitions, the merge kernel, fma_softmax and max_registers in compute-bound "
@@ -88,17 +92,17 @@ STAGES = (
               "(`overlap`: each block's softmax under the previous block's P V, issued in the consumer's turn on a "
               "ring) with and without turns: the 8B shape at 1M and the llama3.2-1b shape's chunk 8192 (its TTFT's "
               "attention); ptxas's report (registers, spills) in the log"),
-    Stage("consumers3", (("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + CONSUMERS3),
+    Stage("consumers3", (("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + CONSUMERS3 + BLOCK192),
                           "--model_shape", "llama3.2-1b", "--contexts", "1048576", "--chunks", "8192",
                           "--decode_batches", "", "--samples", "2", "--calls", "3", "--no_baselines"),
                          ("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + CONSUMERS3[:1]),
                           "--contexts", "1048576", "--chunks", "32,2048", "--decode_batches", "", "--samples", "3",
-                          "--calls", "10", "--repeats", "3", "--no_baselines")), 200, 100,
+                          "--calls", "10", "--repeats", "3", "--no_baselines")), 240, 120,
           env=(("MOSAIC_GPU_DUMP_PTXAS", "1"),),
           why="issue 15: three consumer warpgroups a program (192 rows share each K/V load, registers split 32 / "
-              "160, FlashAttention-3's tile at head dim 64) against two: the llama3.2-1b shape's chunk 8192 at 1M "
-              "(its TTFT's attention, target 150 s: about 470 TFLOP/s needed, 364 measured) and the 8B shape; "
-              "ptxas's report (registers, spills) in the log"),
+              "160, FlashAttention-3's tile at head dim 64) against two, and 192-key blocks: the llama3.2-1b "
+              "shape's chunk 8192 at 1M (its TTFT's attention, target 150 s: about 470 TFLOP/s needed, 364 "
+              "measured) and the 8B shape (three consumers); ptxas's report (registers, spills) in the log"),
     Stage("pages", tuple(("scripts/bench_attention.py", "--impl", "mosaic", "--page_size", page, "--contexts",
                           "1048576", "--chunks", "32,2048", "--decode_batches", "1", "--samples", "3", "--calls",
                           "10", "--repeats", "3") for page in ("128", "16")), 200, 120,

@@ -114,6 +114,21 @@ def test_key_blocks_of_128_match_reference():
     check(ma.paged_attention_mosaic, step, **plan)
 
 
+@pytest.mark.parametrize("page", [16, pytest.param(64, marks=pytest.mark.slow)])
+def test_key_blocks_of_192_match_reference(page):
+    """`block_k=192` (FlashAttention-3's key block at head dim 64 without a causal mask; an option to time on a GPU):
+    a 30-token chunk at 500 keys (one tile: a 192-key block all its rows see, another, then the causal edge inside
+    the third, whose last 76 slots lie past the sequence's end) split in two partitions (two blocks and one), beside
+    a decode at 400 keys in 192-key blocks split the same way, over pages of 16 (12 TMA copies a block) or 64 (3)."""
+    rng = np.random.default_rng(19)
+    step = make_step(rng, [(500, 30, 0), (400, 1, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=page,
+                     dtype=jnp.bfloat16, shuffle=True, max_pages=-(-576 // page))
+    plan = dict(num_partitions=2, decode_partitions=2, block_k=192, decode_block_k=192)
+    assert list(planned_parts(step, "prefill", **plan)) == [2, 2]
+    assert list(planned_parts(step, "decode", **plan)) == [2, 2]
+    check(ma.paged_attention_mosaic, step, **plan)
+
+
 @pytest.mark.slow  # ~13 s in the interpreter (the prefill case and the CUDA lowering stay in the default suite)
 def test_decode_kernel_split_k_matches_reference():
     """Decode tiles (one token, its 8 heads as rows), up to 7 partitions a tile: 300 keys (five blocks) in four
@@ -515,17 +530,22 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
         ring = ma.deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k)
         # a prefill program's 128-key slots at head dim 128: two fit, a third not
         assert ring == (2 if head_dim == 256 or (kind, head_dim) == ("prefill", 128) else 4)
-        counted = ma.program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=ring)
+        # compiled, P stays in registers (`registers`): no SMEM buffer for it
+        counted = ma.program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=ring,
+                                        p_in_smem=False)
         limit = min(H100_SMEM_PER_BLOCK, H100_SMEM_PER_SM // per_sm - SMEM_RESERVED_PER_BLOCK,
                     counted + ma.SMEM_MARGIN)
         paths = tuple((functools.partial(fn, kind=kind), n // 2) for fn, n in OUTPUT_PATHS)
         with mgpu_core.artificial_shared_memory_limit(limit):
             assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
     if head_dim <= 128:  # a ring of 4 slots of 64 keys with one partition, attention_mgpu's loop with 128-key
-        # blocks (options), or three consumers (their default blocks: 128 keys at head dim 64, 64 at 128): a prefill
-        # program still fits (one per SM), at 256 not; a decode program with a ring of 3 fits one per SM
+        # blocks (options), three consumers (their default blocks: 128 keys at head dim 64, 64 at 128) or P through
+        # SMEM (its buffer beside the ring): a prefill program still fits (one per SM), at 256 not; a decode program
+        # with a ring of 3 fits one per SM; at head dim 64, 192-key blocks with 2 slots, and without P's buffer 4
+        more = (("prefill", dict(block_k=192)), ("prefill", dict(block_k=192, stages=4))) if head_dim == 64 else ()
         for kind, options in (("prefill", dict(stages=4, block_k=64)), ("decode", dict(stages=3)),
-                              ("prefill", MGPU_LOOP), ("prefill", dict(consumers=3))):
+                              ("prefill", MGPU_LOOP), ("prefill", dict(consumers=3)),
+                              ("prefill", dict(registers=False))) + more:
             paths = tuple((functools.partial(fn, kind=kind, **options), n // 2) for fn, n in OUTPUT_PATHS)
             with mgpu_core.artificial_shared_memory_limit(H100_SMEM_PER_BLOCK):
                 assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
@@ -593,11 +613,25 @@ def test_code_generation_is_chosen_per_launch():
         producer, consumer = ma.register_split(consumers)
         assert all(r % 8 == 0 and 24 <= r <= 256 for r in (producer, consumer))
         assert 128 * (producer + consumers * consumer) <= 65_536
-    # three consumers' 128-key slots at head dim 128 do not fit, even the default ring (`prefill_block_k` takes
-    # 64-key blocks there)
+    # three consumers' 128-key slots at head dim 128 fit only without P's SMEM buffer, i.e. with P in registers
+    # (`prefill_block_k`, which does not know, takes 64-key blocks there)
     with pytest.raises(ValueError, match="no ring of 128-key slots fits: ask for block_k=64"):
-        three(head_dim=128)
-    assert three(head_dim=128, block_k=64).stages == 2
+        three(ma.Codegen(registers=False), head_dim=128)
+    assert three(head_dim=128).stages == 2 and three(head_dim=128, block_k=64).stages == 2
+    assert ma.prefill_block_k(128, 16, consumers=3) == 64
+    # 192-key blocks: two consumers at head dim 64 (3 slots with P's buffer, 4 without), not at 128, where the
+    # error names the largest block that fits
+    two = functools.partial(ma.Codegen().for_launch, interpret=False, consumers=2, num_parts=1, block_k=192)
+    assert two(head_dim=64).stages == 2
+    assert ma.rings_that_fit(consumers=2, head_dim=64, block_k=192) == [2, 3]
+    assert ma.rings_that_fit(consumers=2, head_dim=64, block_k=192, p_in_smem=False) == [2, 3, 4]
+    with pytest.raises(ValueError, match="no ring of 192-key slots fits: ask for block_k=128"):
+        two(head_dim=128)
+    # P's buffer: 64 rows x block_k of each consumer, in the input dtype, counted only where P goes through SMEM
+    for c, h, b in ((1, 128, 64), (2, 64, 192), (3, 64, 128)):
+        with_p, without = (ma.program_smem_bytes(consumers=c, head_dim=h, block_k=b, stages=2, p_in_smem=p)
+                           for p in (True, False))
+        assert with_p - without == c * 64 * b * 2
     # the count behind the ring: 2 slots of 64 keys at head dim 128, one consumer, is Mosaic's 95,288 bytes less
     # what it adds (row limits, m / l staging, barriers): 5,176 bytes, within SMEM_MARGIN
     assert ma.program_smem_bytes(consumers=1, head_dim=128, block_k=64, stages=2) == 95_288 - 5_176
@@ -697,7 +731,7 @@ def test_what_the_kernels_refuse():
         with pytest.raises(ValueError, match=message):
             run(ma.paged_attention_mosaic, step, interpret=True)
     step = make_step(rng, [(5, 2, 0)], **{**ok, "page": 192})  # a multiple of 64, not of 128
-    for options, message in ((dict(block_k=96), r"block_k \(keys per block .*\(64, 128\), got 96"),
+    for options, message in ((dict(block_k=96), r"block_k \(keys per block .*\(64, 128, 192\), got 96"),
                              (dict(decode_block_k=32), r"decode_block_k \(keys per block"),
                              (dict(block_k=128), r"block_k 128: the page size \(192\) must divide it")):
         with pytest.raises(ValueError, match=message):
@@ -865,12 +899,16 @@ def test_compiled_merge_kernel_matches_xla_merge_on_hopper(num_heads):
 @pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
 @pytest.mark.parametrize("options", [pytest.param({}, id="default-128"), pytest.param(dict(block_k=64), id="block64"),
                                      pytest.param(dict(overlap=True, max_registers=True), id="overlap"),
-                                     pytest.param(dict(consumers=3), id="c3")])
+                                     pytest.param(dict(consumers=3), id="c3"),
+                                     pytest.param(dict(block_k=192, decode_block_k=192), id="block192"),
+                                     pytest.param(dict(block_k=192, stages=4), id="block192-stages4")])
 def test_compiled_kernels_at_head_dim_64_on_hopper_match_float32_reference(options):
     """The compiled kernels at the llama3.2-1b attention shape (32 q heads, 8 kv heads, head dim 64, page 16), whose
     prefill tiles take 128-key blocks by default (`prefill_block_k`), with 64-key blocks asked for, and with each
-    block's softmax under the previous block's P V (`overlap`, registers redistributed), and with three consumers
-    (192-row programs of 48 tokens, FlashAttention-3's tile at this head dim)."""
+    block's softmax under the previous block's P V (`overlap`, registers redistributed), with three consumers
+    (192-row programs of 48 tokens, FlashAttention-3's tile at this head dim), and with 192-key blocks (never run on
+    a GPU yet, nineteenth session: FlashAttention-3's key block at this head dim without a causal mask), with a ring
+    of 4 (which fits only without P's SMEM buffer)."""
     rng = np.random.default_rng(64)
     seqs = [(5000, 512, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (1, 1, 0), (0, 3, 0), (900, 17, 3000)]
     step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=64, page=16, dtype=jnp.bfloat16, pad_rows=3)
