@@ -14,7 +14,10 @@ registers per thread, bytes of local memory spilled (stores, loads) and the stac
 model's shape (q heads, kv heads, head dim; bf16, pages of 16) is compiled on the step's plan for the step's kind
 (chunk 1: decode tiles, one sequence at `--context` keys; else a chunk of that many tokens ending at `--context`:
 prefill tiles), and each kernel's report is read: the attention kernel (`paged_attention_mosaic`) and the merge
-kernel of its split tiles (`paged_attention_merge`).
+kernel of its split tiles (`paged_attention_merge`). The label `attention_mgpu` compiles jax's own
+FlashAttention-3-style kernel instead (`jax.experimental.pallas.ops.gpu.attention_mgpu`, as
+`scripts/bench_attention.py` times it beside ours: f16, contiguous K/V, all keys, 64-row blocks of q per consumer,
+128-key blocks; chunks and contexts of multiples of 128): its key-block loop is the one to compare ours with.
 
 A thread of a program of W warpgroups may take at most 65,536 / (128 W) registers (rounded down to 8): 168 for a
 two-consumer prefill program (with its producer), 128 for three consumers, unless the program redistributes them
@@ -23,8 +26,9 @@ a compute-bound kernel's key-block loop costs local-memory traffic every block; 
 staging) little. `--sass` says which: it assembles the dumped PTX itself (ptxas and nvdisasm of a CUDA toolkit as
 new as the PTX, found on PATH or in `--cuda_bin`: `pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm`; its
 registers may differ a little from the report's, which Mosaic's own ptxas made), finds the innermost loops that
-issue wgmma (HGMMA: the key-block loops, unmasked and masked) and counts their exponentials (MUFU.EX2), selects
-(FSEL: two a score in a masked loop, none in the unmasked one) and local stores and loads (STL, LDL).
+issue wgmma (HGMMA: the key-block loops, unmasked and masked) and counts their instructions (a consumer thread's
+per key block), exponentials (MUFU.EX2), selects (FSEL: two a score in a masked loop, none in the unmasked one) and
+local stores and loads (STL, LDL).
 
 These are the compiler's facts about the code, not timings: what they cost is measured on a GPU
 (`scripts/bench_attention.py`). Prints the command, the target and jax's version, then a table.
@@ -48,6 +52,7 @@ _PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
 _KERNEL_FILE = re.compile(r"^(?P<name>.+)_(?P<index>\d+)$")
+ATTENTION_MGPU = "attention_mgpu"  # `--impl` label of jax's `attention_mgpu` (f16, block_q 64, block_kv 128)
 
 
 @dataclasses.dataclass
@@ -61,7 +66,8 @@ class KernelReport:
     smem: int | None  # bytes of SMEM scratch Mosaic allocates (None: not reported)
     index: int = 0  # Mosaic's count of the kernels it compiled (its dump files' suffix)
     stem: str = ""  # the dump files' name, less the extension
-    loops: list | str | None = None  # `--sass`: (HGMMA, MUFU.EX2, FSEL, STL, LDL) a loop, or why it failed
+    loops: list | str | None = None  # `--sass`: (instructions, HGMMA, MUFU.EX2, FSEL, STL, LDL) a loop, or why
+    # it failed
 
 
 def read_ptxas(text: str) -> tuple[int, int, int, int]:
@@ -91,8 +97,11 @@ def read_dump(folder: str) -> list[KernelReport]:
     return sorted(reports, key=lambda r: r.index)
 
 
-def sass_loops(sass: str) -> list[tuple[int, int, int, int, int]]:
-    """(HGMMA, MUFU.EX2, FSEL, STL, LDL) of each innermost loop of the disassembly `sass` (nvdisasm -c) that issues
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]+\*/\s+\S")  # nvdisasm's address comment, then the instruction
+
+
+def sass_loops(sass: str) -> list[tuple[int, int, int, int, int, int]]:
+    """(instructions, HGMMA, MUFU.EX2, FSEL, STL, LDL) of each innermost loop of the disassembly `sass` (nvdisasm -c) that issues
     wgmma. A loop is a label and the furthest backward branch to it, with no unpredicated EXIT between them (ptxas
     outlines an mbarrier wait's retry after the function's EXIT, and its branch back into the loop's middle is no
     loop); innermost: it holds no other such loop. FSEL (selects) tell a masked key-block loop (two a score) from the
@@ -117,7 +126,8 @@ def sass_loops(sass: str) -> list[tuple[int, int, int, int, int]]:
     with_wgmma = sorted((a, b) for a, b in loops if count(a, b, "HGMMA"))
     inner = [(a, b) for a, b in with_wgmma
              if not any((c, d) != (a, b) and a <= c and d <= b for c, d in with_wgmma)]
-    return [tuple(count(a, b, what) for what in ("HGMMA", "MUFU.EX2", "FSEL", "STL", "LDL")) for a, b in inner]
+    return [(sum(bool(_INSTRUCTION.search(x)) for x in lines[a:b + 1]),
+             *(count(a, b, what) for what in ("HGMMA", "MUFU.EX2", "FSEL", "STL", "LDL"))) for a, b in inner]
 
 
 def find_tool(name: str, cuda_bin: str | None) -> str:
@@ -152,16 +162,35 @@ def compile_layer(*, label: str, chunk: int, context: int, num_heads: int, num_k
     from models.kernels import DECODE, PREFILL
     from shardings.mesh import make_mesh
 
-    impl, options = split_label(label)
-    if impl != MOSAIC:
-        raise ValueError(f"--impl {label!r}: only the compiled Mosaic kernels ({MOSAIC}) have a ptxas report")
-    plan_opts, call_opts = split_kernel_options(impl, options)
     mesh = make_mesh(1, 1, 1, devices=[device])
     rep = NamedSharding(mesh, P())
 
     def sds(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
 
+    def compile_dumped(fn, *args):
+        step = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+        os.environ["MOSAIC_GPU_DUMP_TO"] = folder  # read by Mosaic at each compilation
+        try:
+            jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).compile()
+        finally:
+            del os.environ["MOSAIC_GPU_DUMP_TO"]
+
+    if label == ATTENTION_MGPU:  # as `scripts/bench_attention.py` times it beside ours: f16, contiguous K/V
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        if chunk % 128 or context % 128:
+            raise ValueError(f"{ATTENTION_MGPU} takes chunks and contexts of multiples of 128, got chunk {chunk}, "
+                             f"context {context}")
+        config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2)
+        kv = sds((1, context, num_kv_heads, head_dim), jnp.float16)
+        compile_dumped(lambda q, k, v: attention_mgpu.attention(q, k, v, config=config),
+                       sds((1, chunk, num_heads, head_dim), jnp.float16), kv, kv)
+        return
+    impl, options = split_label(label)
+    if impl != MOSAIC:
+        raise ValueError(f"--impl {label!r}: only the compiled Mosaic kernels ({MOSAIC}) have a ptxas report")
+    plan_opts, call_opts = split_kernel_options(impl, options)
     pages = -(-context // page_size)
     q = sds((chunk, num_heads, head_dim), jnp.bfloat16)
     cache = sds((1, pages + 1, page_size, num_kv_heads, head_dim), jnp.bfloat16)
@@ -175,19 +204,15 @@ def compile_layer(*, label: str, chunk: int, context: int, num_heads: int, num_k
         plan = plan_attention(impl, meta, kind=kind, **dims, **plan_opts)
         return attention(impl, q, k, v, jnp.int32(0), meta, block_pages=8, kind=kind, plan=plan, **call_opts)
 
-    step = jax.shard_map(layer, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-    os.environ["MOSAIC_GPU_DUMP_TO"] = folder  # read by Mosaic at each compilation
-    try:
-        jax.jit(step).trace(q, cache, cache, meta).lower(lowering_platforms=("cuda",)).compile()
-    finally:
-        del os.environ["MOSAIC_GPU_DUMP_TO"]
+    compile_dumped(layer, q, cache, cache, meta)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama3-8b", help="a preset whose attention shape to compile (q heads, kv "
                    "heads, head dim)")
-    p.add_argument("--impl", default=MOSAIC, help="comma-separated labels, impl+name=value kernel options")
+    p.add_argument("--impl", default=MOSAIC, help="comma-separated labels, impl+name=value kernel options, or "
+                   f"{ATTENTION_MGPU} (jax's own FlashAttention-3-style kernel, as the attention benchmark runs it)")
     p.add_argument("--chunks", default="1,32,2048", help="query tokens per step: 1 = decode")
     p.add_argument("--context", type=int, default=1 << 20, help="keys of the sequence after the step")
     p.add_argument("--page_size", type=int, default=16)
@@ -207,6 +232,8 @@ def parse_args(argv=None):
         p.error(f"--chunks: a chunk ends at --context ({args.context}) keys, so may not exceed it")
     from mnemojax.bench.attention import split_label
     for label in args.impls:
+        if label == ATTENTION_MGPU:
+            continue
         try:
             impl, _ = split_label(label)
         except ValueError as e:
@@ -271,7 +298,7 @@ def _report(args, tools, config, argv) -> None:
 def print_table(rows, sass: bool) -> None:
     head = f"{'label':44} {'chunk':>6} {'kernel':24} {'regs':>5} {'spill st':>8} {'spill ld':>8} {'stack':>6} {'smem':>7}"
     if sass:
-        head += "  key-block loops (HGMMA/EX2/FSEL/STL/LDL)"
+        head += "  key-block loops (instr/HGMMA/EX2/FSEL/STL/LDL)"
     print(head)
     for label, chunk, k in rows:
         if isinstance(k, str):

@@ -76,9 +76,10 @@ SASS = """        /*0000*/                   MOV R1, c[0x0][0x28] ;
 
 
 def test_key_block_loops_are_the_innermost_that_issue_wgmma():
-    """(HGMMA, MUFU.EX2, FSEL, STL, LDL) of each innermost loop holding wgmma: the outer loop (around both) and the
-    epilogue's loop (no wgmma) are not counted; spills outside the loops neither. The second loop selects (masks)."""
-    assert kr.sass_loops(SASS) == [(2, 2, 0, 0, 0), (1, 1, 1, 1, 2)]
+    """(instructions, HGMMA, MUFU.EX2, FSEL, STL, LDL) of each innermost loop holding wgmma: the outer loop (around
+    both) and the epilogue's loop (no wgmma) are not counted; spills outside the loops neither. The second loop
+    selects (masks). Its instructions run from the label to the back edge: 5 and 7."""
+    assert kr.sass_loops(SASS) == [(5, 2, 2, 0, 0, 0), (7, 1, 1, 1, 1, 2)]
 
 
 # ptxas's outlining of an mbarrier wait: the retry sits after the function's EXIT and branches back into the middle
@@ -104,7 +105,7 @@ OUTLINED = """.L_x_1:
 def test_an_outlined_wait_and_a_second_back_edge_make_no_loop_of_their_own():
     """The retry's branch back to .L_x_2 crosses the EXIT: no loop (it would span the loop's tail, the LDL after it
     and the EXIT); the loop is .L_x_1 to its furthest back edge, once."""
-    assert kr.sass_loops(OUTLINED) == [(2, 1, 0, 0, 0)]
+    assert kr.sass_loops(OUTLINED) == [(7, 2, 1, 0, 0, 0)]
 
 
 def test_arguments():
@@ -112,6 +113,7 @@ def test_arguments():
                           "llama3.2-1b"])
     assert args.impls == ["mosaic", "mosaic+max_registers=false"] and args.chunk_list == [1, 2048]
     assert (args.context, args.target, args.sass) == (1 << 20, "h100", False)
+    assert kr.parse_args(["--impl", "mosaic,attention_mgpu"]).impls == ["mosaic", kr.ATTENTION_MGPU]
     for bad in (["--chunks", "0"], ["--chunks", "two"], ["--chunks", "4096", "--context", "2048"],
                 ["--impl", "mosaic,pallas"], ["--impl", "mosaic+fast"]):
         with pytest.raises(SystemExit):
@@ -145,3 +147,14 @@ def test_a_label_that_fails_is_reported_and_the_others_still_run(monkeypatch, ca
         ["mosaic+max_registers=false", "2048", "paged_attention_mosaic", "168", "536", "676"],
         ["mosaic+overlap=true", "2048", "failed:", "ValueError:", "does", "not"],
         ["mosaic", "2048", "paged_attention_mosaic", "163", "0", "0"]]
+
+
+def test_attention_mgpu_takes_multiples_of_128(tmp_path):
+    """jax's `attention_mgpu` (the `attention_mgpu` label: its hot loop beside ours) tiles q and the keys by 128: a
+    decode or a 32-token chunk is refused by name (a "failed" row in the table), before anything compiles."""
+    import jax
+
+    for chunk, context in ((1, 1 << 20), (32, 1 << 20), (2048, 1000)):
+        with pytest.raises(ValueError, match="attention_mgpu takes chunks and contexts of multiples of 128"):
+            kr.compile_layer(label=kr.ATTENTION_MGPU, chunk=chunk, context=context, num_heads=32, num_kv_heads=8,
+                             head_dim=128, page_size=16, device=jax.devices("cpu")[0], folder=str(tmp_path))
