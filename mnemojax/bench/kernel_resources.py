@@ -101,11 +101,11 @@ _INSTRUCTION = re.compile(r"/\*[0-9a-f]+\*/\s+\S")  # nvdisasm's address comment
 
 
 def sass_loops(sass: str) -> list[tuple[int, int, int, int, int, int]]:
-    """(instructions, HGMMA, MUFU.EX2, FSEL, STL, LDL) of each innermost loop of the disassembly `sass` (nvdisasm -c) that issues
-    wgmma. A loop is a label and the furthest backward branch to it, with no unpredicated EXIT between them (ptxas
-    outlines an mbarrier wait's retry after the function's EXIT, and its branch back into the loop's middle is no
-    loop); innermost: it holds no other such loop. FSEL (selects) tell a masked key-block loop (two a score) from the
-    unmasked one (none)."""
+    """(instructions, HGMMA, MUFU.EX2, FSEL, STL, LDL) of each innermost loop of the disassembly `sass` (nvdisasm
+    -c) that issues wgmma. A loop is a label and the furthest backward branch to it, with no unpredicated EXIT
+    between them (ptxas outlines an mbarrier wait's retry after the function's EXIT, and its branch back into the
+    loop's middle is no loop); innermost: it holds no other such loop. FSEL (selects) tell a masked key-block loop
+    (two a score) from the unmasked one (none). Instructions: the lines from the label to the back edge."""
     lines = sass.splitlines()
     labels = {}
     for i, line in enumerate(lines):
