@@ -57,10 +57,13 @@ OVERLAP_1B = ("mosaic+max_registers=false", "mosaic+overlap=true")
 # FlashAttention-3's loop (`overlap`; at head dim 64 ptxas spills ~200 bytes a thread, in the masked key-block loop
 # only)
 CONSUMERS3 = ("mosaic+consumers=3", "mosaic+consumers=3+pingpong=false", "mosaic+consumers=3+overlap=true")
-# 192-key blocks (nineteenth session: FlashAttention-3's at head dim 64 without a causal mask; 3.0 instructions a key
-# in the unmasked loop against 3.3 with 128, by the disassembly), with the ring of 2 and of 3 (which fits since P in
-# registers has no SMEM buffer)
-BLOCK192 = ("mosaic+block_k=192", "mosaic+block_k=192+stages=3")
+# the llama3.2-1b shape's compute-bound launches (nineteenth session): a ring of 3 (never measured at head dim 64,
+# where a block's wgmma work is half head dim 128's: at the ~470 TFLOP/s the TTFT target needs, two consumers finish
+# a 128-key block in ~1.1 µs, while a ring of 2 has less than one block, sixteen 2 KB TMA copies, in flight; the
+# ring of 4 that was slower at head dim 128 was measured with 64-key blocks there), and 192-key blocks
+# (FlashAttention-3's at head dim 64 without a causal mask; 3.0 instructions a key in the unmasked loop against 3.3
+# with 128, by the disassembly) with the ring of 2 and of 3
+HEAD_DIM_64 = ("mosaic+stages=3", "mosaic+block_k=192", "mosaic+block_k=192+stages=3")
 
 STAGES = (
     Stage("new-correct", (("-m", "pytest", "-q", "-m", "gpu", "tests/models/test_mosaic_attention.py", "-k",
@@ -92,7 +95,7 @@ STAGES = (
               "(`overlap`: each block's softmax under the previous block's P V, issued in the consumer's turn on a "
               "ring) with and without turns: the 8B shape at 1M and the llama3.2-1b shape's chunk 8192 (its TTFT's "
               "attention); ptxas's report (registers, spills) in the log"),
-    Stage("consumers3", (("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + CONSUMERS3 + BLOCK192),
+    Stage("consumers3", (("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + CONSUMERS3 + HEAD_DIM_64),
                           "--model_shape", "llama3.2-1b", "--contexts", "1048576", "--chunks", "8192",
                           "--decode_batches", "", "--samples", "2", "--calls", "3", "--no_baselines"),
                          ("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + CONSUMERS3[:1]),
@@ -100,8 +103,8 @@ STAGES = (
                           "--calls", "10", "--repeats", "3", "--no_baselines")), 240, 120,
           env=(("MOSAIC_GPU_DUMP_PTXAS", "1"),),
           why="issue 15: three consumer warpgroups a program (192 rows share each K/V load, registers split 32 / "
-              "160, FlashAttention-3's tile at head dim 64) against two, and 192-key blocks: the llama3.2-1b "
-              "shape's chunk 8192 at 1M (its TTFT's attention, target 150 s: about 470 TFLOP/s needed, 364 "
+              "160, FlashAttention-3's tile at head dim 64) against two, a ring of 3 and 192-key blocks: the "
+              "llama3.2-1b shape's chunk 8192 at 1M (its TTFT's attention, target 150 s: about 470 TFLOP/s needed, 364 "
               "measured) and the 8B shape (three consumers); ptxas's report (registers, spills) in the log"),
     Stage("pages", tuple(("scripts/bench_attention.py", "--impl", "mosaic", "--page_size", page, "--contexts",
                           "1048576", "--chunks", "32,2048", "--decode_batches", "1", "--samples", "3", "--calls",
