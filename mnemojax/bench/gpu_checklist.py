@@ -108,10 +108,14 @@ STAGES = (
               "measured) and the 8B shape (three consumers); ptxas's report (registers, spills) in the log"),
     Stage("pages", tuple(("scripts/bench_attention.py", "--impl", "mosaic", "--page_size", page, "--contexts",
                           "1048576", "--chunks", "32,2048", "--decode_batches", "1", "--samples", "3", "--calls",
-                          "10", "--repeats", "3") for page in ("128", "16")), 200, 120,
+                          "10", "--repeats", "3") for page in ("128", "16"))
+          + tuple(("scripts/bench_attention.py", "--impl", "mosaic", "--model_shape", "llama3.2-1b", "--page_size",
+                   page, "--contexts", "1048576", "--chunks", "8192", "--decode_batches", "", "--samples", "2",
+                   "--calls", "3", "--no_baselines") for page in ("128", "16")), 260, 120,
           why="issue 15: whether the TMA copy per page is what keeps chunk 2048 behind attention_mgpu (one copy of "
               "128 keys a block against eight of 16) and decode behind torch SDPA: pages of 128, then pages of 16 "
-              "again on the same machine"),
+              "again on the same machine; then the llama3.2-1b shape's chunk 8192 (its TTFT's attention: at head "
+              "dim 64 a page of 16 is a 2 KB copy, sixteen a 128-key block) the same way"),
     Stage("decode-profile", (("scripts/bench_attention.py", "--impl", "mosaic,mosaic+merge_kernel=false",
                               "--contexts", "262144,1048576", "--chunks", "32", "--decode_batches", "1",
                               "--samples", "1", "--calls", "10", "--repeats", "3", "--profile"),), 150, 75,
