@@ -330,18 +330,16 @@ class Codegen:
         fma_softmax = self.fma_softmax
         if fma_softmax is None:
             fma_softmax = not memory_bound
+        # the launch's SMEM: P has a buffer only when it goes through SMEM
+        smem = dict(consumers=consumers, head_dim=head_dim, p_in_smem=not registers)
         stages = self.stages
         if stages is None:
-            stages = (deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k, p_in_smem=not registers)
-                      if memory_bound
-                      else STAGES)
+            stages = deepest_ring(block_k=block_k, **smem) if memory_bound else STAGES
         if not interpret:  # given or not: a ring the SMEM cannot hold raises here, naming what fits
-            fits = rings_that_fit(consumers=consumers, head_dim=head_dim, block_k=block_k, p_in_smem=not registers)
+            fits = rings_that_fit(block_k=block_k, **smem)
             if stages not in fits:
-                need = program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=stages,
-                                          p_in_smem=not registers)
-                smaller = [b for b in BLOCK_KS if b < block_k and rings_that_fit(
-                    consumers=consumers, head_dim=head_dim, block_k=b, p_in_smem=not registers)]
+                need = program_smem_bytes(block_k=block_k, stages=stages, **smem)
+                smaller = [b for b in BLOCK_KS if b < block_k and rings_that_fit(block_k=b, **smem)]
                 raise ValueError(f"stages={stages}: {stages} K/V slots of {block_k} keys at head dim {head_dim} "
                                  f"({consumers} consumer(s)) need about {need + SMEM_MARGIN} bytes of SMEM, over the "
                                  f"{SMEM_PER_BLOCK} a block may take; "

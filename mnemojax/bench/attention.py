@@ -315,6 +315,14 @@ def cudnn_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, st
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
 
 
+def mgpu_config(block_kv: int):
+    """The `attention_mgpu` tuning the benchmark runs (and `kernel_resources.py` disassembles): two consumer
+    warpgroups of 64 q rows, `block_kv` keys a block, 2 K/V slots."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+
+    return am.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2)
+
+
 def mgpu_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, str]:
     """jax's own FlashAttention-3-style Mosaic GPU kernel (`jax.experimental.pallas.ops.gpu.attention_mgpu`:
     two consumer warpgroups of 64 rows, a TMA producer, ping-pong scheduling, P in registers) on contiguous K/V,
@@ -337,8 +345,7 @@ def mgpu_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, str
     error = "no block size fits"
     for block_kv in (128, 64):  # its own tuning order (256 exceeds SMEM at head dim 128)
         try:
-            config = am.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2)
-            f = jax.jit(functools.partial(am.attention, config=config))
+            f = jax.jit(functools.partial(am.attention, config=mgpu_config(block_kv)))
             return median_time(lambda: f(q, k, v), repeats, args.calls), f"jax mgpu f16 block_kv {block_kv}, all keys"
         except Exception as e:  # a baseline that cannot run is reported, not fatal
             error = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"

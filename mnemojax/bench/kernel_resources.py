@@ -157,7 +157,7 @@ def compile_layer(*, label: str, chunk: int, context: int, num_heads: int, num_k
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from mnemojax.bench.attention import split_label
+    from mnemojax.bench.attention import mgpu_config, split_label
     from models.attention import AttentionMetadata, attention, plan_attention, split_kernel_options
     from models.kernels import DECODE, PREFILL
     from shardings.mesh import make_mesh
@@ -182,7 +182,7 @@ def compile_layer(*, label: str, chunk: int, context: int, num_heads: int, num_k
         if chunk % 128 or context % 128:
             raise ValueError(f"{ATTENTION_MGPU} takes chunks and contexts of multiples of 128, got chunk {chunk}, "
                              f"context {context}")
-        config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2)
+        config = mgpu_config(128)  # its first choice there (64 only where 128 does not fit)
         kv = sds((1, context, num_kv_heads, head_dim), jnp.float16)
         compile_dumped(lambda q, k, v: attention_mgpu.attention(q, k, v, config=config),
                        sds((1, chunk, num_heads, head_dim), jnp.float16), kv, kv)
