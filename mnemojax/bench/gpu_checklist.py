@@ -5,7 +5,8 @@
     python scripts/gpu_checklist.py --dry_run             # the commands only
 
 Runs the README's "On a GPU: what is left to measure" commands stage by stage, each in its own process (a
-stage's GPU memory is freed before the next), in the order of `STAGES`, stopping a command at its stage's time
+stage's GPU memory is freed before the next; a correctness stage's tests in several at once, `Stage.shards`), in
+the order of `STAGES`, stopping a command at its stage's time
 limit or at what is left of `--budget_s` (keep it under the device's 10 minutes a call, with room for the start),
 whichever comes first. Each stage's output goes, as it is printed, to `<out>/<stage>.log` (default out: $OUT
 where it is set, else ./gpu_logs): a stopped command's log keeps what it printed. Prints a table last: each stage,
@@ -33,6 +34,9 @@ class Stage:
     min_s: int  # not started with less than this left of the budget
     env: tuple = ()  # (name, value) pairs set for its commands
     why: str = ""
+    # a pytest command's tests split among this many processes run at once (`run_sharded`): the kernels' compiles
+    # and the reference's run on the host's cores in parallel, the GPU shared
+    shards: int = 1
 
 
 # the defaults the sixteenth session adopted, each against the fourteenth session's (the options give those back)
@@ -65,10 +69,16 @@ CONSUMERS3 = ("mosaic+consumers=3", "mosaic+consumers=3+pingpong=false", "mosaic
 # with 128, by the disassembly) with the ring of 2 and of 3
 HEAD_DIM_64 = ("mosaic+stages=3", "mosaic+block_k=192", "mosaic+block_k=192+stages=3")
 
+# The `gpu` tests in TEST_SHARDS processes at once: each compiles its kernels and runs the float32 reference on the
+# device machine's 16 cores, where one process left most of them idle (the sixteenth session's 17 tests took 161 s
+# in one, at shapes of a few MiB: mostly compiling). Each process allocates GPU memory as it needs it (JAX's default takes 75% of it at start, which
+# a second process would then not find); the tests' arrays are a few MiB.
+TEST_SHARDS = 4
+SHARDED_TESTS_ENV = (("JAX_PLATFORMS", "cuda,cpu"), ("XLA_PYTHON_CLIENT_PREALLOCATE", "false"))
+
 STAGES = (
     Stage("new-correct", (("-m", "pytest", "-q", "-m", "gpu", "tests/models/test_mosaic_attention.py", "-k",
-                           NEW_CORRECT),), 240, 120,
-          env=(("JAX_PLATFORMS", "cuda,cpu"),),
+                           NEW_CORRECT),), 240, 120, env=SHARDED_TESTS_ENV, shards=TEST_SHARDS,
           why="the sixteenth and eighteenth sessions' new defaults (128-key prefill blocks at head dim 128, decode "
               "in one wave of 16 partitions, the merge kernel, fma_softmax and max_registers in compute-bound "
               "launches), overlap and three consumers against the float32 reference at both head counts, the merge "
@@ -122,8 +132,8 @@ STAGES = (
           why="issue 15: the decode against torch SDPA (2-8% short in the sixteenth session) with the merge kernel "
               "(the default since the eighteenth session) and with XLA's merge (three fusions and a scatter), side "
               "by side with torch and cuDNN at 256K and 1M, and the GPU time of each kernel of a decode layer"),
-    Stage("correctness", (("-m", "pytest", "-q", "-m", "gpu", "tests/models"),), 300, 120,
-          env=(("JAX_PLATFORMS", "cuda,cpu"),),
+    Stage("correctness", (("-m", "pytest", "-q", "-m", "gpu", "tests/models"),), 300, 120, env=SHARDED_TESTS_ENV,
+          shards=TEST_SHARDS,
           why="every compiled kernel and option against the float32 reference, and the engine's greedy tokens "
               "with the compiled kernels (attention='auto' chooses mosaic on Hopper)"),
     Stage("long", (("scripts/bench_step.py", "--long", "--attention", "mosaic", "--decode_contexts", "32768"),),
@@ -188,9 +198,14 @@ def tail(path: str, n: int = 3) -> list[str]:
         return []
 
 
+def is_pytest(args) -> bool:
+    return tuple(args[:2]) == ("-m", "pytest")
+
+
 def run_stage(stage: Stage, out: str, seconds: float) -> str:
     """Runs the stage's commands one after the other, output to <out>/<stage>.log, within `seconds`; returns
-    the exit: "0", the first failing command's code, or "timeout"."""
+    the exit: "0", the first failing command's code, or "timeout". A pytest command of a stage with `shards` > 1
+    runs as `run_sharded`."""
     log = os.path.join(out, f"{stage.name}.log")
     env = dict(os.environ, PYTHONUNBUFFERED="1", **dict(stage.env))
     end = time.monotonic() + seconds
@@ -201,15 +216,70 @@ def run_stage(stage: Stage, out: str, seconds: float) -> str:
             left = end - time.monotonic()
             if left <= 0:
                 return "timeout"
-            try:
-                rc = subprocess.run([sys.executable, *command_args(args, out)], cwd=REPO, env=env, stdout=f,
-                                    stderr=subprocess.STDOUT, timeout=left).returncode
-            except subprocess.TimeoutExpired:
+            if stage.shards > 1 and is_pytest(args):
+                rc = run_sharded(command_args(args, out), stage.shards, env, f, log, left)
+            else:
+                try:
+                    rc = subprocess.run([sys.executable, *command_args(args, out)], cwd=REPO, env=env, stdout=f,
+                                        stderr=subprocess.STDOUT, timeout=left).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            if rc == "timeout":
                 f.write(f"\n[stopped after {seconds:.0f} s: the stage's time limit or the budget]\n")
                 return "timeout"
             if rc:
                 return str(rc)
     return "0"
+
+
+def run_sharded(args: list[str], shards: int, env: dict, f, log: str, seconds: float):
+    """The pytest command `args` (`-m pytest <options> <paths or -k ...>`) with its tests split among `shards`
+    processes at once: the tests it collects (`--collect-only`), dealt round-robin in collection order, each
+    process given `args[:5]` (`-m pytest -q -m gpu`) and its share's test ids. Each process writes
+    `<log>.<i>` as it runs; they are appended to `f` when all have ended, then one line a process (its tests and
+    pytest's last line). Returns the first failing process's code (or the collection's), 0, or "timeout" (every
+    process stopped at `seconds`, their logs appended as far as they got)."""
+    end = time.monotonic() + seconds
+    try:
+        found = subprocess.run([sys.executable, *args, "--collect-only"], cwd=REPO, env=env, capture_output=True,
+                               text=True, timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    ids = [line for line in found.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    if found.returncode or not ids:
+        f.write(found.stdout + found.stderr)
+        return found.returncode or 5  # pytest's "no tests collected"
+    groups = [ids[i::shards] for i in range(min(shards, len(ids)))]
+    f.write(f"[{len(ids)} tests in {len(groups)} processes at once]\n")
+    f.flush()
+    procs, logs = [], []
+    for i, group in enumerate(groups):
+        logs.append(open(f"{log}.{i}", "w", encoding="utf-8"))
+        procs.append(subprocess.Popen([sys.executable, *args[:5], *group], cwd=REPO, env=env, stdout=logs[-1],
+                                      stderr=subprocess.STDOUT))
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.0, end - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append("timeout")
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    summary = []
+    for i, (group, handle, code) in enumerate(zip(groups, logs, codes)):
+        handle.close()
+        f.write(f"\n[process {i}: {len(group)} tests]\n")
+        f.writelines(open(handle.name, encoding="utf-8", errors="replace").readlines())
+        last = (tail(handle.name, 1) or [""])[0]
+        summary.append(f"process {i} ({len(group)} tests, exit {code}): {last}")
+        os.remove(handle.name)
+    f.write("\n" + "\n".join(summary) + "\n")
+    f.flush()
+    if "timeout" in codes:
+        return "timeout"
+    return next((c for c in codes if c), 0)
 
 
 def main(argv=None) -> list[dict]:
@@ -218,7 +288,8 @@ def main(argv=None) -> list[dict]:
     print("command:", shlex.join(["python", "scripts/gpu_checklist.py", *(sys.argv[1:] if argv is None else argv)]))
     if args.dry_run:
         for stage in args.stages:
-            print(f"# {stage.name} (up to {stage.timeout_s} s): {stage.why}")
+            at_once = f", its tests in {stage.shards} processes at once" if stage.shards > 1 else ""
+            print(f"# {stage.name} (up to {stage.timeout_s} s{at_once}): {stage.why}")
             for a in stage.commands:
                 print(command_line(stage, a, args.out))
         return []
@@ -234,7 +305,7 @@ def main(argv=None) -> list[dict]:
         print(f"{stage.name}: {stage.why}", flush=True)
         exit_ = run_stage(stage, args.out, min(stage.timeout_s, left))
         rows.append(dict(stage=stage.name, exit=exit_, seconds=time.monotonic() - t0,
-                         tail=tail(os.path.join(args.out, f"{stage.name}.log"))))
+                         tail=tail(os.path.join(args.out, f"{stage.name}.log"), max(3, stage.shards + 1))))
     print(f"\nlogs in {args.out}")
     print(f"{'stage':<14} {'exit':<40} {'s':>6}  last lines of the log")
     for r in rows:

@@ -2,6 +2,8 @@
 GPU session's minutes), and the runner's mechanics on the CPU with stand-in stages: logs as printed, a failing
 command's code, a command stopped at its time limit keeping what it printed, stages past the budget skipped."""
 import inspect
+import os
+import textwrap
 
 import pytest
 
@@ -33,8 +35,10 @@ def test_every_stage_command_parses_with_its_script():
         for args in stage.commands:
             args = gpu_checklist.command_args(args, "/tmp/out")
             if args[0] == "-m":  # pytest: the marker it selects exists
-                assert args[:5] == ["-m", "pytest", "-q", "-m", "gpu"]
+                assert args[:5] == ["-m", "pytest", "-q", "-m", "gpu"]  # what each process of a shard gets
                 assert dict(stage.env)["JAX_PLATFORMS"] == "cuda,cpu"
+                if stage.shards > 1:  # processes that share the GPU allocate as they go
+                    assert dict(stage.env)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
                 continue
             parsed = parsers[args[0]](args[1:])
             seen.add(args[0])
@@ -73,3 +77,71 @@ def test_unknown_stage_is_refused(capsys):
     assert "--stages: unknown ['speed']" in capsys.readouterr().err
     assert [s.name for s in gpu_checklist.parse_args(["--stages", "step,correctness"]).stages] == [
         "correctness", "step"]  # run in the checklist's order
+
+
+STAND_IN_TESTS = textwrap.dedent("""
+    import os
+    import time
+
+    import pytest
+
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("i", range(7))
+    def test_one(i):
+        with open(f"ran.{i}", "w") as f:
+            f.write(str(os.getpid()))
+        if i == 0:  # process 0's first test: processes 1 and 2 run meanwhile, or this waits in vain
+            deadline = time.monotonic() + 60
+            while not (os.path.exists("ran.1") and os.path.exists("ran.2")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert os.path.exists("ran.1") and os.path.exists("ran.2"), "not at once"
+        assert i != 5, "five fails"
+
+
+    def test_not_gpu():  # deselected by -m gpu
+        open("never", "w").close()
+
+
+    @pytest.mark.slowgpu
+    @pytest.mark.parametrize("i", range(2))
+    def test_sleeps(i):
+        open(f"started.{os.getpid()}", "w").close()
+        time.sleep(120)
+""")
+
+
+def _sharded(monkeypatch, tmp_path, marker, timeout_s):
+    (tmp_path / "test_stand_in.py").write_text(STAND_IN_TESTS)
+    stage = gpu_checklist.Stage("tests", (("-m", "pytest", "-q", "-m", marker, "test_stand_in.py"),), timeout_s, 0,
+                                shards=3, why="tests")
+    monkeypatch.setattr(gpu_checklist, "REPO", str(tmp_path))  # pytest's rootdir there, as the repository's is
+    monkeypatch.setattr(gpu_checklist, "STAGES", (stage,))
+    monkeypatch.setattr(gpu_checklist, "STAGE_NAMES", ("tests",))
+    [row] = gpu_checklist.main(["--out", str(tmp_path / "logs"), "--budget_s", "300"])
+    return row, (tmp_path / "logs" / "tests.log").read_text()
+
+
+def test_sharded_tests_run_in_processes_at_once(tmp_path, monkeypatch):
+    row, log = _sharded(monkeypatch, tmp_path, "gpu", 120)
+    pids = {i: (tmp_path / f"ran.{i}").read_text() for i in range(7)}
+    # dealt round-robin in collection order to 3 processes, which ran at the same time (test 0 waited for 1 and 2)
+    assert pids[0] == pids[3] == pids[6] and pids[1] == pids[4] and pids[2] == pids[5]
+    assert len({pids[0], pids[1], pids[2]}) == 3 and str(os.getpid()) not in pids.values()
+    assert not (tmp_path / "never").exists()
+    assert row["exit"] == "1"  # process 2's test 5 failed
+    assert "[7 tests in 3 processes at once]" in log and "five fails" in log and "AssertionError: not at once" not in log
+    assert [line.split(":")[0] for line in row["tail"][-3:]] == [
+        "process 0 (3 tests, exit 0)", "process 1 (2 tests, exit 0)", "process 2 (2 tests, exit 1)"]
+    assert "1 failed, 1 passed" in row["tail"][-1]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["tests.log"]  # the processes' logs merged
+
+
+def test_sharded_tests_stop_at_the_time_limit(tmp_path, monkeypatch):
+    row, log = _sharded(monkeypatch, tmp_path, "slowgpu", 10)
+    assert row["exit"] == "timeout" and row["seconds"] < 60
+    started = [int(p.name.split(".")[1]) for p in tmp_path.glob("started.*")]
+    assert len(started) == 2 and "[stopped after 10 s" in log
+    for pid in started:  # stopped, not left running
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
