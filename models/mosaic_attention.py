@@ -15,6 +15,8 @@ One kernel, two tilings (as in `models.pallas_attention`):
     split-K over KV partitions when the step holds few tiles (e.g. one 32-token chunk at a long context);
   - decode tiles: one token per tile, its G heads as the rows of one consumer, split-K over partitions
     (FlashDecoding).
+A consumer's 64 rows of Q are one TMA copy from one gather of q a layer (`_query_rows`): the launch's tokens in
+the order of its tiles (`_query_order`, in the plan), kv-head-major, each tile from a multiple of 8 rows.
 The grid is (work items, kv heads): an item is a (tile, partition) of the step's plan (`_work_items`), the
 partitions chosen per step from the tiles that hold tokens and their key blocks, not from the static tile count:
 the tiles of a launch share one wave of programs (`default_partitions`), so one chunk's tile at a long
@@ -602,16 +604,19 @@ class _Ops:
 
 
 # ------------------------------------------------------------------------------------------ the kernel
-def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref, q_ref, k_ref, v_ref, *io_refs,
-            num_parts: int, group: int, scale: float, ops: _Ops, out_dtype, block_k: int, codegen: Codegen):
+def _kernel(layer_ref, seq_ref, full_ref, hi_ref, start_ref, items_ref, lim_ref, table_ref, q_ref, k_ref, v_ref,
+            *io_refs, num_parts: int, group: int, scale: float, ops: _Ops, out_dtype, block_k: int,
+            codegen: Codegen):
     """One (work item, kv head) program, the item a (tile, partition) of the step's plan: warpgroups 0 .. C-1
     consume (64 rows each), warpgroup C produces (TMA), C = the tile's rows / 64 (`consumers`, 1 to 3, for prefill
     tiles, 1 for decode tiles).
 
     layer_ref i32[1]; seq_ref / full_ref / hi_ref i32[nt]: the tile's sequence, the keys all its rows see, the keys
-    its furthest row sees (the step's plan, shared by every layer); items_ref i32[4, W]: each program's tile (nt:
-    none, the program does nothing), partition and its tile's partitions (`_work_items`); lim_ref i32[nt, 64 C]
-    keys each row sees; table_ref i32[B, M]; q_ref [nt, K, 64 C, H]; k_ref / v_ref the cache [L, P, S, K, H].
+    its furthest row sees (the step's plan, shared by every layer); start_ref i32[nt]: where the tile's first token
+    is in the launch's token order (`_query_order`); items_ref i32[4, W]: each program's tile (nt: none, the
+    program does nothing), partition and its tile's partitions (`_work_items`); lim_ref i32[nt, 64 C] keys each
+    row sees; table_ref i32[B, M]; q_ref [K, Tq G + 64 C, H] (`_query_rows`: the tile's rows are start x G ..
+    start x G + 64 C - 1 of its kv head's); k_ref / v_ref the cache [L, P, S, K, H].
     io_refs = (tok_ref i32[nt, BQ]: the tile's tokens, T = empty slot; out [T, N, H] in `out_dtype`; lse f32[T, N]):
     a program whose tile has one partition writes its rows normalised, in token order, each token's G heads
     straight to their place (token i of the tile is rows i*G .. i*G+G-1); empty slots write nothing. When tiles
@@ -620,7 +625,7 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref,
     tile has several partitions writes its own at its item's index (< num_parts: see `_work_items`), only the rows
     its tokens take (`_partial_rows`: a decode tile's G rounded up to 8, of 64)."""
     _, _, S, _, H = k_ref.shape
-    C = q_ref.shape[2] // ROWS
+    C = lim_ref.shape[1] // ROWS
     stages = codegen.stages
     max_pages = table_ref.shape[1]
     cdt = q_ref.dtype
@@ -662,7 +667,7 @@ def _kernel(layer_ref, seq_ref, full_ref, hi_ref, items_ref, lim_ref, table_ref,
                      # the consumers' turns on the tensor cores (`pingpong`): a token around a ring, or a meeting
                      plgpu.Barrier(num_arrivals=1, num_barriers=C) if _ring(C, codegen)
                      else plgpu.Barrier(num_arrivals=C)]
-    tile = (layer_ref, seq_ref, full_ref, hi_ref, items_ref)
+    tile = (layer_ref, seq_ref, full_ref, hi_ref, start_ref, items_ref)
     pl.run_scoped(functools.partial(_program, tile, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs,
                                     num_parts=num_parts, group=group, scale=scale, ops=ops, page_size=S,
                                     max_pages=max_pages, block_k=block_k, codegen=codegen),
@@ -701,7 +706,7 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
 
     item, kvh = lax.axis_index("item"), lax.axis_index("kvh")
     wg = lax.axis_index("wg")
-    layer_ref, seq_ref, full_ref, hi_ref, items_ref = tile_refs
+    layer_ref, seq_ref, full_ref, hi_ref, start_ref, items_ref = tile_refs
     nt = seq_ref.shape[0]
     tile, part, parts = items_ref[0, item], items_ref[1, item], items_ref[2, item]
     valid = tile < nt  # else a program past the step's work items: it does nothing
@@ -790,7 +795,8 @@ def _program(tile_refs, lim_ref, table_ref, q_ref, k_ref, v_ref, io_refs, q_smem
         p_smem = p_smems[0].at[wg] if p_smems else None
         f_smem = f_smems[0].at[wg] if f_smems else None
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
-        plgpu.copy_gmem_to_smem(q_ref.at[t, kvh, rows], q_smem, q_bar)
+        first_row = pl.multiple_of(start_ref[t] * group + wg * ROWS, 8)  # whole 8-row tiles (`_query_order`)
+        plgpu.copy_gmem_to_smem(q_ref.at[kvh, pl.ds(first_row, ROWS)], q_smem, q_bar)
         plgpu.copy_gmem_to_smem(lim_ref.at[t, rows], lim_smem, q_bar)
         plgpu.barrier_wait(q_bar)
         lim = ops.load_rows(lim_smem)
@@ -1098,7 +1104,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
         raise ValueError(f"a tile of {bq} tokens x {G} heads does not fit the kernel's {C} x {ROWS} rows")
     if interpret:
         check_interpreter_threads(C)
-    qt = pa._tile_rows(q, tile_tok, K, rows)  # the Triton kernels' layout
+    qr = _query_rows(q, launch, K, rows)
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)  # a constant when the layer loop is unrolled: no kernel
     NP, items = launch.num_parts, launch.work
     W = items.shape[1]
@@ -1106,8 +1112,8 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     codegen = codegen.for_launch(interpret=interpret, consumers=C, num_parts=NP if T // bq < NP else 1,
                                  head_dim=H, block_k=launch.block_k)
     f32 = jnp.float32
-    operands = [layer, launch.seq, launch.full, launch.hi, items, launch.lim_rows,
-                meta.page_table.astype(jnp.int32), qt, k_cache, v_cache, tile_tok.astype(jnp.int32)]
+    operands = [layer, launch.seq, launch.full, launch.hi, launch.q_start, items, launch.lim_rows,
+                meta.page_table.astype(jnp.int32), qr, k_cache, v_cache, tile_tok.astype(jnp.int32)]
     out_shape = []
     if into is None:
         out_shape = [jax.ShapeDtypeStruct((T, N, H), out_dtype), jax.ShapeDtypeStruct((T, N), f32)]
@@ -1410,8 +1416,54 @@ def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, head_dim: int,
     num_parts = max(1, min(_cdiv(M * page_size, block_k), num_partitions))  # no more than the table's blocks
     seq, full, hi, lim_rows = pa._tile_layout(meta, tile_tok, num_heads // num_kv_heads, consumers * ROWS)
     work = _work_items(tile_tok[:, 0] < T, hi, block_k, num_parts)
+    q_tok, q_start = _query_order(tile_tok, T, num_heads // num_kv_heads)
     return pa.Launch(tok=tile_tok, seq=seq, full=full, hi=hi, lim_rows=lim_rows, row_tok=None, work=work,
-                     block_k=block_k, num_parts=num_parts, programs=0)
+                     block_k=block_k, num_parts=num_parts, programs=0, q_tok=q_tok, q_start=q_start)
+
+
+def _query_order(tile_tok, num_tokens: int, group: int):
+    """(q_tok i32[Tq], q_start i32[nt]): the tokens of the tiles `tile_tok` (i32[nt, BQ], T = empty slot, a tile's
+    empty slots its last) in the order of their tiles and slots, and where each tile's first token is among them
+    (0 for a tile without one), so that a tile's tokens are q_tok[q_start : q_start + its tokens] and its query
+    rows one slice of q gathered in this order (`_query_rows`). Each tile starts at a multiple of max(1, 8 //
+    group) entries, i.e. of 8 rows: Mosaic copies a tiled SMEM buffer from GMEM in 8-row tiles (a slice that
+    starts inside one would read the wrong rows); the gaps (a decode tile's token and one more at G = 4) and the
+    end hold T. Tq (static) bounds what a step can need: at most nt x BQ entries (rounded up), and T tokens plus a
+    gap a tile."""
+    nt, bq = tile_tok.shape
+    T = num_tokens
+    align = max(1, 8 // group)
+    valid = tile_tok < T
+    count = valid.sum(axis=1, dtype=jnp.int32)  # tokens of each tile
+    taken = _cdiv(count, align) * align  # entries each tile takes
+    q_start = jnp.cumsum(taken, dtype=jnp.int32) - taken
+    size = min(nt * _cdiv(bq, align) * align, T + (align - 1) * min(nt, T))
+    size = _cdiv(size, align) * align
+    dest = jnp.where(valid, q_start[:, None] + jnp.arange(bq, dtype=jnp.int32)[None, :], size)
+    q_tok = jnp.full((size,), T, jnp.int32).at[dest.reshape(-1)].set(tile_tok.reshape(-1).astype(jnp.int32),
+                                                                     mode="drop")
+    return q_tok, jnp.where(count > 0, q_start, 0).astype(jnp.int32)
+
+
+def _query_rows(q, launch: pa.Launch, num_kv_heads: int, rows: int):
+    """The query rows the kernel copies its tiles' from, [K, Tq x G + rows, H] in q's dtype: kv head k's row
+    i x G + g is head k x G + g of token q_tok[i] (`_query_order`), so a tile's rows (token x head of the group)
+    are rows q_start x G .. of its kv head's, one TMA copy a consumer's 64; zeros past the launch's tokens, enough
+    that a program's copy never leaves the array. A tile's rows past its tokens are zeros or the next tiles' (finite,
+    never written out). One gather of q's tokens a layer (and the gaps: twice q's size for decode tiles at G = 4),
+    where the tiles' own rows ([nt, K, rows, H], what the Triton kernels take) were 16 times q's size for decode
+    tiles (G = 4 of 64 rows) and, for prefill tiles, as many times more as a step's sequence rows add partial tiles
+    (a mixed step of 2,048 tokens and 256 rows at the Llama-3-8B shape: 118 MB a layer for q's 16 MB)."""
+    T, N, H = q.shape
+    K = num_kv_heads
+    G = N // K
+    size = launch.q_tok.shape[0]
+    # zeros at T and past it: as many rows as are gathered, so XLA's fusion, which will not recompute an expensive
+    # producer (the rope's sin and cos) for a gather that reads its rows more than once on average, still fuses q's
+    # producer into this gather when the gaps make Tq > T (a decode step's tiles at G = 4: Tq = 2 x tiles)
+    qs = jnp.concatenate([q, jnp.zeros((max(1, size - T), N, H), q.dtype)])[launch.q_tok]  # [Tq, N, H]
+    qs = qs.reshape(size, K, G, H).transpose(1, 0, 2, 3).reshape(K, size * G, H)
+    return jnp.pad(qs, ((0, 0), (0, rows), (0, 0)))
 
 
 def plan_step(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, kind: str = MIXED,

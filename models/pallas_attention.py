@@ -299,7 +299,7 @@ def _work_items(kv_hi, num_kv_heads: int, num_parts: int, block_k: int):
 
 # ---------------------------------------------------------------------------------------------- the step's plan
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("tok", "seq", "full", "hi", "lim_rows", "row_tok", "work"),
+                   data_fields=("tok", "seq", "full", "hi", "lim_rows", "row_tok", "work", "q_tok", "q_start"),
                    meta_fields=("block_k", "num_parts", "programs"))
 @dataclasses.dataclass(frozen=True)
 class Launch:
@@ -312,7 +312,11 @@ class Launch:
     each row (token x head of the group, padded) sees; row_tok i32[nt, R]: with one partition, the token of each
     row (T for padding rows and empty slots: the sink row), where the kernel writes it, else None; work: the
     persistent grid's work list (`_work_items`) or None for the static grid. Static: block_k keys per block,
-    num_parts KV partitions, programs the persistent grid's programs per kv head (0: the static grid).
+    num_parts KV partitions, programs the persistent grid's programs per kv head (0: the static grid). The Mosaic
+    kernels' launches also carry q_tok i32[Tq] (the launch's tokens in the order of its tiles and slots, without
+    the empty slots; T past them) and q_start i32[nt] (where each tile's first token is in q_tok): a tile's tokens
+    are consecutive there, so its query rows are one slice of q gathered in that order (`mosaic_attention`);
+    the Triton kernels' launches leave them None.
     """
 
     tok: jax.Array
@@ -325,6 +329,8 @@ class Launch:
     block_k: int
     num_parts: int
     programs: int
+    q_tok: jax.Array | None = None
+    q_start: jax.Array | None = None
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("decode", "prefill"), meta_fields=("kind",))

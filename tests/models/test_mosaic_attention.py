@@ -224,6 +224,60 @@ def test_work_items_share_the_programs_by_the_keys_the_step_holds():
                                         [0] + [8] * 7])
 
 
+def test_query_order_by_hand():
+    """`_query_order`: the launch's tokens in tile and slot order, each tile from a multiple of 8 rows (2 entries
+    at G = 4, one at G = 8); T = 8 marks the gaps and the end; a tile without a token starts at 0."""
+    T = 8
+    tiles = jnp.asarray([[5, 6, 7, T], [0, 1, T, T], [T, T, T, T], [3, T, T, T]], jnp.int32)
+    q_tok, q_start = ma._query_order(tiles, T, 4)
+    # 3 tokens take 4 entries, 2 take 2, none 0, 1 takes 2; at most min(4 x 4, 8 + 1 x 4) = 12 entries
+    np.testing.assert_array_equal(q_tok, [5, 6, 7, T, 0, 1, 3, T, T, T, T, T])
+    np.testing.assert_array_equal(q_start, [0, 4, 0, 6])
+    q_tok, q_start = ma._query_order(tiles, T, 8)  # a token is 8 rows: no gaps; min(16, 8) entries
+    np.testing.assert_array_equal(q_tok, [5, 6, 7, 0, 1, 3, T, T])
+    np.testing.assert_array_equal(q_start, [0, 3, 0, 5])
+    decode = jnp.asarray([[2], [T], [0], [1]], jnp.int32)  # decode tiles at G = 2: 4 entries (8 rows) a token
+    q_tok, q_start = ma._query_order(decode, T, 2)
+    np.testing.assert_array_equal(q_tok, [2, T, T, T, 0, T, T, T, 1, T, T, T, T, T, T, T])
+    np.testing.assert_array_equal(q_start, [0, 0, 4, 8])
+
+
+@pytest.mark.parametrize("num_heads", [8, 16, 32, 64], ids=lambda n: f"g{n // 4}")
+def test_query_rows_hold_each_tiles_rows(num_heads):
+    """The rows a program copies from `_query_rows` (64 a consumer, from its tile's `q_start` x G) are its tile's
+    rows as the Triton kernels' layout (`pallas_attention._tile_rows`: token x head of the group) holds them, for
+    every tile that holds a token, in both launches of a shuffled mixed step (decodes, chunks, partial tiles, a
+    padding sequence, more tile slots than tokens); each copy starts at a multiple of 8 rows and stays inside the
+    array; the array is at most q's tokens plus a gap a tile, where the tiles' own rows were every slot's."""
+    from models import pallas_attention as pa
+
+    K, H = 4, 64
+    G = num_heads // K
+    rng = np.random.default_rng(num_heads)
+    seqs = [(90, 2 * ma.block_q_for(num_heads, K) + 3, 0), (20, 1, 0), (9, 5, 0), (70, 1, 0), (12, 3, 30)]
+    step = make_step(rng, seqs, num_heads=num_heads, num_kv_heads=K, head_dim=H, page=16, dtype=jnp.bfloat16,
+                     shuffle=True, pad_rows=3, max_pages=8)
+    meta = AttentionMetadata(**{f: step[f] for f in ("seq_ids", "positions", "page_table", "kv_lens", "kv_start")})
+    q = step["q"]
+    T = q.shape[0]
+    tiles = ma.plan_step(meta, num_heads=num_heads, num_kv_heads=K, head_dim=H, page_size=16)
+    for launch, tokens in ((tiles.decode, 2), (tiles.prefill, T - 2)):  # the two decodes, the other tokens
+        rows = launch.lim_rows.shape[1]
+        got = np.asarray(ma._query_rows(q, launch, K, rows), np.float32)  # [K, Tq x G + rows, H]
+        want = np.asarray(pa._tile_rows(q, launch.tok, K, rows), np.float32)  # [nt, K, rows, H]
+        tok, start = np.asarray(launch.tok), np.asarray(launch.q_start)
+        nt, bq = tok.shape
+        held = (tok < T).sum(axis=1)
+        assert held.sum() == tokens
+        for t in np.flatnonzero(held):
+            first = int(start[t]) * G
+            assert first % 8 == 0 and first + rows <= got.shape[1]
+            np.testing.assert_array_equal(got[:, first:first + held[t] * G], want[t][:, :held[t] * G])
+        align = max(1, 8 // G)
+        assert got.shape[1] <= (T + (align - 1) * min(nt, T) + align) * G + rows
+        assert got.shape[1] % 8 == 0  # Mosaic tiles the GMEM array in 8-row tiles too
+
+
 @pytest.mark.parametrize("kind", ["decode", pytest.param("mixed", marks=pytest.mark.slow)])  # mixed: ~70 s
 def test_merge_kernel_merges_split_tiles_in_token_order_without_races(kind, race_detection):
     """The merge kernel (`merge_kernel=True`, the default) after each launch: a decode at 390 keys in six partitions of
