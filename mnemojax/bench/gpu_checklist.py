@@ -79,9 +79,10 @@ SHARDED_TESTS_ENV = (("JAX_PLATFORMS", "cuda,cpu"), ("XLA_PYTHON_CLIENT_PREALLOC
 STAGES = (
     Stage("new-correct", (("-m", "pytest", "-q", "-m", "gpu", "tests/models/test_mosaic_attention.py", "-k",
                            NEW_CORRECT),), 240, 120, env=SHARDED_TESTS_ENV, shards=TEST_SHARDS,
-          why="the sixteenth and eighteenth sessions' new defaults (128-key prefill blocks at head dim 128, decode "
-              "in one wave of 16 partitions, the merge kernel, fma_softmax and max_registers in compute-bound "
-              "launches), overlap and three consumers against the float32 reference at both head counts, the merge "
+          why="the sixteenth, eighteenth and twentieth sessions' new defaults (128-key prefill blocks at head dim "
+              "128, decode in one wave of 16 partitions, the merge kernel, fma_softmax and max_registers in "
+              "compute-bound launches, every program's query rows copied from one gather of q in tile order), "
+              "overlap and three consumers against the float32 reference at both head counts, the merge "
               "kernel against XLA's merge, and the engine's greedy tokens with attention='auto' (mosaic on Hopper)"),
     Stage("new-speed", (("scripts/bench_attention.py", "--impl", f"mosaic,{OLD_DEFAULTS}", "--contexts",
                          "262144,1048576", "--chunks", "32,2048", "--decode_batches", "1,8", "--samples", "3",
