@@ -314,7 +314,8 @@ class Launch:
     persistent grid's work list (`_work_items`) or None for the static grid. Static: block_k keys per block,
     num_parts KV partitions, programs the persistent grid's programs per kv head (0: the static grid). The Mosaic
     kernels' launches also carry q_tok i32[Tq] (the launch's tokens in the order of its tiles and slots, without
-    the empty slots; T past them) and q_start i32[nt] (where each tile's first token is in q_tok): a tile's tokens
+    the empty slots; T in the gaps that start each tile at a multiple of 8 rows, and past them) and q_start
+    i32[nt] (where each tile's first token is in q_tok): a tile's tokens
     are consecutive there, so its query rows are one slice of q gathered in that order (`mosaic_attention`);
     the Triton kernels' launches leave them None.
     """

@@ -71,8 +71,8 @@ HEAD_DIM_64 = ("mosaic+stages=3", "mosaic+block_k=192", "mosaic+block_k=192+stag
 
 # The `gpu` tests in TEST_SHARDS processes at once: each compiles its kernels and runs the float32 reference on the
 # device machine's 16 cores, where one process left most of them idle (the sixteenth session's 17 tests took 161 s
-# in one, at shapes of a few MiB: mostly compiling). Each process allocates GPU memory as it needs it (JAX's default takes 75% of it at start, which
-# a second process would then not find); the tests' arrays are a few MiB.
+# in one, at shapes of a few MiB: mostly compiling). Each process allocates GPU memory as it needs it (JAX's
+# default takes 75% of it at start, which a second process would then not find).
 TEST_SHARDS = 4
 SHARDED_TESTS_ENV = (("JAX_PLATFORMS", "cuda,cpu"), ("XLA_PYTHON_CLIENT_PREALLOCATE", "false"))
 
@@ -271,11 +271,12 @@ def run_sharded(args: list[str], shards: int, env: dict, f, log: str, seconds: f
     summary = []
     for i, (group, handle, code) in enumerate(zip(groups, logs, codes)):
         handle.close()
-        f.write(f"\n[process {i}: {len(group)} tests]\n")
-        f.writelines(open(handle.name, encoding="utf-8", errors="replace").readlines())
-        last = (tail(handle.name, 1) or [""])[0]
-        summary.append(f"process {i} ({len(group)} tests, exit {code}): {last}")
+        with open(handle.name, encoding="utf-8", errors="replace") as g:
+            lines = g.readlines()
         os.remove(handle.name)
+        f.write(f"\n[process {i}: {len(group)} tests]\n")
+        f.writelines(lines)
+        summary.append(f"process {i} ({len(group)} tests, exit {code}): {lines[-1].rstrip() if lines else ''}")
     f.write("\n" + "\n".join(summary) + "\n")
     f.flush()
     if "timeout" in codes:
