@@ -30,6 +30,14 @@ issue wgmma (HGMMA: the key-block loops, unmasked and masked) and counts their i
 per key block), exponentials (MUFU.EX2), selects (FSEL: two a score in a masked loop, none in the unmasked one) and
 local stores and loads (STL, LDL).
 
+`per SM`: how many programs of a kernel an SM runs at once (`programs_an_sm`: its registers, its threads from the
+PTX's `.maxntid`, its SMEM). The decode plan chooses its KV partitions for one wave of programs by SMEM alone,
+before anything is compiled (`programs_per_sm`), and ptxas is free to use up to 255 registers a thread (Mosaic asks
+for one block an SM); so after the table a line compares, for the default kernel's decode launch (label `mosaic`,
+chunk 1), the programs an SM the plan assumes with those the compiled kernel fits, and says when the default
+partitions would take two waves instead of one (at head dim 64 the kernel has 126 registers a thread where 128
+still lets two programs share an SM).
+
 These are the compiler's facts about the code, not timings: what they cost is measured on a GPU
 (`scripts/bench_attention.py`). Prints the command, the target and jax's version, then a table.
 """
@@ -38,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import math
 import os
 import re
 import shlex
@@ -52,6 +61,12 @@ _PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
 _KERNEL_FILE = re.compile(r"^(?P<name>.+)_(?P<index>\d+)$")
+_MAXNTID = re.compile(r"^\s*\.maxntid\s+(\d+)\s*,\s*(\d+)\s*,\s*(\d+)", re.M)  # the PTX's threads a block
+# Hopper's (sm_90) limits on what one SM runs at once
+REGISTERS_PER_SM = 65536
+REGISTER_UNIT = 8  # per thread: registers are given to a warp 256 at a time
+THREADS_PER_SM = 2048
+BLOCKS_PER_SM = 32
 ATTENTION_MGPU = "attention_mgpu"  # `--impl` label of jax's `attention_mgpu` (f16, block_q 64, block_kv 128)
 
 
@@ -68,6 +83,22 @@ class KernelReport:
     stem: str = ""  # the dump files' name, less the extension
     loops: list | str | None = None  # `--sass`: (instructions, HGMMA, MUFU.EX2, FSEL, STL, LDL) a loop, or why
     # it failed
+    threads: int | None = None  # a program's threads (the PTX's .maxntid; None: no PTX dumped)
+
+
+def programs_an_sm(registers: int, threads: int, smem: int | None) -> int:
+    """How many programs (CUDA blocks) of a kernel an SM can run at once on Hopper: the fewest that its registers
+    (`registers` a thread, rounded up to 8, of 65,536), its threads (of 2,048), its SMEM (`smem` bytes and the 1 KB
+    the system reserves a block, of 228 KB; None: not counted) and the 32 blocks an SM holds allow. E.g. a decode
+    program at head dim 128: 181 registers x 256 threads = 47,104 of 65,536, so one, whatever its SMEM; at head
+    dim 64: 126 -> 128 x 256 = 32,768, so two where the SMEM fits two."""
+    from models.mosaic_attention import SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
+
+    per_thread = -(-registers // REGISTER_UNIT) * REGISTER_UNIT
+    fits = [REGISTERS_PER_SM // (per_thread * threads), THREADS_PER_SM // threads, BLOCKS_PER_SM]
+    if smem is not None:
+        fits.append(SMEM_PER_SM // (smem + SMEM_RESERVED_PER_BLOCK))
+    return min(fits)
 
 
 def read_ptxas(text: str) -> tuple[int, int, int, int]:
@@ -93,7 +124,12 @@ def read_dump(folder: str) -> list[KernelReport]:
         if os.path.exists(resources):
             found = _SMEM.search(open(resources).read())
             smem = int(found.group(1)) if found else None
-        reports.append(KernelReport(name, registers, stack, stores, loads, smem, index, stem))
+        threads = None
+        ptx = os.path.join(folder, stem + ".ptx")
+        if os.path.exists(ptx):
+            found = _MAXNTID.search(open(ptx).read())
+            threads = math.prod(int(x) for x in found.groups()) if found else None
+        reports.append(KernelReport(name, registers, stack, stores, loads, smem, index, stem, threads=threads))
     return sorted(reports, key=lambda r: r.index)
 
 
@@ -293,10 +329,39 @@ def _report(args, tools, config, argv) -> None:
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
     print_table(rows, args.sass)
+    for line in check_decode_waves(rows, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim):
+        print(line)
+
+
+def check_decode_waves(rows, *, num_kv_heads: int, head_dim: int) -> list[str]:
+    """Lines comparing, for the default kernel's decode launch (label `mosaic`, chunk 1), the programs an SM the
+    plan assumes (`programs_per_sm`: by SMEM alone, before anything is compiled; `default_partitions` gives decode
+    tiles SMs x that // kv heads partitions, one wave) with what the compiled kernel's registers, threads and SMEM
+    allow (`programs_an_sm`). Where the kernel fits fewer, the default partitions make two waves of programs, each
+    holding its SM, instead of one (the sixteenth session measured such a launch 10% slower at 256K); ptxas is not
+    told to keep to fewer registers (the PTX asks for one block an SM), so a kernel change can cross that line."""
+    from models.mosaic_attention import BLOCK_K, SMS, default_partitions, programs_per_sm
+
+    lines = []
+    for label, chunk, k in rows:
+        if label != MOSAIC or chunk != 1 or isinstance(k, str) or k.name != "paged_attention_mosaic" \
+                or k.threads is None:
+            continue
+        planned = programs_per_sm(consumers=1, head_dim=head_dim, block_k=BLOCK_K)
+        fit = programs_an_sm(k.registers, k.threads, k.smem)
+        parts = default_partitions(consumers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, block_k=BLOCK_K)
+        waves = -(-parts * num_kv_heads // (SMS * fit))
+        verdict = "as planned" if fit >= planned else (
+            f"FEWER than planned: the default {parts} partitions x {num_kv_heads} kv heads make {waves} waves of "
+            f"programs on {SMS} SMs, not one")
+        lines.append(f"decode programs an SM at head dim {head_dim}: the plan assumes {planned}, the compiled kernel "
+                     f"fits {fit} ({k.registers} registers x {k.threads} threads, {k.smem} bytes of SMEM): {verdict}")
+    return lines
 
 
 def print_table(rows, sass: bool) -> None:
-    head = f"{'label':44} {'chunk':>6} {'kernel':24} {'regs':>5} {'spill st':>8} {'spill ld':>8} {'stack':>6} {'smem':>7}"
+    head = (f"{'label':44} {'chunk':>6} {'kernel':24} {'regs':>5} {'spill st':>8} {'spill ld':>8} {'stack':>6} "
+            f"{'smem':>7} {'per SM':>6}")
     if sass:
         head += "  key-block loops (instr/HGMMA/EX2/FSEL/STL/LDL)"
     print(head)
@@ -305,12 +370,13 @@ def print_table(rows, sass: bool) -> None:
             print(f"{label:44} {chunk:>6} failed: {k}")
             continue
         line = (f"{label:44} {chunk:>6} {k.name:24} {k.registers:>5} {k.spill_stores:>8} {k.spill_loads:>8} "
-                f"{k.stack:>6} {k.smem if k.smem is not None else '-':>7}")
+                f"{k.stack:>6} {k.smem if k.smem is not None else '-':>7} "
+                f"{programs_an_sm(k.registers, k.threads, k.smem) if k.threads else '-':>6}")
         if sass and k.loops is not None:
             line += "  " + (k.loops if isinstance(k.loops, str) else " ".join("/".join(map(str, x)) for x in k.loops))
         print(line)
     print("(regs: per thread as launched; spill st / ld: bytes of local memory per thread ptxas spilled to; smem: "
-          "Mosaic's SMEM scratch, bytes)")
+          "Mosaic's SMEM scratch, bytes; per SM: programs an SM runs at once by its registers, threads and SMEM)")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,47 @@ def test_dump_folder_lists_kernels_in_compile_order(tmp_path):
         ("paged_attention_merge", 3, 163, 0, 0, 0, None)]
 
 
+def test_programs_an_sm_take_the_tightest_of_registers_threads_and_smem():
+    """Hopper's limits, by hand: registers rounded up to 8 a thread, of 65,536; threads of 2,048; SMEM plus 1 KB a
+    block, of 233,472 bytes; 32 blocks."""
+    assert kr.programs_an_sm(181, 256, 152576) == 1  # 184 x 256 = 47,104 registers; 153,600 bytes
+    assert kr.programs_an_sm(181, 256, 46080) == 1  # the registers alone hold it to one
+    assert kr.programs_an_sm(126, 256, 78848) == 2  # 128 x 256 = 32,768: two; 79,872 bytes: two
+    assert kr.programs_an_sm(129, 256, 46080) == 1  # 136 x 256 = 34,816: one
+    assert kr.programs_an_sm(126, 256, 116736) == 1  # two by registers, one by SMEM: 2 x 117,760 > 233,472
+    assert kr.programs_an_sm(32, 128, None) == 16  # 16 x 4,096 registers; SMEM not counted
+    assert kr.programs_an_sm(16, 32, 0) == 32  # the blocks' limit
+    assert kr.programs_an_sm(40, 1024, 0) == 1  # 40 x 1,024 = 40,960 registers
+
+
+def test_dump_folder_gives_a_programs_threads_from_its_ptx(tmp_path):
+    (tmp_path / "paged_attention_mosaic_0.ptxas").write_text(CLEAN.replace("merge", "mosaic"))
+    (tmp_path / "paged_attention_mosaic_0.ptx").write_text(".visible .entry paged_attention_mosaic_mosaic_gpu_kernel("
+                                                           "\n)\n.maxntid 256, 1, 1\n.minnctapersm 1\n{\n}\n")
+    (tmp_path / "paged_attention_merge_1.ptxas").write_text(CLEAN)
+    (tmp_path / "paged_attention_merge_1.ptx").write_text("// no .maxntid\n")
+    assert [k.threads for k in kr.read_dump(str(tmp_path))] == [256, None]
+
+
+def test_decode_waves_check_says_when_the_compiled_kernel_fits_fewer_programs_than_planned():
+    """The default kernel's decode rows only (label `mosaic`, chunk 1, the attention kernel): at head dim 64 the
+    plan assumes two programs an SM (33 partitions x 8 kv heads = 264 = 2 x 132 SMs); 126 registers keep two, 129
+    (rounded to 136) leave one, so 264 programs take two waves."""
+    def report(registers):
+        return kr.KernelReport("paged_attention_mosaic", registers, 0, 0, 0, 78848, threads=256)
+
+    merge = kr.KernelReport("paged_attention_merge", 200, 0, 0, 0, 76800, threads=128)
+    rows = [("mosaic", 1, report(126)), ("mosaic", 1, merge), ("mosaic+stages=2", 1, report(129)),
+            ("mosaic", 32, report(129)), ("mosaic", 1, "ValueError: does not lower")]
+    lines = kr.check_decode_waves(rows, num_kv_heads=8, head_dim=64)
+    assert lines == ["decode programs an SM at head dim 64: the plan assumes 2, the compiled kernel fits 2 (126 "
+                     "registers x 256 threads, 78848 bytes of SMEM): as planned"]
+    lines = kr.check_decode_waves([("mosaic", 1, report(129))], num_kv_heads=8, head_dim=64)
+    assert lines == ["decode programs an SM at head dim 64: the plan assumes 2, the compiled kernel fits 1 (129 "
+                     "registers x 256 threads, 78848 bytes of SMEM): FEWER than planned: the default 33 partitions "
+                     "x 8 kv heads make 2 waves of programs on 132 SMs, not one"]
+
+
 # A disassembly's shape, trimmed: a prologue, an outer loop (.L_x_1) around two key-block loops, the first
 # (.L_x_2) clean, the second (.L_x_3) masking and spilling, and an epilogue loop (.L_x_4) with no wgmma.
 SASS = """        /*0000*/                   MOV R1, c[0x0][0x28] ;
