@@ -220,7 +220,10 @@ def programs_per_sm(*, consumers: int, head_dim: int, block_k: int) -> int:
     """Programs of a memory-bound launch (the ones split over KV partitions) that an SM runs at once, with the
     default ring (`deepest_ring`): a two-consumer program holds an SM alone (3 x 128 threads x up to 168
     registers); a one-consumer (decode) program two where their SMEM fits, else one: two at head dim 64 (4 slots),
-    one at 128 (4 slots, 160,824 bytes) and 256 (2 slots)."""
+    one at 128 (4 slots, 160,824 bytes) and 256 (2 slots). Counted by SMEM alone, before anything compiles: two
+    decode programs an SM also need at most 128 registers a thread, which ptxas is not held to;
+    `scripts/kernel_resources.py` checks the compiled kernel against this (126 at head dim 64 for an H100, 181 at
+    128: docs/benchmarks.md, twenty-second session)."""
     if consumers > 1:
         return 1
     smem = program_smem_bytes(consumers=1, head_dim=head_dim, block_k=block_k,
