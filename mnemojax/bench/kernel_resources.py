@@ -90,8 +90,8 @@ def programs_an_sm(registers: int, threads: int, smem: int | None) -> int:
     """How many programs (CUDA blocks) of a kernel an SM can run at once on Hopper: the fewest that its registers
     (`registers` a thread, rounded up to 8, of 65,536), its threads (of 2,048), its SMEM (`smem` bytes and the 1 KB
     the system reserves a block, of 228 KB; None: not counted) and the 32 blocks an SM holds allow. E.g. a decode
-    program at head dim 128: 181 registers x 256 threads = 47,104 of 65,536, so one, whatever its SMEM; at head
-    dim 64: 126 -> 128 x 256 = 32,768, so two where the SMEM fits two."""
+    program at head dim 128: 181 -> 184 registers x 256 threads = 47,104 of 65,536, so one, whatever its SMEM; at
+    head dim 64: 126 -> 128 x 256 = 32,768, so two where the SMEM fits two."""
     from models.mosaic_attention import SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
 
     per_thread = -(-registers // REGISTER_UNIT) * REGISTER_UNIT
