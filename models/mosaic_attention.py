@@ -33,32 +33,38 @@ nothing. Each program (a CUDA block) holds C + 1 warpgroups:
     updated in place, as in FlashAttention-3; interpreted: P through SMEM), then release the slot. The block holding
     the tile's last visible key may hold unwritten slots past it: consumer 0 zeroes them in the shared slot and the
     others wait on a barrier for that before their P V.
-Two consumers per prefill program (measured on an H200: chunk 2048 from ~270 to ~435 TFLOP/s) double the rows each
-K/V block's load serves: a 64-row program does 64 FLOPs per byte it loads from L2, which caps it near what both this
-kernel with one consumer and the Triton kernels reached. Three (`consumers=3`, unmeasured: FlashAttention-3's
-192-row tile at head dim 64) need their registers redistributed (`register_split`, on by default for them) and
+Two consumers per prefill program (measured on an H200: chunk 2048 from ~270 to ~435 TFLOP/s) double the rows each K/V
+block's load serves: a 64-row program does 64 FLOPs per byte it loads from L2, which caps it near what both this kernel
+with one consumer and the Triton kernels reached. Three (`consumers=3`, an option: FlashAttention-3's 192-row tile at
+head dim 64; on an H100, twenty-third session, the llama3.2-1b shape's chunk 8192 at 1M 186.5 ms with two, 187.0 with
+three, 164.4 without turns and 155.4 with `overlap`, which is not yet checked on a GPU at that head dim; the Llama-3-8B
+shape's chunk 2048 70.1 -> 74.7 ms) need their registers redistributed (`register_split`, on by default for them) and
 take turns on a ring of barriers, a token passed from consumer to consumer (`_program`).
-Code generation per launch (`Codegen.for_launch`, each a keyword that overrides it), as measured fastest on an H200:
-P in registers when compiled, and then the two prefill consumers taking turns on the tensor cores (`pingpong`, as
-FlashAttention-3 and jax's `attention_mgpu`); memory-bound launches (decode tiles, split-K launches: few tiles at a
+Code generation per launch (`Codegen.for_launch`, each a keyword that overrides it), as measured fastest on an H200 or
+an H100: P in registers when compiled, and then the two prefill consumers taking turns on the tensor cores (`pingpong`,
+as FlashAttention-3 and jax's `attention_mgpu`); memory-bound launches (decode tiles, split-K launches: few tiles at a
 long context) with the deepest ring that fits the SMEM (with 64-key blocks 4 slots at head dims 64 and 128; a
 two-consumer split-K launch's 128-key blocks at head dim 128 fit 2, and then take no turns), compute-bound ones
 (two-consumer prefill tiles, one partition) with 2 slots; prefill key blocks of 128 at head dims 64 and 128
-(`prefill_block_k`), else 64 (192, an option at head dim 64, unmeasured: FlashAttention-3's key block there without
-a causal mask); `fma_softmax` (one multiply-add per score for the exponent, as jax's
-`attention_mgpu`) for compute-bound prefill launches (at every head dim since the eighteenth session, unmeasured
-alone at 128: 64 multiplies a thread fewer in each key block, by the disassembly); `max_registers` (`plgpu.set_max_registers`:
-consumers 232 per thread, the producer 40) for compute-bound two-consumer launches (eighteenth session, unmeasured:
-with 128-key blocks their 168 registers a thread spill in the key-block loop, by ptxas's report,
-`scripts/kernel_resources.py`; alone with 64-key blocks, which do not spill, it measured 76.0 against 75.8 ms) and
-for three consumers. Off, as measured no faster on an H200 (sixteenth session, Llama-3-8B shape at 1M, each alone
-against the defaults): `release_k` (the K slot freed after Q K^T on its own barrier; chunk 2048 75.8 -> 80.4 ms),
-`wait_k_in_pv` (the next K waited for during P V; 79.3) and `fenced_softmax`
-(the softmax finished before the turn is handed over; 75.7), each as `attention_mgpu` does; those three, with
-`max_registers` and `fma_softmax` and 128-key blocks (the one run of the new defaults together, with the three
-off options besides): 70.4 against 66.1 with 128-key blocks alone. Off and unmeasured: `overlap`, FlashAttention-3's
-loop (its overlap inside a warpgroup, which neither `attention_mgpu` nor the default loop has): each block's Q K^T
-and the previous block's P V issued back to back, in the consumer's turn on a ring of barriers, then the block's
+(`prefill_block_k`), else 64 (192, an option at head dim 64: FlashAttention-3's key block there without a causal mask,
+slower on an H100, 186.5 -> 196.0 ms at the llama3.2-1b shape's chunk 8192); `fma_softmax` (one multiply-add per score
+for the exponent, as jax's `attention_mgpu`) for compute-bound prefill launches (at every head dim since the eighteenth
+session; on an H100 at head dim 128 chunk 2048 69.1 against 68.3 ms without, within the spread of the runs);
+`max_registers` (`plgpu.set_max_registers`: consumers 232 per thread, the producer 40) for three consumers and under
+`overlap` only. The eighteenth session turned it on for compute-bound two-consumer launches, whose 168 registers a
+thread spill ~540 bytes in the key-block loop at head dim 128 with 128-key blocks (ptxas,
+`scripts/kernel_resources.py`); measured on an H100 (twenty-third session, 1M keys) the spilling kernel is the faster:
+chunk 2048 of the Llama-3-8B shape 69.1 -> 63.2 ms without the split, 508 -> 556 TFLOP/s, and the llama3.2-1b shape's
+chunk 8192 186.8 -> 183.4 ms, so it is off there again. Off, as measured no faster on an H200 (sixteenth session,
+Llama-3-8B shape at 1M, each alone against the defaults): `release_k` (the K slot freed after Q K^T on its own barrier;
+chunk 2048 75.8 -> 80.4 ms), `wait_k_in_pv` (the next K waited for during P V; 79.3) and `fenced_softmax` (the softmax
+finished before the turn is handed over; 75.7), each as `attention_mgpu` does; those three, with `max_registers` and
+`fma_softmax` and 128-key blocks (the one run of the new defaults together, with the three off options besides): 70.4
+against 66.1 with 128-key blocks alone. Off: `overlap` (on an H100, twenty-third session, chunk 2048 65.8 ms, 62.4
+without turns, against 69.1 with the defaults then; chunk 32 1.98 ms against 1.48 unless the registers are split, which
+it now does by default), FlashAttention-3's loop (its overlap inside a warpgroup, which neither `attention_mgpu` nor the
+default loop has): each block's Q K^T and the previous block's P V issued back to back, in the consumer's turn on a ring
+of barriers, then the block's
 softmax under that P V, P carried from block to block and K's slot freed after Q K^T (`release_k`).
 The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once every consumer's
 loop ends, which the consumers wait for with a barrier when C > 1). P has a buffer (64 x block_k per consumer) only
@@ -81,14 +87,15 @@ as mutable refs (`jax.new_ref`, aliased in and out of the kernel), every token w
 one-kind step (`kind` decode or prefill) starts them at (0, NEG_INF), what a token of the other kind gets. So no
 slice, transpose, merge or scatter follows the kernel. A tile split over several partitions writes a float32 partial
 (acc, m, l) per partition, at its item's index (below the most partitions a tile may take, `num_parts`: the partial
-buffers are that small; only the rows its tokens take: a decode tile's G rounded up to 8, not 64), and one
-more kernel right after the launch (`_merge_partials`, a program per split tile, kv head and consumer's rows, one
-warpgroup, the partials TMA-copied through a ring of 4 SMEM slots, 2 at head dim 256) merges each split tile's
-partials exactly (log-sum-exp, online: to float32 rounding) and writes their rows in token order into the same
-buffers, as a one-partition program
-writes its own (eighteenth session, unmeasured: in the engine's decode step it replaces three XLA fusions and a
-scatter a layer, `scripts/aot_step.py --show_layer`); `merge_kernel=False` gives XLA's merge and scatter back
-(`_merge_items`, `pa._scatter_into`) for a side-by-side measurement.
+buffers are that small; only the rows its tokens take: a decode tile's G rounded up to 8, not 64), and one more kernel
+right after the launch (`_merge_partials`, a program per split tile, kv head and consumer's rows, one warpgroup, the
+partials TMA-copied through a ring of 4 SMEM slots, 2 at head dim 256) merges each split tile's partials exactly
+(log-sum-exp, online: to float32 rounding) and writes their rows in token order into the same buffers, as a
+one-partition program writes its own (eighteenth session: in the engine's decode step it replaces three XLA fusions and
+a scatter a layer, `scripts/aot_step.py --show_layer`; on an H100, twenty-third session, its GPU time is 0.010-0.012 ms
+a decode layer, and decode B=1 measured 0.403 / 1.522 ms at 256K / 1M against 0.421 / 1.490 with XLA's merge);
+`merge_kernel=False` gives XLA's merge and scatter back (`_merge_items`, `pa._scatter_into`) for a side-by-side
+measurement.
 
 Supported (anything else raises, no fallback): bfloat16 or float16 q and cache (wgmma's 16-bit inputs; float32
 accumulation, float32 softmax); head dim 64, 128 or 256 (a multiple of the 128-byte swizzle, at most wgmma's
@@ -262,15 +269,16 @@ class Codegen:
     for while this block's P V wgmma runs, the first block's before the loop, rather than at the top of each
     block) and `fenced_softmax` (the accumulator's rescale, P's conversion and l finished, behind an optimization
     barrier, before the consumer hands the tensor cores over at the schedule barrier and waits for V, rather than
-    after: `attention_mgpu`'s order, which its authors measured to matter "quite significantly"). Off and
-    unmeasured: `overlap` (FlashAttention-3's loop, its overlap inside a warpgroup: block j's Q K^T and block j-1's
-    P V issued back to back, then block j's softmax once Q K^T is done, under the P V, whose accumulator is read
-    last; P (bf16) is carried from block to block, as FlashAttention-3's registers hold it. With `pingpong` (its
-    default where the launch takes turns) the issuing is the consumer's turn on a ring of barriers, as
-    FlashAttention-3's scheduler barriers, for two consumers as for three. It orders the loop its own way: with
-    `wait_k_in_pv` or `fenced_softmax` it raises). On and unmeasured: `merge_kernel` (a launch's split tiles merged
-    and written in token order by one more kernel, `_merge_partials`, where XLA took three fusions and a scatter;
-    False: XLA's, `_merge_items`, for a side-by-side measurement)."""
+    after: `attention_mgpu`'s order, which its authors measured to matter "quite significantly"). Off, measured on an
+    H100 (twenty-third session, the module's docstring): `overlap` (FlashAttention-3's loop, its overlap inside a
+    warpgroup: block j's Q K^T and block j-1's P V issued back to back, then block j's softmax once Q K^T is done, under
+    the P V, whose accumulator is read last; P (bf16) is carried from block to block, as FlashAttention-3's registers
+    hold it. With `pingpong` (its default where the launch takes turns) the issuing is the consumer's turn on a ring of
+    barriers, as FlashAttention-3's scheduler barriers, for two consumers as for three. It orders the loop its own way:
+    with `wait_k_in_pv` or `fenced_softmax` it raises). On: `merge_kernel` (a launch's split tiles merged and written in
+    token order by one more kernel, `_merge_partials`, where XLA took three fusions and a scatter; False: XLA's,
+    `_merge_items`, for a side-by-side measurement; even on an H100, twenty-third session: decode B=1 at 256K 0.403
+    against 0.421 ms, at 1M 1.522 against 1.490, one sample each)."""
 
     approx_math: bool = True
     lookahead: bool = True
@@ -299,10 +307,11 @@ class Codegen:
 
     def for_launch(self, *, interpret: bool, consumers: int, num_parts: int, head_dim: int, block_k: int
                    ) -> "Codegen":
-        """The options of one launch: those given, and for those left to the kernel (None) what measured fastest
-        on an H200 (docs/benchmarks.md, 2026-11-26, fourteenth and sixteenth sessions; Llama-3-8B shape at 1M
-        keys), or, marked unmeasured (eighteenth session, no GPU), what ptxas's report and the disassembly favour
-        (`scripts/kernel_resources.py`, at head dims 64 and 128; head dim 256 follows the same rule unchecked):
+        """The options of one launch: those given, and for those left to the kernel (None) what measured fastest on an
+        H200 (docs/benchmarks.md, 2026-11-26, fourteenth and sixteenth sessions; Llama-3-8B shape at 1M keys) or an H100
+        (2026-11-27, twenty-third session), or, marked unmeasured (eighteenth session, no GPU), what ptxas's report and
+        the disassembly favour (`scripts/kernel_resources.py`, at head dims 64 and 128; head dim 256 follows the same
+        rule unchecked):
           - `registers`: compiled, yes (chunk 2048 83.6 -> 78.9 ms, chunk 32 2.30 -> 2.02 ms); interpreted, no
             (the interpreter runs neither P in registers nor the in-place accumulator);
           - `stages`: for memory-bound launches (one-consumer programs: decode tiles, and consumers=1 prefill
@@ -319,15 +328,17 @@ class Codegen:
             198.6 -> 192.4 ms; the Llama-3-8B shape's chunk 2048 75.8 -> 75.1 ms, within the run's spread, then left
             off at head dim 128; on there since the eighteenth session, on the disassembly: the unmasked key-block
             loop 529 -> 467 instructions a thread, 64 multiplies fewer, the count of `attention_mgpu`'s, 472,
-            `scripts/kernel_resources.py`); memory-bound ones no (chunk 32 1.25 -> 1.28 ms);
+            `scripts/kernel_resources.py`; on an H100, twenty-third session, 69.1 against 68.3 ms without, within
+            the runs' spread); memory-bound ones no (chunk 32 1.25 -> 1.28 ms);
           - `max_registers`: programs of three consumers (each thread may take 128 registers without it), and
-            compute-bound ones of two (eighteenth session, on ptxas's report, unmeasured on a GPU: with the
-            128-key blocks the sixteenth session adopted, a thread's 168 registers spill ~540 bytes at head dim 128,
-            4 local stores and 5 loads in each key block of the unmasked loop and ~115 / ~160 in the masked one,
-            at head dim 64 8 / 16 bytes; redistributed, none, at both head counts, with `overlap` too,
-            `scripts/kernel_resources.py`; measured alone with 64-key blocks, which do not spill, it cost nothing:
-            chunk 2048 75.8 -> 76.0 ms); memory-bound two-consumer launches (split-K) keep theirs (chunk 32 then
-            1.25 -> 1.28 ms).
+            two-consumer ones under `overlap` (on an H100, twenty-third session: chunk 32 at 1M 1.98 -> 1.48 ms,
+            chunk 2048 65.8 either way). Not two-consumer ones otherwise: the eighteenth session turned it on for
+            the compute-bound ones on ptxas's report (with 128-key blocks a thread's 168 registers spill ~540 bytes
+            at head dim 128, 4 local stores and 5 loads in each key block of the unmasked loop, at head dim 64 8 /
+            16 bytes; redistributed, none), but the spilling kernel measured faster on an H100 (twenty-third
+            session, 1M keys: the Llama-3-8B shape's chunk 2048 63.2 ms against 69.1 redistributed, the
+            llama3.2-1b shape's chunk 8192 183.4 against 186.8); memory-bound ones (split-K) keep theirs (chunk 32
+            1.25 -> 1.28 ms redistributed, sixteenth session; 1.483 against 1.473, twenty-third).
         `num_parts`: the partitions the launch's tiles are expected to take (the split is chosen per step, so the
         caller gives more than one when the step's tokens could not fill the partitions' worth of tiles)."""
         registers = (not interpret) if self.registers is None else self.registers
@@ -355,8 +366,8 @@ class Codegen:
         if pingpong is None:
             pingpong = registers and (not memory_bound or stages >= 3)
         max_registers = self.max_registers
-        if max_registers is None:  # three consumers need it; two, compute-bound, spill without it (`for_launch`)
-            max_registers = consumers > PREFILL_CONSUMERS or (consumers == PREFILL_CONSUMERS and not memory_bound)
+        if max_registers is None:  # three consumers need it, two only under `overlap` (`for_launch`)
+            max_registers = consumers > PREFILL_CONSUMERS or (consumers == PREFILL_CONSUMERS and self.overlap)
         many = consumers > 1  # turns and a register split need two consumers or more: a decode has one
         release_k = self.overlap if self.release_k is None else self.release_k
         return dataclasses.replace(self, registers=registers, stages=stages, pingpong=pingpong and many,

@@ -656,20 +656,21 @@ def test_code_generation_is_chosen_per_launch():
     with pytest.raises(ValueError, match="no ring of 128-key slots fits: ask for block_k=64"):
         ma.Codegen(stages=2).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=256, block_k=128)
     # three consumers: the registers redistributed (without, each thread may take 128), turns on the ring; a given
-    # max_registers wins; two consumers redistribute theirs when compute-bound (168 a thread spill with 128-key
-    # blocks), not when memory-bound (split-K); the split stays within an SM's 65,536 registers, in setmaxnreg's
-    # range (24 to 256, multiples of 8)
+    # max_registers wins; two consumers redistribute theirs only under `overlap` (compute-bound or not: on an H100
+    # the spilling two-consumer kernel was the faster at chunk 2048, and `overlap` without the split the slower at
+    # chunk 32, twenty-third session); the split stays within an SM's 65,536 registers, in setmaxnreg's range (24
+    # to 256, multiples of 8)
     def three(codegen=ma.Codegen(), **launch):
         return codegen.for_launch(**dict(dict(interpret=False, consumers=3, num_parts=1, head_dim=64, block_k=128),
                                          **launch))
     assert (three().max_registers, three().pingpong, three().stages, three().fma_softmax) == (True, True, 2, True)
     assert not three(ma.Codegen(max_registers=False)).max_registers
-    assert ma.Codegen().for_launch(interpret=False, consumers=2, num_parts=1, head_dim=64, block_k=128).max_registers
-    assert ma.Codegen().for_launch(interpret=False, consumers=2, num_parts=1, head_dim=128, block_k=128).max_registers
-    assert not ma.Codegen().for_launch(interpret=False, consumers=2, num_parts=16, head_dim=128,
-                                       block_k=128).max_registers  # split-K: memory-bound
-    assert not ma.Codegen(max_registers=False).for_launch(interpret=False, consumers=2, num_parts=1, head_dim=128,
-                                                          block_k=128).max_registers
+    def two(codegen=ma.Codegen(), **launch):
+        return codegen.for_launch(**dict(dict(interpret=False, consumers=2, num_parts=1, head_dim=128, block_k=128),
+                                         **launch)).max_registers
+    assert not two() and not two(head_dim=64) and not two(num_parts=16)  # compute-bound, either head dim; split-K
+    assert two(ma.Codegen(overlap=True)) and two(ma.Codegen(overlap=True), num_parts=16)
+    assert not two(ma.Codegen(overlap=True, max_registers=False)) and two(ma.Codegen(max_registers=True))
     assert (ma.register_split(2), ma.register_split(3)) == ((40, 232), (32, 160))
     for consumers in (2, 3):
         producer, consumer = ma.register_split(consumers)
@@ -901,13 +902,14 @@ COMPILED = {"decode": ma.decode_attention,
             "switch-wait-k-in-pv": functools.partial(ma.paged_attention_mosaic, wait_k_in_pv=True),
             "switch-fenced-softmax": functools.partial(ma.paged_attention_mosaic, fenced_softmax=True),
             "switch-mgpu-loop": functools.partial(ma.paged_attention_mosaic, **MGPU_LOOP),
-            # never run on a GPU yet (`overlap`: FlashAttention-3's loop since the seventeenth session)
+            # `overlap`: FlashAttention-3's loop since the seventeenth session (passed on an H100, twenty-third)
             "switch-overlap": functools.partial(ma.paged_attention_mosaic, overlap=True),
             "switch-overlap-max-registers": functools.partial(ma.paged_attention_mosaic, overlap=True,
                                                               max_registers=True),
             "switch-overlap-no-turns": functools.partial(ma.paged_attention_mosaic, overlap=True, pingpong=False,
                                                          release_k=False),
-            # never run on a GPU yet (seventeenth session): three consumers, taking turns on the ring, or overlapping
+            # seventeenth session, passed on an H100 (twenty-third): three consumers, taking turns on the ring, or
+            # overlapping
             "switch-c3": functools.partial(ma.paged_attention_mosaic, consumers=3),
             "switch-c3-overlap": functools.partial(ma.paged_attention_mosaic, consumers=3, overlap=True)}
 
@@ -943,14 +945,17 @@ def test_compiled_kernels_split_a_short_chunk_among_many_sequence_slots_on_hoppe
 @pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
 @pytest.mark.parametrize("num_heads", [32, 64])
 def test_compiled_merge_kernel_matches_xla_merge_on_hopper(num_heads):
-    """Never run on a GPU yet (eighteenth session): the merge kernel of the split tiles (the default) against XLA's
-    merge of the same partials (`merge_kernel=False`), float32 out, at the Llama-3-8B / -70B shapes in the engine's
-    layout: 64 sequence slots, a 32-token chunk at 40,000 keys, decodes at 30,000 and 100 keys and an empty KVP
-    shard's decode, 16 partitions a launch; both against the float32 reference too."""
+    """Passed on an H100 at 32 q heads (twenty-third session; at 64 the premise below was wrong, so the kernels never
+    ran): the merge kernel of the split tiles (the default) against XLA's merge of the same partials
+    (`merge_kernel=False`), float32 out, at the Llama-3-8B / -70B shapes in the engine's layout: 64 sequence slots, a
+    32-token chunk at 40,000 keys, decodes at 30,000 and 100 keys and an empty KVP shard's decode, 16 partitions a
+    launch; both against the float32 reference too."""
     rng = np.random.default_rng(18)
     step = make_step(rng, [(40000, 32, 0), (30000, 1, 0), (100, 1, 0), (0, 1, 0)] + [(0, 0, 0)] * 60,
                      num_heads=num_heads, num_kv_heads=8, head_dim=128, page=16, dtype=jnp.bfloat16)
-    assert planned_parts(step, "prefill").max() == 16 and planned_parts(step, "decode").max() > 1
+    # the 32-token chunk's 32 x G rows make one 128-row tile at G = 4 and two at G = 8, which share the launch's 16
+    # partitions (`_work_items`: 1 + 14 x 313 // 626 = 8 each; the twenty-third session's H100 run asserted 16 here)
+    assert planned_parts(step, "prefill").max() == 16 // (num_heads // 32) and planned_parts(step, "decode").max() > 1
     check_compiled(step, (ma.paged_attention_mosaic, functools.partial(ma.paged_attention_mosaic, merge_kernel=False)))
     kernel, xla = (run(ma.paged_attention_mosaic, step, out_dtype=jnp.float32, merge_kernel=m) for m in (True, False))
     np.testing.assert_allclose(np.asarray(kernel[0]), np.asarray(xla[0]), rtol=1e-4, atol=1e-5)
@@ -962,15 +967,20 @@ def test_compiled_merge_kernel_matches_xla_merge_on_hopper(num_heads):
 @pytest.mark.parametrize("options", [pytest.param({}, id="default-128"), pytest.param(dict(block_k=64), id="block64"),
                                      pytest.param(dict(overlap=True, max_registers=True), id="overlap"),
                                      pytest.param(dict(consumers=3), id="c3"),
+                                     # the TTFT's candidates (twenty-third session, H100: chunk 8192 at 1M 155.4 /
+                                     # 164.4 ms against the defaults' 186.5)
+                                     pytest.param(dict(consumers=3, overlap=True), id="c3-overlap"),
+                                     pytest.param(dict(consumers=3, pingpong=False), id="c3-no-turns"),
                                      pytest.param(dict(block_k=192, decode_block_k=192), id="block192"),
                                      pytest.param(dict(block_k=192, stages=4), id="block192-stages4")])
 def test_compiled_kernels_at_head_dim_64_on_hopper_match_float32_reference(options):
     """The compiled kernels at the llama3.2-1b attention shape (32 q heads, 8 kv heads, head dim 64, page 16), whose
     prefill tiles take 128-key blocks by default (`prefill_block_k`), with 64-key blocks asked for, and with each
-    block's softmax under the previous block's P V (`overlap`, registers redistributed), with three consumers
-    (192-row programs of 48 tokens, FlashAttention-3's tile at this head dim), and with 192-key blocks (never run on
-    a GPU yet, nineteenth session: FlashAttention-3's key block at this head dim without a causal mask), with a ring
-    of 4 (which fits only without P's SMEM buffer)."""
+    block's softmax under the previous block's P V (`overlap`, registers redistributed), with three consumers (192-row
+    programs of 48 tokens, FlashAttention-3's tile at this head dim), with three consumers and `overlap` or without
+    turns (the llama3.2-1b TTFT's candidates, never run on a GPU: twenty-third session), and with 192-key blocks
+    (nineteenth session, passed on an H100 in the twenty-third: FlashAttention-3's key block at this head dim without a
+    causal mask), with a ring of 4 (which fits only without P's SMEM buffer)."""
     rng = np.random.default_rng(64)
     seqs = [(5000, 512, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (1, 1, 0), (0, 3, 0), (900, 17, 3000)]
     step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=64, page=16, dtype=jnp.bfloat16, pad_rows=3)
