@@ -42,7 +42,7 @@ def test_every_stage_command_parses_with_its_script():
                 continue
             parsed = parsers[args[0]](args[1:])
             seen.add(args[0])
-            if args[0] == "scripts/bench_attention.py":
+            if args[0] in ("scripts/bench_attention.py", "scripts/bench_step.py"):
                 for label in parsed.impls:
                     check_kernel_options(label)
     assert seen == set(parsers)
