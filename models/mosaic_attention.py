@@ -61,11 +61,11 @@ chunk 2048 75.8 -> 80.4 ms), `wait_k_in_pv` (the next K waited for during P V; 7
 finished before the turn is handed over; 75.7), each as `attention_mgpu` does; those three, with `max_registers` and
 `fma_softmax` and 128-key blocks (the one run of the new defaults together, with the three off options besides): 70.4
 against 66.1 with 128-key blocks alone. Off: `overlap` (on an H100, twenty-third session, chunk 2048 65.8 ms, 62.4
-without turns, against 69.1 with the defaults then; chunk 32 1.98 ms against 1.48 unless the registers are split, which
-it now does by default), FlashAttention-3's loop (its overlap inside a warpgroup, which neither `attention_mgpu` nor the
+without turns, against 69.1 with the defaults then; chunk 32 1.98 ms without the register split, 1.48 with it, which it
+now takes by default), FlashAttention-3's loop (its overlap inside a warpgroup, which neither `attention_mgpu` nor the
 default loop has): each block's Q K^T and the previous block's P V issued back to back, in the consumer's turn on a ring
-of barriers, then the block's
-softmax under that P V, P carried from block to block and K's slot freed after Q K^T (`release_k`).
+of barriers, then the block's softmax under that P V, P carried from block to block and K's slot freed after Q K^T
+(`release_k`).
 The output staging (below) shares SMEM with the ring and P (`plgpu.RefUnion`: they are dead once every consumer's
 loop ends, which the consumers wait for with a barrier when C > 1). P has a buffer (64 x block_k per consumer) only
 where it goes through SMEM (`registers=False`, the interpreter's path; nineteenth session: compiled with P in
@@ -338,7 +338,7 @@ class Codegen:
             16 bytes; redistributed, none), but the spilling kernel measured faster on an H100 (twenty-third
             session, 1M keys: the Llama-3-8B shape's chunk 2048 63.2 ms against 69.1 redistributed, the
             llama3.2-1b shape's chunk 8192 183.4 against 186.8); memory-bound ones (split-K) keep theirs (chunk 32
-            1.25 -> 1.28 ms redistributed, sixteenth session; 1.483 against 1.473, twenty-third).
+            1.25 -> 1.28 ms redistributed, sixteenth session; 1.483 without, 1.473 with, twenty-third: even).
         `num_parts`: the partitions the launch's tiles are expected to take (the split is chosen per step, so the
         caller gives more than one when the step's tokens could not fill the partitions' worth of tiles)."""
         registers = (not interpret) if self.registers is None else self.registers
