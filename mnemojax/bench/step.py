@@ -197,8 +197,9 @@ def decode_mbu(model: Model, context: int, repeats: int, bandwidth: float, items
                 util=nbytes / t / bandwidth)
 
 
-def long_run(model: Model, total: int, chunk: int, decode: int) -> dict:
-    """Exact prefill of `total` random tokens in chunks, then `decode` greedy tokens: TTFT and TBT."""
+def long_run(model: Model, total: int, chunk: int, decode: int, label: str = "") -> dict:
+    """Exact prefill of `total` random tokens in chunks, then `decode` greedy tokens: TTFT and TBT. The TTFT is
+    printed as soon as it is measured, after `label`."""
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, model.config.vocab_size, total)
     starts = list(range(0, total, chunk))
@@ -210,6 +211,8 @@ def long_run(model: Model, total: int, chunk: int, decode: int) -> dict:
         token = model.run(model.batch(prompt[s:s + chunk], s))
     token = int(jax.device_get(token)[0, 0])
     ttft = time.perf_counter() - t0
+    # printed now: a run stopped during the decode (a device call's time limit) keeps it
+    print(f"  {label} exact prefill of {total} tokens in chunks of {chunk}: TTFT {ttft:.3f} s", flush=True)
     jax.block_until_ready(model.run(model.batch([token], total)))  # compile the decode step (rewritten below)
     tbt = []
     for i in range(decode):
@@ -243,7 +246,7 @@ def main(argv=None) -> dict:
             if args.long_model != args.model or args.long_tokens + args.long_decode > model.max_pages * args.page_size:
                 del model
                 model = Model(args.long_model, args, args.long_tokens + args.long_decode, impl)
-            longs[impl] = long_run(model, args.long_tokens, args.long_chunk, args.long_decode)
+            longs[impl] = long_run(model, args.long_tokens, args.long_chunk, args.long_decode, impl)
         del model
 
     print(f"\n{args.model}, {args.dtype}, page {args.page_size}, one sequence; "

@@ -115,6 +115,11 @@ def test_bench_step_small(capsys):
                                           for kind, ctx in (("prefill", "192"), ("decode", "64"), ("decode", "320"))]
     assert all(row[-1] == "1.00x" for row in table[:3])  # the first implementation is the ratios' reference
     assert lines[-1].startswith("tiny, attention=reference: exact prefill of 256 tokens")
+    # each TTFT printed as soon as measured, before its decode and the tables (a run stopped meanwhile keeps it)
+    progress = [i for i, line in enumerate(lines)
+                if line.startswith("  ") and " exact prefill of 256 tokens in chunks of 64: TTFT " in line]
+    assert [lines[i].split()[0] for i in progress] == ["pallas_interpret", "reference"]
+    assert progress[-1] < next(i for i, line in enumerate(lines) if line.startswith("pallas_interpret "))
 
 
 def test_baseline_split_is_bottom_right_causal():
