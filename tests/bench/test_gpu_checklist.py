@@ -49,6 +49,23 @@ def test_every_stage_command_parses_with_its_script():
     assert gpu_checklist.command_args(("--out", "{out}/p.json"), "/x") == ["--out", "/x/p.json"]
 
 
+def test_labels_timed_with_pages_of_128_have_their_gpu_test():
+    """Each Mosaic label a stage times with pages of 128 runs kernel options that the `gpu` test of pages of 128
+    checks (`new-correct` selects it), so a candidate changed in one place and not the other fails here."""
+    from tests.models.test_mosaic_attention import PAGES_OF_128
+    tested = [options for _, options in PAGES_OF_128.values()]
+    timed = set()
+    for stage in gpu_checklist.STAGES:
+        for args in stage.commands:
+            if "--page_size" in args and args[args.index("--page_size") + 1] == "128":
+                flag = "--impl" if "--impl" in args else "--attention"
+                timed.update(args[args.index(flag) + 1].split(","))
+    assert {"mosaic", "mosaic+overlap=true+pingpong=false", "mosaic+consumers=3+overlap=true"} <= timed
+    for label in timed:
+        assert attention.split_label(label)[1] in tested, label
+    assert "pages_of_128" in gpu_checklist.NEW_CORRECT
+
+
 def _stage(name, code, timeout_s=30, min_s=0):
     return gpu_checklist.Stage(name, (("-c", code),), timeout_s, min_s, env=(("CHECKLIST_TEST", "yes"),), why=name)
 

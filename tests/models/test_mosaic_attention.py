@@ -50,13 +50,18 @@ def check(fn, step, *, other_kind=None, **kw):
     assert err < 4e-3
 
 
+def planned_tiles(step, **options):
+    """The step's launches as `plan_step` plans them with `options` (heads, head dim and page size from the step)."""
+    q, k = step["q"], step["k_cache"]
+    meta = AttentionMetadata(**{f: step[f] for f in ("seq_ids", "positions", "page_table", "kv_lens", "kv_start")})
+    return ma.plan_step(meta, num_heads=q.shape[1], num_kv_heads=k.shape[3], head_dim=q.shape[2],
+                        page_size=k.shape[2], **options)
+
+
 def planned_parts(step, launch: str, **options) -> np.ndarray:
     """The partitions of each program's tile in the plan of the step's `launch` ("decode" or "prefill"; `plan_step` with
     `options`; 0 for a program past the step's work items): what a test says it covers (a split tile or not)."""
-    q, k = step["q"], step["k_cache"]
-    meta = AttentionMetadata(**{f: step[f] for f in ("seq_ids", "positions", "page_table", "kv_lens", "kv_start")})
-    tiles = ma.plan_step(meta, num_heads=q.shape[1], num_kv_heads=k.shape[3], head_dim=q.shape[2],
-                         page_size=k.shape[2], **options)
+    tiles = planned_tiles(step, **options)
     return np.asarray((tiles.decode if launch == "decode" else tiles.prefill).work[2])
 
 
@@ -138,8 +143,7 @@ def test_pages_of_a_key_block_match_reference():
     rng = np.random.default_rng(128)
     step = make_step(rng, [(300, 21, 0), (200, 1, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=128,
                      dtype=jnp.bfloat16, shuffle=True)
-    meta = AttentionMetadata(**{f: step[f] for f in ("seq_ids", "positions", "page_table", "kv_lens", "kv_start")})
-    tiles = ma.plan_step(meta, num_heads=4, num_kv_heads=1, head_dim=64, page_size=128)
+    tiles = planned_tiles(step)
     assert (tiles.prefill.block_k, tiles.decode.block_k) == (128, 64)  # a prefill block is one page
     plan = dict(num_partitions=2, decode_partitions=2)
     assert list(planned_parts(step, "prefill", **plan)) == [2, 2]
@@ -1009,12 +1013,15 @@ def test_compiled_kernels_at_head_dim_64_on_hopper_match_float32_reference(optio
 # H100 (twenty-third session: prefill 8.5-10.5% faster than with pages of 16) but never checked there. The defaults
 # and the candidates the next runs time at this page size, as their labels run them: at head dim 128 FlashAttention-3's
 # loop without turns (K released after Q K^T, `overlap`'s default) and with them, the chunk-2048 candidates against
-# cuDNN; at head dim 64 three consumers with that loop, the 1M-token TTFT's.
+# cuDNN; at head dim 64 the 1M-token TTFT's: three consumers with that loop, with and without turns, and without
+# it and turns (`test_labels_timed_with_pages_of_128_have_their_gpu_test` holds the checklist's labels to these).
 PAGES_OF_128 = {"hd128-default": (128, {}),
                 "hd128-overlap-no-turns": (128, dict(overlap=True, pingpong=False)),
                 "hd128-overlap": (128, dict(overlap=True)),
                 "hd64-default": (64, {}),
-                "hd64-c3-overlap": (64, dict(consumers=3, overlap=True))}
+                "hd64-c3-overlap": (64, dict(consumers=3, overlap=True)),
+                "hd64-c3-overlap-no-turns": (64, dict(consumers=3, overlap=True, pingpong=False)),
+                "hd64-c3-no-turns": (64, dict(consumers=3, pingpong=False))}
 
 
 @pytest.mark.gpu
@@ -1029,10 +1036,8 @@ def test_compiled_kernels_with_pages_of_128_on_hopper_match_float32_reference(ca
     seqs = [(5000, 512, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (1, 1, 0), (0, 3, 0), (900, 17, 3000)]
     step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=head_dim, page=128, dtype=jnp.bfloat16,
                      pad_rows=3)
-    meta = AttentionMetadata(**{f: step[f] for f in ("seq_ids", "positions", "page_table", "kv_lens", "kv_start")})
     consumers = options.get("consumers", ma.PREFILL_CONSUMERS)
-    tiles = ma.plan_step(meta, num_heads=32, num_kv_heads=8, head_dim=head_dim, page_size=128, consumers=consumers)
-    assert tiles.prefill.block_k == 128  # one page a block
+    assert planned_tiles(step, consumers=consumers).prefill.block_k == 128  # one page a block
     check_compiled(step, (functools.partial(ma.paged_attention_mosaic, **options),))
 
 
