@@ -38,4 +38,4 @@ fi
 echo "== newest releases against constraints.txt (< pinned, > newest):"
 diff <(grep -v '^#' constraints.txt) <(grep -v '^#' "$frozen") || true
 echo "== the default suite on the newest releases ($venv: $("$venv/bin/python" --version); jax $("$venv/bin/python" -c 'import jax; print(jax.__version__)'))"
-"$venv/bin/python" -m pytest -q
+"$venv/bin/python" -m pytest -q -n 2
