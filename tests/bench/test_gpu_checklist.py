@@ -130,9 +130,9 @@ STAND_IN_TESTS = textwrap.dedent("""
 
 def _sharded(monkeypatch, tmp_path, marker, timeout_s):
     (tmp_path / "test_stand_in.py").write_text(STAND_IN_TESTS)
-    # The stand-in needs none of the installed pytest plugins, whose loading (schemathesis's above all) took ~5 s a
-    # process on the 2-core VM: the collection and two processes' start then filled the 10-s limit before a test
-    # began when another pytest worker held the other core (CI with `-n 2` failed so)
+    # The stand-in needs none of the installed pytest plugins, whose loading (hypothesis's and schemathesis's above
+    # all) took ~5 s a process on the 2-core VM: the collection and two processes' start then filled the 10-s limit
+    # before a test began when another pytest worker held the other core (CI with `-n 2` failed so)
     stage = gpu_checklist.Stage("tests", (("-m", "pytest", "-q", "-m", marker, "test_stand_in.py"),), timeout_s, 0,
                                 shards=3, why="tests", env=(("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1"),))
     monkeypatch.setattr(gpu_checklist, "REPO", str(tmp_path))  # pytest's rootdir there, as the repository's is
