@@ -756,8 +756,8 @@ def test_compiled_kernels_name_lane_lowering_semantics():
 
 
 def jax_primitives():
-    """jax's Mosaic GPU Pallas primitives module: counted by their own names, which may change between versions
-    (jax 0.12 dropped the "_p" of "wgmma_accumulator_store_p" and "wgmma_accumulator_deref_p")."""
+    """jax's Mosaic GPU Pallas primitives module, so the tests name a primitive by its object, not by its name,
+    which changes between versions (jax 0.12 dropped the "_p" of "wgmma_accumulator_store_p" and "..._deref_p")."""
     from jax._src.pallas.mosaic_gpu import primitives
 
     return primitives
