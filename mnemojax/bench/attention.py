@@ -2,7 +2,8 @@
 
     python scripts/bench_attention.py [--contexts 262144,1048576] [--chunks 32,64,128,256,512,1024,2048,4096]
         [--impl pallas,mosaic] [--persistent] [--model_shape llama3-70b] [--repeats 5] [--decode_batches 1,8]
-        [--no_baselines] [--profile]
+        [--no_baselines] [--profile] [--paired_decode 30]
+    python scripts/bench_attention.py --impl mosaic --chunks "" --paired_decode 30 --calls 10   # decode only
     python scripts/bench_attention.py --impl mosaic,mosaic+consumers=1+approx_math=false   # kernel options
     python scripts/bench_attention.py --small     # tiny shapes, interpreted kernels: runs on a CPU (tests)
 
@@ -40,6 +41,11 @@ log-sum-exp), PyTorch `scaled_dot_product_attention` with the flash backend (bot
 grouped-query), and jax's own FlashAttention-3-style Mosaic GPU kernel (`attention_mgpu`, float16, non-causal,
 chunks of a multiple of 128 only: what Mosaic GPU reaches on the device), each shown with which variant ran; one
 that cannot run says why in its column. Decode: B sequences of one query token at each context, time and bytes/s.
+`--paired_decode R` also times each decode row in turns with PyTorch SDPA's on the same shapes: R rounds of one
+sample of each, the order alternating (`paired_times`), so that a drift of the device over the run moves both sides
+of a round alike; it prints the median ratio ours / torch of the rounds, its quartiles and range, and in how many
+rounds ours was faster (with `--profile`, torch's kernels beside ours at the largest context). `--chunks ""` times
+decode alone.
 
 Prints the command, the hardware, and the tables last.
 """
@@ -98,6 +104,10 @@ def parse_args(argv=None):
                    help="calls back to back per timed sample, one wait at the end (1: each call dispatched and "
                         "waited for alone; more: the device time per call, as an engine step's layers run)")
     p.add_argument("--no_baselines", action="store_true", help="skip cuDNN and PyTorch")
+    p.add_argument("--paired_decode", type=int, default=0,
+                   help="rounds of each decode row timed in turns with PyTorch SDPA's on the same shapes (a round: "
+                        "one sample of each, --calls calls; the order alternating): the median ratio of the rounds "
+                        "and its spread (0: none)")
     p.add_argument("--block_q", type=int, default=None, help="kernel option: query tokens per prefill tile")
     p.add_argument("--block_k", type=int, default=None, help="kernel option: keys per prefill block")
     p.add_argument("--decode_block_k", type=int, default=None, help="kernel option: keys per decode block")
@@ -106,6 +116,8 @@ def parse_args(argv=None):
     p.add_argument("--small", action="store_true", help="tiny shapes, interpreted kernels (runs on a CPU)")
     args = parse_with_small(p, argv, SMALL)
     args.impls = [x for x in args.impl.split(",") if x]
+    if args.paired_decode < 0:
+        p.error(f"--paired_decode: rounds must be >= 0, got {args.paired_decode}")
     for label in args.impls:
         check_label(p, "--impl", label)
     if args.persistent:
@@ -170,20 +182,56 @@ def hardware() -> list[str]:
             f"python {platform.python_version()}"]
 
 
+def sample_time(fn, calls: int = 1, wait=jax.block_until_ready, clock=time.perf_counter) -> float:
+    """Seconds per call of one sample: `fn()` `calls` times back to back, then `wait(result)` on the last (the device
+    runs them in order)."""
+    t0 = clock()
+    for _ in range(calls - 1):
+        fn()
+    wait(fn())
+    return (clock() - t0) / calls
+
+
 def median_time(fn, repeats: int, calls: int = 1, wait=jax.block_until_ready) -> float:
     """Median seconds of one `fn()` over `repeats` samples after one warm-up run. A sample runs `fn()` `calls` times
-    back to back and waits for the last (`wait(result)`; the device runs them in order): with calls = 1 each call's
-    host dispatch and wait are in its time; with more, the device time per call once the host keeps ahead of the
-    device, as in an engine's step, which waits once for all its layers."""
+    back to back and waits for the last (`sample_time`): with calls = 1 each call's host dispatch and wait are in its
+    time; with more, the device time per call once the host keeps ahead of the device, as in an engine's step, which
+    waits once for all its layers."""
     wait(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls - 1):
-            fn()
-        wait(fn())
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times)
+    return statistics.median(sample_time(fn, calls, wait) for _ in range(repeats))
+
+
+def paired_times(ours, peer, rounds: int, calls: int = 1, wait_ours=jax.block_until_ready,
+                 wait_peer=jax.block_until_ready, clock=time.perf_counter) -> list[tuple[float, float]]:
+    """(ours, peer) seconds per call in each of `rounds` rounds, after one warm-up call of each: a round takes one
+    sample of each (`sample_time`, `calls` calls back to back), ours first in even rounds and the peer first in odd
+    ones. Both samples of a round see the device in the same state (its clocks, its temperature, whatever else runs
+    on it), so the ratio of a round is the comparison, and their spread over the rounds says how far it can be
+    trusted; two medians taken at different times of a run differ by as much as the gap measured (decode, sixteenth
+    session: identical kernels 1.049-1.113 ms in one run)."""
+    wait_ours(ours())
+    wait_peer(peer())
+    pairs = []
+    for r in range(rounds):
+        if r % 2 == 0:
+            a = sample_time(ours, calls, wait_ours, clock)
+            b = sample_time(peer, calls, wait_peer, clock)
+        else:
+            b = sample_time(peer, calls, wait_peer, clock)
+            a = sample_time(ours, calls, wait_ours, clock)
+        pairs.append((a, b))
+    return pairs
+
+
+def paired_summary(pairs: list[tuple[float, float]]) -> dict:
+    """Of (ours, peer) seconds per round: each side's median in ms, the median ratio ours / peer of the rounds with
+    its quartiles and extremes (numpy's linear percentiles), and the rounds in which ours was faster."""
+    ratios = [a / b for a, b in pairs]
+    q1, mid, q3 = np.percentile(ratios, [25, 50, 75])
+    return dict(rounds=len(pairs), ours_ms=statistics.median(a for a, _ in pairs) * 1e3,
+                peer_ms=statistics.median(b for _, b in pairs) * 1e3, ratio=float(mid), ratio_q1=float(q1),
+                ratio_q3=float(q3), ratio_min=min(ratios), ratio_max=max(ratios),
+                ours_faster=sum(a < b for a, b in pairs))
 
 
 # ------------------------------------------------------------------------------------------------ ceilings
@@ -352,8 +400,10 @@ def mgpu_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, str
     return None, error
 
 
-def torch_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, str]:
-    """PyTorch SDPA, flash backend only: bottom-right causal bias with grouped-query attention."""
+def torch_sdpa(args, chunk, context, batch=1):
+    """(run, variant) of PyTorch SDPA, flash backend only, on random contiguous q, K and V on the GPU: bottom-right
+    causal bias with grouped-query attention; `run()` launches one call (wait with `torch_wait`). (None, why) when
+    there is no torch or no CUDA; errors (out of memory) raise."""
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -362,28 +412,66 @@ def torch_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, st
         return None, f"no torch ({e.name})"
     if not torch.cuda.is_available():
         return None, "torch without CUDA"
+    N, K, H = args.num_heads, args.num_kv_heads, args.head_dim
+    dt = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    q = torch.randn(batch, N, chunk, H, device="cuda", dtype=dt)
+    k = torch.randn(batch, K, context, H, device="cuda", dtype=dt)
+    v = torch.randn(batch, K, context, H, device="cuda", dtype=dt)
+    mask = causal_lower_right(chunk, context) if chunk > 1 else None
+    variant = "flash lower-right gqa"
+
+    def run():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
     try:
-        N, K, H = args.num_heads, args.num_kv_heads, args.head_dim
-        dt = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-        q = torch.randn(batch, N, chunk, H, device="cuda", dtype=dt)
-        k = torch.randn(batch, K, context, H, device="cuda", dtype=dt)
-        v = torch.randn(batch, K, context, H, device="cuda", dtype=dt)
-        mask = causal_lower_right(chunk, context) if chunk > 1 else None
-        variant = "flash lower-right gqa"
+        run()
+    except RuntimeError:  # no GQA in this flash build: repeat the KV heads (reads G times the bytes)
+        k, v = (x.repeat_interleave(N // K, dim=1) for x in (k, v))
+        variant = "flash lower-right, kv repeated"
+        run()
+    return run, variant
 
-        def run():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-        try:
-            run()
-        except RuntimeError:  # no GQA in this flash build: repeat the KV heads (reads G times the bytes)
-            k, v = (x.repeat_interleave(N // K, dim=1) for x in (k, v))
-            variant = "flash lower-right, kv repeated"
-            run()
-        return median_time(run, repeats, args.calls, wait=lambda _: torch.cuda.synchronize()), variant
+def torch_wait(_=None):
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def torch_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, str]:
+    """PyTorch SDPA's time (`torch_sdpa`), or why it has none."""
+    try:
+        run, variant = torch_sdpa(args, chunk, context, batch)
+        if run is None:
+            return None, variant
+        return median_time(run, repeats, args.calls, wait=torch_wait), variant
     except Exception as e:  # reported in the table, not fatal
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+
+
+def paired_decode(args, layer: "PagedLayer", context: int, profile: bool = False) -> dict:
+    """`layer`'s decode (its sequences' one query token at `context` keys, on the step's plan) and PyTorch SDPA's on
+    the same shapes, timed in turns (`paired_times`, `--paired_decode` rounds of `--calls` calls): `paired_summary`
+    and the variant torch ran; with `profile`, also torch's kernels over 10 calls ("torch_profile",
+    `trace.profile_calls`: the profiler records the CUDA kernels of the whole process, torch's among them). {"why":
+    ...} when torch cannot run."""
+    try:
+        peer, variant = torch_sdpa(args, 1, context, layer.batch)
+    except Exception as e:  # out of memory beside our cache, say: reported in the table, not fatal
+        return dict(why=f"{type(e).__name__}: {str(e).splitlines()[0][:60]}")
+    if peer is None:
+        return dict(why=variant)
+    q, meta = layer.step(1, context)
+    plan = layer.plan(meta, DECODE)
+    pairs = paired_times(lambda: layer.layer(q, layer.k, layer.v, meta, plan, DECODE), peer, args.paired_decode,
+                         args.calls, wait_peer=torch_wait)
+    row = dict(paired_summary(pairs), variant=variant)
+    if profile:
+        from mnemojax.bench.trace import profile_calls
+
+        row["torch_profile"] = profile_calls(peer, 10, lambda: torch_wait(None))
+    return row
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -405,6 +493,15 @@ def fmt(x, spec=".3f", none="-"):
     return none if x is None else format(x, spec)
 
 
+def paired_line(p: dict) -> str:
+    """A decode row's paired timing (`paired_decode`) in one line, or why there is none."""
+    if "why" in p:
+        return f"not timed: {p['why']}"
+    return (f"ours {p['ours_ms']:.3f} ms, torch {p['peer_ms']:.3f} ms; ours / torch over {p['rounds']} rounds: median "
+            f"{p['ratio']:.3f} (quartiles {p['ratio_q1']:.3f}-{p['ratio_q3']:.3f}, range {p['ratio_min']:.3f}-"
+            f"{p['ratio_max']:.3f}), ours faster in {p['ours_faster']}; {p['variant']}")
+
+
 def progress(row: dict) -> str:
     """One measurement as it is taken (a run stopped before the tables keeps these lines): time, rate, the plan's
     time (once per step), and the baselines' times on the same shape."""
@@ -421,7 +518,7 @@ def main(argv=None) -> dict:
         print(line)
     itemsize = jnp.dtype(args.dtype).itemsize
     contexts, chunks = ints(args.contexts), ints(args.chunks)
-    ref_chunk = 2048 if 2048 in chunks else max(chunks)
+    ref_chunk = (2048 if 2048 in chunks else max(chunks)) if chunks else None  # --chunks "": decode only
     results = {"prefill": [], "decode": [], "figure7": [], "errors": {}}
     baselines = {}  # (context, chunk, batch) -> the baselines' times: measured once, shown beside every impl
 
@@ -454,7 +551,7 @@ def main(argv=None) -> dict:
 def measure(args, impl, n, chunks, ref_chunk, itemsize, results, base_for):
     """Times `impl` at context n: each chunk size (at n and at the Figure 7 sample contexts), then decode; the rows
     go to `results`."""
-    layer = PagedLayer(args, n, impl=impl)
+    layer = PagedLayer(args, n, impl=impl) if chunks else None  # decode alone: no prefill cache to hold
     totals = {}
     for c in chunks:
         if c > n:
@@ -470,8 +567,9 @@ def measure(args, impl, n, chunks, ref_chunk, itemsize, results, base_for):
         print(f"  {impl} context {n} chunk {c}: {progress(results['prefill'][-1])}", flush=True)
         if args.profile and n == max(ints(args.contexts)):
             print(layer.profile(c, n).table(top=12), flush=True)
-    print(f"  {impl} context {n} whole-prefill attention s: "
-          + ", ".join(f"chunk {c} {s:.3f}" for c, s in totals.items()), flush=True)
+    if chunks:
+        print(f"  {impl} context {n} whole-prefill attention s: "
+              + ", ".join(f"chunk {c} {s:.3f}" for c, s in totals.items()), flush=True)
     mine = [r for r in results["prefill"] if r["impl"] == impl and r["context"] == n]
     for row in mine:
         if ref_chunk in totals:
@@ -486,14 +584,28 @@ def measure(args, impl, n, chunks, ref_chunk, itemsize, results, base_for):
                                       gbps=attn_bytes(args, itemsize, 1, n, batch=B, impl=impl) / t / 1e9,
                                       base=base_for(1, n, B)))
         print(f"  {impl} context {n} decode B={B}: {progress(results['decode'][-1])}", flush=True)
-        if args.profile and n == max(ints(args.contexts)):
+        profile = args.profile and n == max(ints(args.contexts))
+        if profile:
             print(dec.profile(1, n).table(top=12), flush=True)
+        if args.paired_decode:
+            paired = results["decode"][-1]["paired"] = paired_decode(args, dec, n, profile)
+            print(f"  {impl} context {n} decode B={B} paired with torch SDPA: {paired_line(paired)}", flush=True)
+            if "torch_profile" in paired:
+                print(f"torch SDPA's kernels ({paired['variant']}):\n{paired.pop('torch_profile').table(top=12)}",
+                      flush=True)
         del dec
     del layer
 
 
 def print_tables(args, impl, results, contexts, ref_chunk):
-    """The prefill, Figure 7 and decode tables of `impl` (appends its Figure 7 rows to results["figure7"])."""
+    """The prefill, Figure 7 and decode tables of `impl` (appends its Figure 7 rows to results["figure7"]), the
+    prefill tables only with chunks to time (`ref_chunk`), and the decode rows' paired timings with `--paired_decode`."""
+    if ref_chunk is not None:
+        print_prefill_tables(args, impl, results, contexts, ref_chunk)
+    print_decode_tables(args, impl, results)
+
+
+def print_prefill_tables(args, impl, results, contexts, ref_chunk):
     print(f"\nattention ({impl}), {args.num_heads} q heads, {args.num_kv_heads} kv heads, head dim "
           f"{args.head_dim}, {args.dtype}, page {args.page_size}; one layer, one sequence; median of "
           f"{args.repeats}")
@@ -521,6 +633,9 @@ def print_tables(args, impl, results, contexts, ref_chunk):
             results["figure7"].append(f7)
             print(f"Figure 7 ({impl}) at {n} tokens: chunk {lo} vs {ref_chunk}: whole-prefill attention time x"
                   f"{f7['total']:.3f}, time per token at the full context x{f7['per_token']:.3f}")
+
+
+def print_decode_tables(args, impl, results):
     print(f"\ndecode ({impl}): B sequences of one query token")
     print(f"{'context':>8} {'B':>4} {'ms':>9} {'plan ms':>8} {'GB/s':>7} {'cudnn ms':>9} {'torch ms':>9}  baselines")
     for r in (r for r in results["decode"] if r["impl"] == impl):
@@ -529,3 +644,17 @@ def print_tables(args, impl, results, contexts, ref_chunk):
         print(f"{r['context']:>8} {r['batch']:>4} {r['ms']:>9.3f} {r['plan_ms']:>8.3f} {r['gbps']:>7.4g} "
               f"{fmt(cu and cu * 1e3):>9} "
               f"{fmt(to and to * 1e3):>9}  {cu_how}; {to_how}")
+    paired = [r for r in results["decode"] if r["impl"] == impl and "paired" in r]
+    if paired:
+        print(f"\ndecode ({impl}) and PyTorch SDPA timed in turns: {args.paired_decode} rounds of one sample of each "
+              f"({args.calls} calls back to back), the order alternating; ratio: ours / torch per round")
+        print(f"{'context':>8} {'B':>4} {'ours ms':>9} {'torch ms':>9} {'ratio':>7} {'q1':>7} {'q3':>7} {'min':>7} "
+              f"{'max':>7} {'ours faster':>11}  torch")
+        for r in paired:
+            p = r["paired"]
+            if "why" in p:
+                print(f"{r['context']:>8} {r['batch']:>4}  not timed: {p['why']}")
+                continue
+            print(f"{r['context']:>8} {r['batch']:>4} {p['ours_ms']:>9.3f} {p['peer_ms']:>9.3f} {p['ratio']:>7.3f} "
+                  f"{p['ratio_q1']:>7.3f} {p['ratio_q3']:>7.3f} {p['ratio_min']:>7.3f} {p['ratio_max']:>7.3f} "
+                  f"{p['ours_faster']:>5} of {p['rounds']:<3}  {p['variant']}")

@@ -192,3 +192,81 @@ def test_median_time_per_call_of_calls_back_to_back():
     assert 0.002 <= per_call < 0.009  # per call: a sample of 5 takes at least 0.010
     args = mod.parse_args(["--small", "--calls", "4"])
     assert args.calls == 4
+
+
+class _FakeClock:
+    """A clock that moves only when a timed function runs: `fn(name, seconds)` is a function that advances it by
+    `seconds` and logs `name`, so each sample's time is known exactly."""
+
+    def __init__(self):
+        self.now, self.log = 0.0, []
+
+    def __call__(self):
+        return self.now
+
+    def fn(self, name, seconds):
+        def run():
+            self.now += seconds
+            self.log.append(name)
+            return name
+        return run
+
+
+def test_paired_times_take_one_sample_of_each_a_round_in_alternating_order():
+    """--paired_decode: after one warm-up call of each, every round times one sample of each side (`calls` calls,
+    one wait), ours first in even rounds and the peer first in odd ones; the times are per call."""
+    mod = _script("bench_attention")
+    clock = _FakeClock()
+    waits = []
+    pairs = mod.paired_times(clock.fn("ours", 0.003), clock.fn("peer", 0.002), rounds=3, calls=2,
+                             wait_ours=waits.append, wait_peer=waits.append, clock=clock)
+    assert clock.log == ["ours", "peer"] + ["ours"] * 2 + ["peer"] * 2 + ["peer"] * 2 + ["ours"] * 2 \
+        + ["ours"] * 2 + ["peer"] * 2
+    assert waits == ["ours", "peer", "ours", "peer", "peer", "ours", "ours", "peer"]  # one wait a sample
+    assert pairs == [pytest.approx((0.003, 0.002))] * 3
+
+
+def test_paired_summary_gives_the_median_ratio_its_quartiles_and_the_rounds_won():
+    mod = _script("bench_attention")
+    # ratios 1.1, 0.9, 1.0, 1.2, 0.95 (ours / peer): sorted 0.9 0.95 1.0 1.1 1.2
+    pairs = [(1.1e-3, 1e-3), (0.9e-3, 1e-3), (2e-3, 2e-3), (1.2e-3, 1e-3), (0.95e-3, 1e-3)]
+    got = mod.paired_summary(pairs)
+    assert got["rounds"] == 5 and got["ours_faster"] == 2
+    assert got["ours_ms"] == pytest.approx(1.1) and got["peer_ms"] == pytest.approx(1.0)
+    assert got["ratio"] == pytest.approx(1.0) and got["ratio_q1"] == pytest.approx(0.95)
+    assert got["ratio_q3"] == pytest.approx(1.1)
+    assert (got["ratio_min"], got["ratio_max"]) == (pytest.approx(0.9), pytest.approx(1.2))
+
+
+def test_bench_attention_decode_alone_paired_with_a_peer(capsys, monkeypatch):
+    """--chunks "" times decode alone (no prefill table); --paired_decode R times each decode row in turns with
+    PyTorch SDPA's, which a CPU has not (the row says why), and which here a stand-in on the CPU replaces to run the
+    pairing, its table and, with --profile, the peer's kernels."""
+    mod = _script("bench_attention")
+    argv = ["--small", "--impl", "reference", "--chunks", "", "--decode_batches", "1", "--paired_decode", "3"]
+    res = mod.main(argv)
+    out = capsys.readouterr().out
+    assert res["prefill"] == [] and "ms/chunk" not in out
+    assert res["decode"][0]["paired"] == {"why": "torch without CUDA"}
+    assert out.rstrip().splitlines()[-1].split() == ["256", "1", "not", "timed:", "torch", "without", "CUDA"]
+
+    peer_calls = []
+
+    def fake_sdpa(args, chunk, context, batch=1):
+        assert (chunk, context, batch) == (1, 256, 1)
+        return (lambda: peer_calls.append(1) or jax.numpy.ones(())), "stand-in"
+
+    monkeypatch.setattr(mod, "torch_sdpa", fake_sdpa)
+    monkeypatch.setattr(mod, "torch_wait", jax.block_until_ready)
+    res = mod.main(argv + ["--calls", "2", "--profile", "--no_baselines"])  # the peer is the pairing's alone
+    out = capsys.readouterr().out
+    paired = res["decode"][0]["paired"]
+    assert paired["rounds"] == 3 and paired["variant"] == "stand-in" and paired["ratio"] > 0
+    assert 0 <= paired["ours_faster"] <= 3 and "torch_profile" not in paired  # printed, not kept
+    assert len(peer_calls) == 1 + 3 * 2 + 10  # the warm-up, 3 samples of 2 calls, 10 profiled calls
+    assert "torch SDPA's kernels (stand-in):" in out
+    last = out.rstrip().splitlines()[-1].split()
+    assert last[:2] == ["256", "1"] and last[-3:] == ["of", "3", "stand-in"]  # the paired table is last
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--small", "--paired_decode", "-1"])
+    assert "--paired_decode: rounds must be >= 0" in capsys.readouterr().err
