@@ -3,6 +3,7 @@ GPU session's minutes), and the runner's mechanics on the CPU with stand-in stag
 command's code, a command stopped at its time limit keeping what it printed, stages past the budget skipped."""
 import inspect
 import os
+import re
 import textwrap
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from mnemojax.bench import attention, gpu_checklist, profile_predictor, profile_step, step
 from models import mosaic_attention, pallas_attention
 from models.attention import split_kernel_options
+from tests import REPO
 
 
 def check_kernel_options(label: str):
@@ -166,3 +168,13 @@ def test_sharded_tests_stop_at_the_time_limit(tmp_path, monkeypatch):
     for pid in started:  # stopped, not left running
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_the_readme_names_only_stages_that_exist():
+    """Every `--stages a,b` the README tells a device session to run names stages of the checklist (a stage renamed
+    or dropped in one place and not the other would be refused on the GPU, minutes into the session)."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        named = re.findall(r"--stages ([a-z0-9][a-z0-9,-]*[a-z0-9])", f.read())
+    assert "new-correct,chunk-2048,head-dim-64" in named and "decode-paired" in named  # the queue is read
+    unknown = {s for group in named for s in group.split(",") if s not in gpu_checklist.STAGE_NAMES}
+    assert not unknown, unknown
