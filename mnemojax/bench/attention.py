@@ -44,8 +44,10 @@ that cannot run says why in its column. Decode: B sequences of one query token a
 `--paired_decode R` also times each decode row in turns with PyTorch SDPA's on the same shapes: R rounds of one
 sample of each, the order alternating (`paired_times`), so that a drift of the device over the run moves both sides
 of a round alike; it prints the median ratio ours / torch of the rounds, its quartiles and range, and in how many
-rounds ours was faster (with `--profile`, torch's kernels beside ours at the largest context). `--chunks ""` times
-decode alone.
+rounds ours was faster (with `--profile`, torch's kernels beside ours at the largest context). Our call starts from
+q in token order, as torch's does, so it launches q's gather into tile order (`_query_rows`) as a fusion of its own;
+in the engine's decode layer that gather fuses with RoPE's (one fusion from the QKV projection's output, as
+`scripts/aot_step.py --show_layer 3` lists), so there it adds no launch. `--chunks ""` times decode alone.
 
 Prints the command, the hardware, and the tables last.
 """
