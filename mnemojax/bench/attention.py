@@ -419,8 +419,8 @@ def torch_sdpa(args, chunk, context, batch=1):
     q = torch.randn(batch, N, chunk, H, device="cuda", dtype=dt)
     k = torch.randn(batch, K, context, H, device="cuda", dtype=dt)
     v = torch.randn(batch, K, context, H, device="cuda", dtype=dt)
-    mask = causal_lower_right(chunk, context) if chunk > 1 else None
-    variant = "flash lower-right gqa"
+    mask = causal_lower_right(chunk, context) if chunk > 1 else None  # one query token sees every key
+    variant = "flash lower-right gqa" if chunk > 1 else "flash gqa"
 
     def run():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -428,9 +428,11 @@ def torch_sdpa(args, chunk, context, batch=1):
 
     try:
         run()
+    except torch.OutOfMemoryError:  # a RuntimeError too, but repeating the KV heads would only need more
+        raise
     except RuntimeError:  # no GQA in this flash build: repeat the KV heads (reads G times the bytes)
         k, v = (x.repeat_interleave(N // K, dim=1) for x in (k, v))
-        variant = "flash lower-right, kv repeated"
+        variant += ", kv repeated"
         run()
     return run, variant
 
@@ -439,6 +441,14 @@ def torch_wait(_=None):
     import torch
 
     torch.cuda.synchronize()
+
+
+def torch_release():
+    """Hands the memory torch's caching allocator keeps back to the device (after a peer's tensors are dropped), so
+    that the next row's cache, ours or torch's, finds it."""
+    import torch
+
+    torch.cuda.empty_cache()
 
 
 def torch_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, str]:
@@ -453,26 +463,38 @@ def torch_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, st
 
 
 def paired_decode(args, layer: "PagedLayer", context: int, profile: bool = False) -> dict:
-    """`layer`'s decode (its sequences' one query token at `context` keys, on the step's plan) and PyTorch SDPA's on
-    the same shapes, timed in turns (`paired_times`, `--paired_decode` rounds of `--calls` calls): `paired_summary`
-    and the variant torch ran; with `profile`, also torch's kernels over 10 calls ("torch_profile",
-    `trace.profile_calls`: the profiler records the CUDA kernels of the whole process, torch's among them). {"why":
-    ...} when torch cannot run."""
+    """`layer`'s decode (its sequences' one query token at `context` keys, on the step's plan: the plan itself, once
+    a step, is not in it) and PyTorch SDPA's on the same shapes, timed in turns (`paired_times`, `--paired_decode`
+    rounds of `--calls` calls): `paired_summary` and the variant torch ran; with `profile`, also torch's kernels over
+    10 calls ("torch_profile", `trace.profile_calls`: the profiler records the CUDA kernels of the whole process,
+    torch's among them; "torch_profile_error" if tracing fails). {"why": ...} when torch cannot run or the timing
+    fails: reported in the table, and the run goes on to its other rows."""
+    def why(e):
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+
     try:
         peer, variant = torch_sdpa(args, 1, context, layer.batch)
-    except Exception as e:  # out of memory beside our cache, say: reported in the table, not fatal
-        return dict(why=f"{type(e).__name__}: {str(e).splitlines()[0][:60]}")
+    except Exception as e:  # out of memory beside our cache, say
+        return dict(why=why(e))
     if peer is None:
         return dict(why=variant)
-    q, meta = layer.step(1, context)
-    plan = layer.plan(meta, DECODE)
-    pairs = paired_times(lambda: layer.layer(q, layer.k, layer.v, meta, plan, DECODE), peer, args.paired_decode,
-                         args.calls, wait_peer=torch_wait)
-    row = dict(paired_summary(pairs), variant=variant)
+    try:
+        q, meta = layer.step(1, context)
+        plan = layer.plan(meta, DECODE)
+        pairs = paired_times(lambda: layer.layer(q, layer.k, layer.v, meta, plan, DECODE), peer, args.paired_decode,
+                             args.calls, wait_peer=torch_wait)
+        row = dict(paired_summary(pairs), variant=variant)
+    except Exception as e:
+        return dict(why=why(e))
     if profile:
         from mnemojax.bench.trace import profile_calls
 
-        row["torch_profile"] = profile_calls(peer, 10, lambda: torch_wait(None))
+        try:
+            row["torch_profile"] = profile_calls(peer, 10, lambda: torch_wait(None))
+        except Exception as e:  # the timings stand without it
+            row["torch_profile_error"] = why(e)
+    del peer
+    torch_release()
     return row
 
 
@@ -593,8 +615,13 @@ def measure(args, impl, n, chunks, ref_chunk, itemsize, results, base_for):
             paired = results["decode"][-1]["paired"] = paired_decode(args, dec, n, profile)
             print(f"  {impl} context {n} decode B={B} paired with torch SDPA: {paired_line(paired)}", flush=True)
             if "torch_profile" in paired:
-                print(f"torch SDPA's kernels ({paired['variant']}):\n{paired.pop('torch_profile').table(top=12)}",
-                      flush=True)
+                trace = paired.pop("torch_profile")
+                print(f"torch SDPA's kernels ({paired['variant']}):\n{trace.table(top=12)}", flush=True)
+                if not trace.kernels:
+                    print("  (the trace holds no kernel of torch's: the profiler did not record them, so torch's "
+                          "GPU time is not known from it)", flush=True)
+            if "torch_profile_error" in paired:
+                print(f"  torch SDPA's kernels not traced: {paired['torch_profile_error']}", flush=True)
         del dec
     del layer
 
@@ -649,9 +676,10 @@ def print_decode_tables(args, impl, results):
     paired = [r for r in results["decode"] if r["impl"] == impl and "paired" in r]
     if paired:
         print(f"\ndecode ({impl}) and PyTorch SDPA timed in turns: {args.paired_decode} rounds of one sample of each "
-              f"({args.calls} calls back to back), the order alternating; ratio: ours / torch per round")
+              f"({args.calls} calls back to back and one wait, its dispatch and wait spread over them), the order "
+              f"alternating; ours on the step's plan (the plan, once a step, not in it); ratio: ours / torch per round")
         print(f"{'context':>8} {'B':>4} {'ours ms':>9} {'torch ms':>9} {'ratio':>7} {'q1':>7} {'q3':>7} {'min':>7} "
-              f"{'max':>7} {'ours faster':>11}  torch")
+              f"{'max':>7} {'ours faster':>12}  torch")
         for r in paired:
             p = r["paired"]
             if "why" in p:

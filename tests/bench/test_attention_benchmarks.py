@@ -240,33 +240,40 @@ def test_paired_summary_gives_the_median_ratio_its_quartiles_and_the_rounds_won(
 
 def test_bench_attention_decode_alone_paired_with_a_peer(capsys, monkeypatch):
     """--chunks "" times decode alone (no prefill table); --paired_decode R times each decode row in turns with
-    PyTorch SDPA's, which a CPU has not (the row says why), and which here a stand-in on the CPU replaces to run the
-    pairing, its table and, with --profile, the peer's kernels."""
+    PyTorch SDPA's (which a CPU has not): a stand-in peer on the CPU runs the pairing, its table and, with --profile,
+    the peer's kernels; a row without a peer, or whose peer fails, says why in the table, and the run goes on."""
     mod = _script("bench_attention")
-    argv = ["--small", "--impl", "reference", "--chunks", "", "--decode_batches", "1", "--paired_decode", "3"]
+    argv = ["--small", "--impl", "reference", "--chunks", "", "--decode_batches", "1,2", "--paired_decode", "3",
+            "--no_baselines"]  # no baselines: the stand-in peer is the pairing's alone
+    monkeypatch.setattr(mod, "torch_wait", jax.block_until_ready)
+    monkeypatch.setattr(mod, "torch_release", lambda: None)
+    monkeypatch.setattr(mod, "torch_sdpa", lambda args, chunk, context, batch=1: (None, "no peer here"))
     res = mod.main(argv)
     out = capsys.readouterr().out
     assert res["prefill"] == [] and "ms/chunk" not in out
-    assert res["decode"][0]["paired"] == {"why": "torch without CUDA"}
-    assert out.rstrip().splitlines()[-1].split() == ["256", "1", "not", "timed:", "torch", "without", "CUDA"]
+    assert [r["paired"] for r in res["decode"]] == [{"why": "no peer here"}] * 2
+    assert out.rstrip().splitlines()[-1].split() == ["256", "2", "not", "timed:", "no", "peer", "here"]
 
     peer_calls = []
 
-    def fake_sdpa(args, chunk, context, batch=1):
-        assert (chunk, context, batch) == (1, 256, 1)
+    def stand_in(args, chunk, context, batch=1):
+        assert (chunk, context) == (1, 256)
+        if batch == 2:  # the second row's peer fails while it is timed
+            return (lambda: 1 / 0), "failing stand-in"
         return (lambda: peer_calls.append(1) or jax.numpy.ones(())), "stand-in"
 
-    monkeypatch.setattr(mod, "torch_sdpa", fake_sdpa)
-    monkeypatch.setattr(mod, "torch_wait", jax.block_until_ready)
-    res = mod.main(argv + ["--calls", "2", "--profile", "--no_baselines"])  # the peer is the pairing's alone
+    monkeypatch.setattr(mod, "torch_sdpa", stand_in)
+    res = mod.main(argv + ["--calls", "2", "--profile"])
     out = capsys.readouterr().out
     paired = res["decode"][0]["paired"]
     assert paired["rounds"] == 3 and paired["variant"] == "stand-in" and paired["ratio"] > 0
     assert 0 <= paired["ours_faster"] <= 3 and "torch_profile" not in paired  # printed, not kept
     assert len(peer_calls) == 1 + 3 * 2 + 10  # the warm-up, 3 samples of 2 calls, 10 profiled calls
     assert "torch SDPA's kernels (stand-in):" in out
-    last = out.rstrip().splitlines()[-1].split()
-    assert last[:2] == ["256", "1"] and last[-3:] == ["of", "3", "stand-in"]  # the paired table is last
+    assert res["decode"][1]["paired"] == {"why": "ZeroDivisionError: division by zero"} and not res["errors"]
+    lines = out.rstrip().splitlines()
+    assert lines[-2].split()[:2] == ["256", "1"] and lines[-2].split()[-3:] == ["of", "3", "stand-in"]
+    assert lines[-1] == "     256    2  not timed: ZeroDivisionError: division by zero"  # the paired table is last
     with pytest.raises(SystemExit):
         mod.parse_args(["--small", "--paired_decode", "-1"])
     assert "--paired_decode: rounds must be >= 0" in capsys.readouterr().err
