@@ -311,25 +311,28 @@ class PagedLayer:
                                     page_table=self.table, kv_lens=jnp.full((B,), context, jnp.int32),
                                     kv_start=jnp.zeros((B,), jnp.int32))
 
-    def time(self, chunk: int, context: int, repeats: int) -> tuple[float, float]:
-        """(seconds of one layer's attention on the step's plan, seconds of the plan: once per step, all layers)."""
+    def calls(self, chunk: int, context: int):
+        """(one layer's attention of the step (`step`) on the step's plan, computed here once; the plan's own
+        computation, or None where the implementation has no plan), each a function of no arguments."""
         q, meta = self.step(chunk, context)
         kind = step_kind(chunk)
         plan = self.plan(meta, kind)
+        return (lambda: self.layer(q, self.k, self.v, meta, plan, kind),
+                None if plan is None else lambda: self.plan(meta, kind))
+
+    def time(self, chunk: int, context: int, repeats: int) -> tuple[float, float]:
+        """(seconds of one layer's attention on the step's plan, seconds of the plan: once per step, all layers)."""
+        layer, plan = self.calls(chunk, context)
         calls = self.args.calls
-        layer = median_time(lambda: self.layer(q, self.k, self.v, meta, plan, kind), repeats, calls)
-        return layer, (0.0 if plan is None else median_time(lambda: self.plan(meta, kind), repeats, calls))
+        return median_time(layer, repeats, calls), (0.0 if plan is None else median_time(plan, repeats, calls))
 
     def profile(self, chunk: int, context: int, calls: int = 10):
         """The device's kernels over `calls` calls of one layer's attention on the step's plan (`profile_step`)."""
         from mnemojax.bench.trace import profile_calls
 
-        q, meta = self.step(chunk, context)
-        kind = step_kind(chunk)
-        plan = self.plan(meta, kind)
-        out = [self.layer(q, self.k, self.v, meta, plan, kind)]
-        return profile_calls(lambda: out.append(self.layer(q, self.k, self.v, meta, plan, kind)), calls,
-                             lambda: jax.block_until_ready(out[-1]))
+        layer, _ = self.calls(chunk, context)
+        out = [layer()]
+        return profile_calls(lambda: out.append(layer()), calls, lambda: jax.block_until_ready(out[-1]))
 
 
 # ------------------------------------------------------------------------------------------------ baselines
@@ -362,7 +365,7 @@ def cudnn_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, st
         f = jax.jit(functools.partial(split_causal_attention, implementation="cudnn"))
         return median_time(lambda: f(q, k, v), repeats, args.calls), "cudnn split+lse"
     except Exception as e:  # a baseline that cannot run is reported, not fatal
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+        return None, short_error(e)
 
 
 def mgpu_config(block_kv: int):
@@ -398,7 +401,7 @@ def mgpu_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, str
             f = jax.jit(functools.partial(am.attention, config=mgpu_config(block_kv)))
             return median_time(lambda: f(q, k, v), repeats, args.calls), f"jax mgpu f16 block_kv {block_kv}, all keys"
         except Exception as e:  # a baseline that cannot run is reported, not fatal
-            error = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+            error = short_error(e)
     return None, error
 
 
@@ -459,7 +462,7 @@ def torch_time(args, chunk, context, repeats, batch=1) -> tuple[float | None, st
             return None, variant
         return median_time(run, repeats, args.calls, wait=torch_wait), variant
     except Exception as e:  # reported in the table, not fatal
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+        return None, short_error(e)
 
 
 def paired_decode(args, layer: "PagedLayer", context: int, profile: bool = False) -> dict:
@@ -469,30 +472,25 @@ def paired_decode(args, layer: "PagedLayer", context: int, profile: bool = False
     10 calls ("torch_profile", `trace.profile_calls`: the profiler records the CUDA kernels of the whole process,
     torch's among them; "torch_profile_error" if tracing fails). {"why": ...} when torch cannot run or the timing
     fails: reported in the table, and the run goes on to its other rows."""
-    def why(e):
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
-
     try:
         peer, variant = torch_sdpa(args, 1, context, layer.batch)
     except Exception as e:  # out of memory beside our cache, say
-        return dict(why=why(e))
+        return dict(why=short_error(e))
     if peer is None:
         return dict(why=variant)
     try:
-        q, meta = layer.step(1, context)
-        plan = layer.plan(meta, DECODE)
-        pairs = paired_times(lambda: layer.layer(q, layer.k, layer.v, meta, plan, DECODE), peer, args.paired_decode,
-                             args.calls, wait_peer=torch_wait)
-        row = dict(paired_summary(pairs), variant=variant)
+        ours, _ = layer.calls(1, context)
+        row = dict(paired_summary(paired_times(ours, peer, args.paired_decode, args.calls, wait_peer=torch_wait)),
+                   variant=variant)
     except Exception as e:
-        return dict(why=why(e))
+        return dict(why=short_error(e))
     if profile:
         from mnemojax.bench.trace import profile_calls
 
         try:
             row["torch_profile"] = profile_calls(peer, 10, lambda: torch_wait(None))
         except Exception as e:  # the timings stand without it
-            row["torch_profile_error"] = why(e)
+            row["torch_profile_error"] = short_error(e)
     del peer
     torch_release()
     return row
@@ -511,6 +509,11 @@ def sample_contexts(chunk: int, n: int, samples: int) -> list[int]:
     """`samples` contexts from `chunk` to `n` (n itself included), on chunk boundaries."""
     pts = np.linspace(chunk, n, max(2, samples))[:-1]
     return sorted({int(min(n, max(chunk, round(x / chunk) * chunk))) for x in pts} | {n})
+
+
+def short_error(e: Exception, limit: int = 60) -> str:
+    """An error as a table cell: its type and its message's first line, cut to `limit` characters."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:limit]}"
 
 
 def fmt(x, spec=".3f", none="-"):
@@ -562,7 +565,7 @@ def main(argv=None) -> dict:
         try:
             measure(args, impl, n, chunks, ref_chunk, itemsize, results, base_for)
         except Exception as e:  # reported, and the other implementations are still timed
-            results["errors"][impl] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+            results["errors"][impl] = short_error(e, 200)
             print(f"  {impl} context {n}: failed: {results['errors'][impl]}", flush=True)
 
     for impl in args.impls:

@@ -277,3 +277,11 @@ def test_bench_attention_decode_alone_paired_with_a_peer(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         mod.parse_args(["--small", "--paired_decode", "-1"])
     assert "--paired_decode: rounds must be >= 0" in capsys.readouterr().err
+
+
+def test_short_error_is_the_type_and_the_first_line_cut():
+    """A failure as a table cell; an exception without a message gives its type alone (it was an IndexError)."""
+    short_error = _script("bench_attention").short_error
+    assert short_error(RuntimeError("\nno kernel for you\nsecond line")) == "RuntimeError: no kernel for you"
+    assert short_error(ValueError("x" * 100), 10) == "ValueError: " + "x" * 10
+    assert short_error(MemoryError()) == "MemoryError: "
