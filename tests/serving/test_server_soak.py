@@ -1,11 +1,12 @@
-"""A bounded soak of `python -m mnemojax.serve` on loopback (issue 13): normal streaming clients run alone,
-beside every abusive pattern at once, and alone again. The normal clients' time between tokens stays within 2x of
-the slower quiet run, every abuser gets its documented answer (never a 5xx), and afterwards KV pages and requests
-are back to zero and the server's memory is back near where it started (a first abusive round compiles the batch
-shapes first: its memory stays).
+"""A bounded soak of `python -m mnemojax.serve` on loopback (issue 13): normal streaming clients run alone, then
+twice beside every abusive pattern at once and alone again. The normal clients' time between tokens stays within 2x
+of the slowest quiet run, every abuser gets its documented answer (never a 5xx), and after each round KV pages and
+requests are back to zero and the server's memory does not keep growing (the server precompiles its shapes, and a
+first abusive round warms it up: its memory stays).
 
 The API key comes from the environment (MNEMOJAX_API_KEY, not Latin-1), so it is not in the process list.
-Everything is a fixed count of requests against 127.0.0.1, so the test's length is bounded (40-50 s).
+Everything is a fixed count of requests against 127.0.0.1, so the test's length is bounded (about 30 s on an idle
+2-core machine).
 """
 import asyncio
 import json
@@ -174,7 +175,7 @@ async def _abusers(url: str, port: int) -> list[int]:
 
 @pytest.mark.slow
 def test_abusive_clients_do_not_slow_others_or_hold_memory():
-    with ServeProcess(FLAGS, env={"MNEMOJAX_API_KEY": KEY}) as served:
+    with ServeProcess(FLAGS, env={"MNEMOJAX_API_KEY": KEY, "MNEMOJAX_PRECOMPILE": "1"}) as served:
         url, port, proc = served.url, served.port, served.proc
         with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
             assert KEY.encode() not in f.read()  # the key is not in the process list
@@ -186,30 +187,39 @@ def test_abusive_clients_do_not_slow_others_or_hold_memory():
             statuses = await _abusers(url, port)
             return await normal, statuses
 
-        asyncio.run(abused())  # warm-up: compiles every batch shape both loads use
+        asyncio.run(abused())  # warm-up: fills the allocator's pools and the server's caches
         _wait_idle(url)
-        rss_start = _rss_mib(proc.pid)
-        quiet = asyncio.run(_normal_load(url))
-        aborted = _aborted(url)
-        loud, statuses = asyncio.run(abused())
-        _wait_idle(url)
-        aborted = _aborted(url) - aborted
-        quiet_again = asyncio.run(_normal_load(url))  # the machine is shared: a quiet run on each side
-        time.sleep(1.0)
-        rss_end = _rss_mib(proc.pid)
+        # Two measured rounds, each abused then quiet, after a first quiet run (the machine is shared: a quiet run
+        # on each side of every abused one). RSS is read after the warm-up and after each round.
+        quiet, loud, statuses, aborted, rss = [asyncio.run(_normal_load(url))], [], [], [], [_rss_mib(proc.pid)]
+        for _ in range(2):
+            before = _aborted(url)
+            gaps, got = asyncio.run(abused())
+            _wait_idle(url)
+            loud.append(gaps)
+            statuses += got
+            aborted.append(_aborted(url) - before)
+            quiet.append(asyncio.run(_normal_load(url)))
+            time.sleep(1.0)
+            rss.append(_rss_mib(proc.pid))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     output = served.output
-    q, a = max(statistics.median(quiet), statistics.median(quiet_again)), statistics.median(loud)
-    print(f"TBT median quiet {q * 1e3:.2f} ms, with abusers {a * 1e3:.2f} ms; RSS {rss_start:.0f} -> "
-          f"{rss_end:.0f} MiB; statuses {sorted(set(statuses))}")
+    q, a = max(map(statistics.median, quiet)), max(map(statistics.median, loud))
+    grew = [end - start for start, end in zip(rss, rss[1:])]
+    rss_line = " -> ".join(f"{m:.0f}" for m in rss)
+    print(f"TBT median quiet {q * 1e3:.2f} ms, with abusers {a * 1e3:.2f} ms; RSS {rss_line} MiB; "
+          f"statuses {sorted(set(statuses))}")
     assert a <= 2 * q, (q, a)
     assert all(s < 500 for s in statuses), statuses
     assert {400, 401, 408, 413} <= set(statuses), sorted(set(statuses))
-    assert aborted >= 16 + 10  # the unread streams' choices and the dropped streams
-    # the allocator keeps some pages of a busy round (tens of MiB, no more over further rounds); two unread
-    # streams alone held +242 MiB when per-step outputs were queued copies
-    assert rss_end - rss_start < 64, (rss_start, rss_end)
+    assert min(aborted) >= 16 + 10, aborted  # the unread streams' choices and the dropped streams, each round
+    # Memory held for good grows with every round; the allocator's keep levels off (this VM: +6-13 MiB a round, and
+    # +22 MiB over 15 rounds from the first). Two unread streams alone held +242 MiB a round when per-step outputs
+    # were queued copies. The server precompiles every shape at start, as served by default: with compiles left to
+    # the first step that needs a shape (MNEMOJAX_PRECOMPILE=0, the suite's default) the first measured round grew
+    # 34-47 MiB here and 64.0 MiB in one CI run under load, from the compiled batch shapes the warm-up had not met.
+    assert max(grew) < 64 and min(grew) < 32, rss
     assert "Traceback" not in output, output[-3000:]
 
 
