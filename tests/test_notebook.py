@@ -12,6 +12,7 @@ import os
 import ipykernel.kernelspec as ipykernel_kernelspec  # the test extra installs these
 import nbclient
 import nbformat
+import pytest
 from jupyter_client import AsyncKernelManager  # a dependency of nbclient
 from jupyter_client.kernelspec import KernelSpec
 
@@ -29,6 +30,7 @@ class ThisPythonKernelManager(AsyncKernelManager):
         return KernelSpec(resource_dir="", **ipykernel_kernelspec.get_kernel_dict())
 
 
+@pytest.mark.slow  # ~17 s on 2 cores: a Jupyter kernel runs the whole notebook
 def test_quickstart_notebook_runs():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     assert all(not c.get("outputs") and c.get("execution_count") is None

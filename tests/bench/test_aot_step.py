@@ -203,6 +203,7 @@ def test_engine_step_lowers_for_an_h100_it_does_not_have(kind, kernels):
         ex.lower_shape(T, 8, kind, mesh=AbstractMesh((2, 1, 1), (KVP, SPP, TP)))
 
 
+@pytest.mark.slow  # ~17 s on 2 cores: a benchmark script's smoke run (its helpers' tests stay in the default suite)
 def test_the_script_compiles_every_kind_for_this_machine(capsys):
     """`scripts/aot_step.py --target local` (this machine's CPU devices, on a tp=2 mesh): a row per step shape and
     implementation with its launches, no weight copy, and scratch memory."""
@@ -221,6 +222,7 @@ def test_the_script_compiles_every_kind_for_this_machine(capsys):
         assert int(n["launches"]) > 4 * float(n["/layer"]) > 0 and n["w.copies"] == "0" and float(n["temp"]) > 0
 
 
+@pytest.mark.slow  # ~11 s on 2 cores: a benchmark script's smoke run (its helpers' tests stay in the default suite)
 def test_all_shapes_compiles_every_shape_the_engine_compiles_at_start_up(capsys):
     """`--all_shapes`: each shape of `Executor.shape_buckets()` (what start-up compiles), then a summary line."""
     args = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256)

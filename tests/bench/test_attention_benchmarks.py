@@ -53,6 +53,7 @@ def test_bench_attention_times_the_persistent_grid_beside_the_static_one(capsys)
     assert "--persistent: the persistent grid is the Triton kernels'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~7 s on 2 cores: a benchmark script's smoke run (its helpers' tests stay in the default suite)
 def test_bench_attention_reports_a_failing_implementation_and_times_the_others(capsys, monkeypatch):
     """An implementation that raises (a kernel that does not compile on the device, say) is reported with its
     error, in its progress line and before its tables, and the implementations after it are still timed."""
@@ -238,6 +239,7 @@ def test_paired_summary_gives_the_median_ratio_its_quartiles_and_the_rounds_won(
     assert (got["ratio_min"], got["ratio_max"]) == (pytest.approx(0.9), pytest.approx(1.2))
 
 
+@pytest.mark.slow  # ~8 s on 2 cores: a benchmark script's smoke run (its helpers' tests stay in the default suite)
 def test_bench_attention_decode_alone_paired_with_a_peer(capsys, monkeypatch):
     """--chunks "" times decode alone (no prefill table); --paired_decode R times each decode row in turns with
     PyTorch SDPA's (which a CPU has not): a stand-in peer on the CPU runs the pairing, its table and, with --profile,

@@ -1,8 +1,11 @@
 """`scripts/bench_multi_prefill.py` (`mnemojax.bench.multi_prefill`), small: the steps of a warm second `generate` are
 timed with their plans, and the report states the ratio against the 2x bound."""
+import pytest
+
 from mnemojax.bench import multi_prefill
 
 
+@pytest.mark.slow  # ~11 s on 2 cores: a benchmark script's smoke run (its helpers' tests stay in the default suite)
 def test_measure_finds_each_workloads_prefill_step():
     m = multi_prefill.measure(long=40, short=24, num_short=2, max_tokens=2, chunk_size=128,
                               max_num_batched_tokens=128, max_model_len=256)

@@ -160,6 +160,7 @@ def test_sharded_tests_run_in_processes_at_once(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["tests.log"]  # the processes' logs merged
 
 
+@pytest.mark.slow  # ~15 s on 2 cores: the sharded runner's other paths stay in the default suite
 def test_sharded_tests_stop_at_the_time_limit(tmp_path, monkeypatch):
     row, log = _sharded(monkeypatch, tmp_path, "slowgpu", 15)
     assert row["exit"] == "timeout" and row["seconds"] < 60

@@ -2,6 +2,8 @@
 trace's kernels, nesting removed, busy time as the union of intervals, on the CPU with the tiny model."""
 import argparse
 
+import pytest
+
 from mnemojax.bench import profile_step, trace
 
 
@@ -15,6 +17,7 @@ def test_busy_is_the_union_of_intervals():
     assert trace._busy_ns([]) == 0
 
 
+@pytest.mark.slow  # ~18 s on 2 cores: a benchmark script's smoke run (its helpers' tests stay in the default suite)
 def test_profiles_decode_steps_of_the_tiny_model():
     args = argparse.Namespace(model="tiny", dtype="float32", attention="reference", batch=3, context=40,
                               prefill_chunk=0, page_size=8, steps=3)

@@ -181,6 +181,7 @@ SPREAD = {0: [("long", 40, 8)], 1: [("a", 9, 6), ("b", 13, 4)], 2: [("c", 5, 7),
           4: [("e", 11, 5)], 6: [("f", 7, 6), ("g", 3, 4)]}
 
 
+@pytest.mark.slow  # ~11 s on 2 cores cold; the required mesh shapes above lay KVP ranks out by default
 def test_ranks_not_holding_a_long_request_reuse_its_rows_and_stay_exact(ckpt):
     """kvp = 4: a rank that does not hold the long request's KV lays its own requests in the rows of the long
     request's shared range (marked unshared there, so the KVP merge adds weight 0 from it and it keeps its own
@@ -209,6 +210,7 @@ def test_ranks_not_holding_a_long_request_reuse_its_rows_and_stay_exact(ckpt):
     assert overlaps, "no step laid a local request in the rows of a shared one"
 
 
+@pytest.mark.slow  # ~9 s on 2 cores cold
 def test_out_of_pages_on_a_rank_queues_or_preempts_and_stays_exact(ckpt, reference, caplog):
     """Per-rank pools of 11 usable pages (44 tokens): the long request needs 10 pages on rank 0 and 9 on rank
     1, so short requests queue or are preempted by recompute (a log line says which); results stay exact and
@@ -240,7 +242,7 @@ def test_a_kvp_rank_asks_its_attention_for_float32_partials(ckpt, monkeypatch, k
     assert {None if a is None else str(np.dtype(a)) for a in asked} == {want}
 
 
-@pytest.mark.parametrize("kvp,chunk_size", [(3, 16), (1, 1)])
+@pytest.mark.parametrize("kvp,chunk_size", [pytest.param(3, 16, marks=pytest.mark.slow), (1, 1)])  # 3-16: ~9 s
 def test_one_token_chunks_lay_out_as_the_general_path_does(ckpt, kvp, chunk_size):
     """`Executor.prepare` writes a one-token chunk (a decode, or a prompt fed a token at a time) by scalars: every
     array it hands the step equals the general path's, on every step of a workload: decodes of a request whose KV

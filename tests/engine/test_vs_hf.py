@@ -31,7 +31,10 @@ def _prompts(vocab_size, seed):
     return [rng.integers(0, 256, n).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# GQA and llama3 RoPE scaling in the default suite; MHA, MQA, tied embeddings and odd sizes (~10 s each on 2 cores)
+# with the slow tests.
+@pytest.mark.parametrize("name", [n if n in ("gqa", "llama3_rope") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in CONFIGS])
 def test_matches_hf(name, tmp_path):
     kw = dict(CONFIGS[name])
     path = make_hf_checkpoint(tmp_path / name, weight_scale=8.0, seed=1, **kw)

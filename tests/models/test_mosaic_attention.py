@@ -265,7 +265,8 @@ def test_query_order_by_hand():
     np.testing.assert_array_equal(q_start, [0, 0, 4, 8])
 
 
-@pytest.mark.parametrize("num_heads", [8, 16, 32, 64], ids=lambda n: f"g{n // 4}")
+@pytest.mark.parametrize("num_heads", [8, pytest.param(16, marks=pytest.mark.slow), 32,
+                                       pytest.param(64, marks=pytest.mark.slow)], ids=lambda n: f"g{n // 4}")
 def test_query_rows_hold_each_tiles_rows(num_heads):
     """The rows a program copies from `_query_rows` (64 a consumer, from its tile's `q_start` x G) are its tile's
     rows as the Triton kernels' layout (`pallas_attention._tile_rows`: token x head of the group) holds them, for
@@ -400,7 +401,7 @@ def race_detection(monkeypatch):
     pytest.param("decode", dict(stages=3), marks=pytest.mark.slow, id="decode-stages3"),
     pytest.param("decode", dict(stages=2), marks=pytest.mark.slow, id="decode-stages2"),
     pytest.param("prefill", dict(stages=4), marks=pytest.mark.slow, id="prefill-stages4"),
-    pytest.param("prefill", dict(overlap=True, pingpong=True), id="prefill-overlap-pingpong"),
+    pytest.param("prefill", dict(overlap=True, pingpong=True), marks=pytest.mark.slow, id="prefill-overlap-pingpong"),
     pytest.param("prefill", dict(overlap=True, release_k=False), marks=pytest.mark.slow,
                  id="prefill-overlap-shared-release"),
     pytest.param("decode", dict(overlap=True), marks=pytest.mark.slow, id="decode-overlap"),
@@ -732,8 +733,11 @@ SUPPORTED = [(1, 16, 128, jnp.bfloat16), (2, 8, 64, jnp.float16), (16, 32, 128, 
              (4, 16, 64, jnp.float16)]
 
 
-@pytest.mark.parametrize("group,page,head_dim,dtype", SUPPORTED,
-                         ids=[f"g{g}-page{p}-hd{h}-{jnp.dtype(d).name}" for g, p, h, d in SUPPORTED])
+# ~5-6 s each on 2 cores: two in the default suite (the smallest group at head dim 128, head dim 64 in float16),
+# the others with the slow tests.
+@pytest.mark.parametrize("group,page,head_dim,dtype", [
+    pytest.param(*c, id=f"g{c[0]}-page{c[1]}-hd{c[2]}-{jnp.dtype(c[3]).name}",
+                 marks=[] if c in SUPPORTED[::6] else [pytest.mark.slow]) for c in SUPPORTED])
 def test_every_supported_configuration_lowers(group, page, head_dim, dtype):
     """Split-K, token-order and float32-out launches lower for CUDA (SMEM within a block's 227 KB included)."""
     assert_lowers_for_cuda(dtype, OUTPUT_PATHS, "@mosaic_gpu_v2", num_heads=8 * group, page=page, head_dim=head_dim)

@@ -297,6 +297,7 @@ def test_switch_refuses_what_it_cannot_run():
     assert EngineConfig().attention == ModelSpec(preset("tiny")).attention == "auto"  # the one that chooses
 
 
+@pytest.mark.slow  # ~29 s on 2 cores; tests/engine/test_step_kinds.py runs the engine on these kernels by default
 def test_engine_with_interpreted_kernels_matches_reference():
     """LLM on the tiny preset (inside the step's shard_map on the 1x1x1 mesh): same greedy tokens, prompt
     log-probs within 1e-5, mixed decode + prefill steps."""
@@ -330,6 +331,7 @@ def _fill_in_layer_from(threshold: int):
         jax.clear_caches()
 
 
+@pytest.mark.slow  # ~31 s on 2 cores cold; test_large_blank_buffers_... checks the fill kernel by kernel
 def test_engine_gives_the_same_results_with_every_buffer_filled_in_its_layer():
     """The engine's steps (inside the step's shard_map: prefill, decode and mixed kinds, several layers) with every
     token-order buffer's fill behind the barrier (FILL_IN_LAYER_BYTES 0; the tiny model's never reach the 4 MiB

@@ -266,6 +266,7 @@ def test_client_disconnects_abort_and_free_pages(url, llm, monkeypatch):
     assert llm.stats().running == 0 and llm.num_active == 0
 
 
+@pytest.mark.slow  # ~15 s on 2 cores; tests/engine/test_async_llm.py streams concurrently by default
 def test_64_concurrent_streaming_clients(url, llm, caplog):
     caplog.set_level(logging.INFO)
     prompts = _prompts(64 * 3, seed=1)
@@ -325,6 +326,7 @@ def test_64_concurrent_streaming_clients(url, llm, caplog):
 
 
 # ---------------------------------------------------------------- fuzzing the OpenAPI schema
+@pytest.mark.slow  # ~10 s on 2 cores: schemathesis' generated requests; the hand-written bad requests stay
 def test_fuzzed_requests_never_get_a_5xx(url):
     """Random valid and invalid bodies for every operation of the served OpenAPI schema: any answer but a server
     error (5xx), and the fuzzer must reach both 200s and 400s (else it tested little).

@@ -47,7 +47,7 @@ def engine_run(policy: str, async_scheduling: bool):
 
 
 @pytest.mark.parametrize("policy, async_scheduling", [
-    ("fcfs", False), ("ilrs", True),
+    pytest.param("fcfs", False, marks=pytest.mark.slow), ("ilrs", True),  # ~13 s and ~7 s on 2 cores
     pytest.param("fcfs", True, marks=pytest.mark.slow), pytest.param("ilrs", False, marks=pytest.mark.slow)],
     ids=["fcfs-sync", "ilrs-async", "fcfs-async", "ilrs-sync"])
 def test_simulator_serves_the_trace_as_the_engine_does(policy, async_scheduling):

@@ -229,6 +229,7 @@ def test_hf_directory_is_priced_as_the_preset_with_its_shapes(tmp_path):
         planner.resolve_model(str(d))
 
 
+@pytest.mark.slow  # ~11 s on 2 cores: it starts a server process
 def test_emitted_layout_starts_the_server_on_fake_cpu_devices(searched):
     result, _ = searched
     [o] = [o for o in result.ranked if (o.candidate.tp, o.candidate.kvp, o.candidate.replicas) == (2, 2, 1)][:1]
