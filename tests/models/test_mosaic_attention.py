@@ -302,7 +302,10 @@ def test_query_rows_hold_each_tiles_rows(num_heads):
         assert got.shape[1] % 8 == 0  # Mosaic tiles the GMEM array in 8-row tiles too
 
 
-@pytest.mark.parametrize("kind", ["decode", pytest.param("mixed", marks=pytest.mark.slow)])  # mixed: ~70 s
+# ~30 s (decode) and ~70 s (mixed) on 2 cores: with the slow tests; on a GPU the compiled merge kernel is checked
+# against XLA's merge by default (test_compiled_merge_kernel_matches_xla_merge_on_hopper)
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_merge_kernel_merges_split_tiles_in_token_order_without_races(kind, race_detection):
     """The merge kernel (`merge_kernel=True`, the default) after each launch: a decode at 390 keys in six partitions of
     its seven blocks (2, 2, 2, 1, 0, 0: more partials than the kernel's 4 slots, so it refills them; two empty,

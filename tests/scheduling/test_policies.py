@@ -302,7 +302,8 @@ def fcfs_results(small_ckpt):
 @pytest.mark.parametrize("kw", [
     dict(scheduler_policy="edf"), dict(scheduler_policy="lrs"), dict(scheduler_policy="ilrs"),
     dict(scheduler_policy="ilrs", ppb_max_share=0.0),
-    dict(scheduler_policy="ilrs", num_pages=30),  # 29 pages of 4 tokens: forced preemption
+    # 29 pages of 4 tokens: forced preemption (ILRS's case, ~9 s on 2 cores, with the slow tests)
+    pytest.param(dict(scheduler_policy="ilrs", num_pages=30), marks=pytest.mark.slow),
     dict(scheduler_policy="fcfs", num_pages=30),
     # Adaptive chunks priced by the shipped CPU profile: a 64-token chunk fits 1.2 ms at short contexts only.
     # (PPB off: its shares also make smaller chunks.)
