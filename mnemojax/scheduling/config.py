@@ -61,6 +61,10 @@ class SchedulerConfig:
         for name in ("ttft_slo_min_s", "ttft_slo_per_token_s", "ttft_slo_prefill_factor"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.ttft_slo_min_s == 0 and self.ttft_slo_per_token_s == 0:
+            # every deadline would be its arrival: slack is measured in units of the deadline's duration
+            raise ValueError("ttft_slo_min_s and ttft_slo_per_token_s must not both be 0 (a TTFT deadline needs a "
+                             "positive duration)")
 
     @property
     def target_batch_time_s(self) -> float | None:

@@ -128,6 +128,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        # Finished requests with chunks still in flight, by id: each keeps its sequence slot on the device (the
+        # executor hands a slot on only when nothing in the pipeline reads it), so each still takes a seat.
+        self._draining: dict[int, Request] = {}
         self._order = itertools.count()
         self.num_preemptions = 0  # since start, for the server's metrics
         self._prefill_cache: dict[int, tuple[int, int, int, float]] = {}  # id: (num_computed, start, predictor version, s)
@@ -136,6 +139,12 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    @property
+    def num_seats_held(self) -> int:
+        """Sequence slots held: the running requests and the finished ones still in flight (at most
+        `max_num_seqs`)."""
+        return len(self.running) + len(self._draining)
 
     # ---------------------------------------------------------------- requests in and out
     def add(self, request: Request) -> None:
@@ -161,6 +170,8 @@ class Scheduler:
         self._prefill_cache.pop(id(request), None)
         if request.in_flight == 0:
             self.kv.free(request)
+        else:
+            self._draining[id(request)] = request  # until its last chunk leaves the pipeline
 
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None,
                now: float | None = None) -> None:
@@ -198,7 +209,8 @@ class Scheduler:
             if req.kv_ranks:
                 self.kv.cache_computed(req, ch.start + ch.num_tokens)  # its K/V is written on every stage now
             if req.is_finished and req.in_flight == 0:
-                self.kv.free(req)  # aborted while in flight
+                self.kv.free(req)  # finished or aborted while in flight
+                self._draining.pop(id(req), None)
         sampled = []
         for ch, out in zip(plan.chunks, outputs):
             req = ch.request
@@ -430,7 +442,7 @@ class Scheduler:
         # 2. Prefill candidates: running ones with tokens to compute, then waiting ones that could be admitted.
         running = [r for r in self.running if r.status is RequestStatus.RUNNING and not r.awaiting_sample
                    and r.num_uncomputed > 0 and not r.in_decode]
-        slots = c.max_num_seqs - len(self.running)
+        slots = c.max_num_seqs - self.num_seats_held
         waiting = []
         for r in self.waiting:
             if r in preempted or r.in_flight:
@@ -478,7 +490,7 @@ class Scheduler:
             if id(req) in scheduled or req in preempted:
                 continue  # one chunk per request per step; a victim is not re-admitted in the same step
             if req.status is RequestStatus.WAITING:
-                if len(self.running) >= c.max_num_seqs or (c.scheduler_policy == "fcfs" and preempted):
+                if self.num_seats_held >= c.max_num_seqs or (c.scheduler_policy == "fcfs" and preempted):
                     continue
                 req.num_computed = self.kv.place(req, rows)  # its cached prefix, if any
                 if self.kv.waits_for_pending(req, req.num_computed):

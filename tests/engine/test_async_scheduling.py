@@ -151,3 +151,33 @@ def test_every_collect_waits_for_its_step(ckpt, monkeypatch, async_scheduling):
     assert len(no_rows) == 3  # the 64-token prompt's first three 16-token chunks
     assert [id(x) for x in waited] == [id(launched.done) for launched in no_rows]
     assert all(isinstance(launched.done, jax.Array) for launched in no_rows)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_full_batch_on_a_pipeline_admits_a_waiting_request_only_into_a_free_slot(ckpt, async_scheduling):
+    """spp = 2, max_num_seqs = 2, four requests: B is aborted while a chunk of it is in the pipeline, and A ends
+    (a stop token) while a chunk of it is still there (async: the decode of a token not yet seen), each while a
+    request waits. A finished request's chunk still reads its sequence slot on the device, so the waiting request
+    must not take the place at once (that asked the executor for a third slot: `RuntimeError: rank 0: all 2
+    sequence slots (max_num_seqs) are held`). Every answer is what the request gives alone."""
+    prompts = [list(range(10, 30)), list(range(40, 57)), list(range(60, 71)), list(range(80, 95))]
+    free = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in prompts]
+    alone = [_generate(ckpt, False, [p], [s])[0][0][1] for p, s in zip(prompts, free)]
+    stop_at = alone[0][7]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_at])] + free[1:]
+    llm = LLM(model=ckpt, page_size=4, chunk_size=16, max_model_len=128, spp=2, max_num_seqs=2,
+              async_scheduling=async_scheduling)
+    e = llm.engine
+    ids = [e.add_request(p, s) for p, s in zip(prompts, params)]
+    a, b, c, d = (e.requests[i] for i in ids)
+    aborted_in_flight = False
+    while e.has_unfinished():
+        e.step()
+        full = len(e.scheduler.running) == 2 and e.scheduler.waiting  # a full batch, and a request waits
+        if full and not b.is_finished and b.in_flight and len(b.output_token_ids) >= 2:
+            e.abort(ids[1])
+            aborted_in_flight = True
+    assert aborted_in_flight and e.kv.num_used == 0 and e._launched is None
+    assert a.output_token_ids == alone[0][:alone[0].index(stop_at) + 1] and a.finish_reason == "stop"
+    assert b.finish_reason == "abort" and b.output_token_ids == alone[1][:len(b.output_token_ids)]
+    assert (c.output_token_ids, d.output_token_ids) == (alone[2], alone[3])

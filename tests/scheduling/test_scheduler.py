@@ -139,6 +139,11 @@ class Sim:
         assert len(ids) == len(set(ids)), "a request appears twice in one step"
         assert len(sched.running) <= cfg.max_num_seqs
         assert len(plan.chunks) <= cfg.max_num_seqs
+        # The executor's sequence slots: a request holds one while it runs or while a micro-batch still in the
+        # pipeline reads its pages (finished or aborted meanwhile), and the plan's requests need one each.
+        seats = {id(c.request) for mb in self.pipe for c in mb.chunks} | {id(r) for r in sched.running}
+        seats |= {id(c.request) for c in plan.chunks}
+        assert len(seats) <= cfg.max_num_seqs, f"{len(seats)} sequence slots needed, max_num_seqs {cfg.max_num_seqs}"
 
         # Each chunk: starts where the request's cache ended, within chunk_size, samples exactly at the end.
         rows = [0] * kv.num_ranks
@@ -214,6 +219,22 @@ def test_config_rejects_non_positive():
     for kw in ({"max_num_batched_tokens": 0}, {"max_num_seqs": 0}, {"chunk_size": -1}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SchedulerConfig(**kw)
+
+
+@pytest.mark.parametrize("policy", ["edf", "lrs", "ilrs"])
+def test_ttft_deadline_of_zero_duration_is_rejected_and_one_just_above_schedules(policy):
+    """Slack is measured in units of the deadline's duration, so both of its terms 0 is refused by name (it
+    used to be accepted, then divided by zero in `schedule()`); a tiny positive duration still schedules."""
+    with pytest.raises(ValueError, match="ttft_slo_min_s and ttft_slo_per_token_s"):
+        SchedulerConfig(scheduler_policy=policy, ttft_slo_min_s=0.0, ttft_slo_per_token_s=0.0)
+    kv = KVCacheManager(1, 64, 4)
+    sched = Scheduler(SchedulerConfig(scheduler_policy=policy, ttft_slo_min_s=0.0, ttft_slo_per_token_s=1e-9), kv,
+                      clock=lambda: 0.0)
+    a, b = make_request("a", 8), make_request("b", 8)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert sorted((c.request.request_id, c.start, c.num_tokens) for c in plan.chunks) == [("a", 0, 8), ("b", 0, 8)]
 
 
 def test_empty_scheduler_gives_empty_plan():
@@ -522,6 +543,26 @@ def test_abort_while_in_flight_frees_pages_when_the_chunk_drains():
     sim.run()
     assert req.in_flight == 0 and held(req) == 0 and sim.kv.num_used == 0
     assert req.output_token_ids == []
+
+
+def test_a_request_finished_in_flight_keeps_its_seat_until_it_drains():
+    """spp = 2, max_num_seqs = 2: A and B run, C waits. A is aborted while its chunk is in the pipeline; that chunk
+    still reads A's sequence slot on the device, so C is admitted only once it has drained, never into a third
+    slot (the executor has max_num_seqs)."""
+    sim = Sim(budget=64, chunk_size=4, max_num_seqs=2, spp=2)
+    a, b, c = (make_request(r, 8, max_tokens=8) for r in "ABC")
+    sim.add(a, b, c)
+    sim.step()
+    assert a.in_flight == 1 and sim.sched.running == [a, b] and list(sim.sched.waiting) == [c]
+    sim.finish(a)
+    assert sim.sched.num_seats_held == 2  # B runs; A's chunk is in flight
+    plan, _ = sim.step()  # A's chunk leaves the pipeline at the end of this step
+    assert c not in [ch.request for ch in plan.chunks] and c.status is RequestStatus.WAITING
+    assert a.in_flight == 0 and held(a) == 0 and sim.sched.num_seats_held == 1
+    plan, _ = sim.step()
+    assert c in [ch.request for ch in plan.chunks]
+    sim.run()
+    assert len(b.output_token_ids) == len(c.output_token_ids) == 8 and sim.kv.num_used == 0
 
 
 # ------------------------------------------------------------------------------------ KV parallelism
