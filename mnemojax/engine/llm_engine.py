@@ -364,11 +364,14 @@ class LLMEngine:
 
     def _detokenize(self, req: Request) -> None:
         """Text for `req`'s new token. A stop string it completes ends the request, and names the reason even
-        when the token also stopped it otherwise (EOS, a stop token, a length limit)."""
+        when the token also stopped it otherwise (a length limit). A token that stopped it itself (EOS or one of
+        `stop_token_ids`) stays in `token_ids` but adds no text unless `include_stop_str_in_output` (vLLM's)."""
         detok = self._detokenizers.get(req.request_id)
         if detok is None:
             return
-        stop = detok.add(req.output_token_ids[-1:])
+        stopped_by_token = req.finish_reason == "stop" and not isinstance(req.stop_reason, str)
+        new = [] if stopped_by_token and not req.params.include_stop_str_in_output else req.output_token_ids[-1:]
+        stop = detok.add(new) if new else None
         req.output_text = detok.stable_text  # never shows what a later token could change
         if stop is not None:
             if req.is_finished:

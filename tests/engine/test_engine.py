@@ -151,8 +151,14 @@ def test_stop_conditions(llm):
                                                 stop_token_ids=[toks[4]]))[0].outputs[0]
     assert out.token_ids == toks[:toks.index(toks[4]) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == toks[4]
-    # A stop string: text is cut before it.
+    # ... and its text is left out, as vLLM does, unless include_stop_str_in_output.
     tok = llm.get_tokenizer()
+    upto = toks.index(toks[4])
+    assert out.text == tok.decode(toks[:upto], skip_special_tokens=True)
+    kept = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                 stop_token_ids=[toks[4]], include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == tok.decode(toks[:upto + 1], skip_special_tokens=True) != out.text
+    # A stop string: text is cut before it.
     full = tok.decode(toks, skip_special_tokens=True)  # as the engine does by default (vLLM's default)
     stop = full[3:5]
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
@@ -177,9 +183,12 @@ def test_eos_stops_unless_ignored(ckpt, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     (path / "generation_config.json").unlink(missing_ok=True)
     llm = LLM(model=str(path), max_model_len=64)
-    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, skip_special_tokens=False))[0].outputs[0]
     assert out.token_ids == toks[:toks.index(eos) + 1]
     assert out.finish_reason == "stop" and out.stop_reason is None
+    # EOS adds no text even where special tokens are shown (vLLM's), unless include_stop_str_in_output
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(toks[:toks.index(eos)], skip_special_tokens=False)
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == toks and out.finish_reason == "length"
 
