@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 """Any of these in a checkpoint directory means it carries a Hugging Face tokenizer."""
@@ -47,6 +48,15 @@ class ByteTokenizer:
     @property
     def all_special_ids(self) -> list[int]:
         return list(range(256, self.vocab_size))
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes token `tid` adds to a decoded text: its byte; a special token's text in UTF-8."""
+        tid = int(tid)
+        if 0 <= tid < 256:
+            return bytes([tid])
+        if tid not in self._special_texts:
+            raise ValueError(f"token id {tid} is outside the vocabulary [0, {self.vocab_size})")
+        return self._special_texts[tid].encode("utf-8")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`: its UTF-8 bytes, special-token texts as their ids, BOS first if asked."""
@@ -88,6 +98,60 @@ class ByteTokenizer:
             return text
         ids = self.encode(text, add_special_tokens=False)
         return {"input_ids": ids} if return_dict else ids
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table: the alphabet of byte-level BPE tokens (Llama-3's)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+                 + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def special_ids(tokenizer) -> frozenset[int]:
+    """The ids of `tokenizer`'s special tokens (those `decode(..., skip_special_tokens=True)` leaves out): its
+    `all_special_ids`, and a Hugging Face tokenizer's added tokens marked special."""
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False))
+    return frozenset(ids)
+
+
+def token_bytes_fn(tokenizer) -> Callable[[int], bytes]:
+    """`token_bytes(id)` for `tokenizer`: the bytes a token adds to a decoded text (a token that is not whole UTF-8
+    by itself, a piece of a character, has its own bytes, not U+FFFD's); a special token gives its text in UTF-8.
+
+    `ByteTokenizer`: its byte. Hugging Face: a byte-level BPE token (its decoder is `ByteLevel`, as Llama-3's) maps
+    its symbols back through GPT-2's byte table; a SentencePiece byte-fallback token `<0xNN>` is that byte; any other
+    token is its piece as UTF-8, with SentencePiece's `\u2581` as a space."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.token_bytes
+    specials = special_ids(tokenizer)
+    try:
+        byte_level = b'"type":"ByteLevel"' in tokenizer.backend_tokenizer.decoder.__getstate__()
+    except Exception:  # noqa: BLE001 - a slow tokenizer, or one with no decoder
+        byte_level = False
+    table = {c: b for b, c in bytes_to_unicode().items()}
+
+    def token_bytes(tid: int) -> bytes:
+        piece = tokenizer.convert_ids_to_tokens(int(tid))
+        if tid in specials or not isinstance(piece, str):
+            return tokenizer.decode([tid], skip_special_tokens=False).encode("utf-8")
+        if byte_level and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        m = _BYTE_FALLBACK.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    return token_bytes
 
 
 def load_tokenizer(path_or_preset: str | os.PathLike):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 
+from models.tokenizer import bytes_to_unicode
+
 BOS_ID = 256
 EOS_ID = 257
 
@@ -109,19 +111,6 @@ CHAT_TEMPLATE = (
 """Jinja twin of `models.tokenizer.ByteTokenizer.apply_chat_template`."""
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, the alphabet of the `ByteLevel` pre-tokenizer."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def make_hf_tokenizer(vocab_size: int = 320):
     """A `PreTrainedTokenizerFast` that encodes text to its UTF-8 bytes (ids 0..255), BOS first.
 
@@ -134,7 +123,7 @@ def make_hf_tokenizer(vocab_size: int = 320):
 
     if vocab_size < 258:
         raise ValueError(f"the byte tokenizer needs vocab_size >= 258 (256 bytes + BOS + EOS), got {vocab_size}")
-    byte_chars = _bytes_to_unicode()
+    byte_chars = bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

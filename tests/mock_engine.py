@@ -3,9 +3,11 @@
 
 The byte tokenizer; output token i (from 0) of a request is `(p + 1 + i) % 256`, where p is its last prompt token,
 with log-prob `-(i + 1) / 10` and, as its only other top entry, token `(t + 1) % 256` at that log-prob minus 1.
-It stops at `max_tokens` ("length"), at a stop token id, or at a stop string (the engine's own `Detokenizer`).
+It stops at `max_tokens` ("length"), at a stop token id (its text left out unless `include_stop_str_in_output`, as
+the engine does), or at a stop string (the engine's own `Detokenizer`).
 Outputs are cumulative or deltas, as the request's `output_kind` asks. `token_delay_s` paces the tokens (a slow
-engine); `fail_after` makes `generate` raise `failure` after that many tokens (a failing engine).
+engine); `fail_after` makes `generate` raise `failure` after that many tokens (a failing engine); `kv_tokens` makes
+its KV pages hold fewer tokens of a request than `max_model_len` (prompt + max_tokens beyond it is a 400).
 """
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ class MockEngine:
     is_alive = True
 
     def __init__(self, max_model_len: int = 64, token_delay_s: float = 0.0, fail_after: int | None = None,
-                 failure: BaseException | None = None):
+                 failure: BaseException | None = None, kv_tokens: int | None = None):
         self.tokenizer = ByteTokenizer()
         self.max_model_len = max_model_len
+        self.max_request_tokens = max_model_len if kv_tokens is None else min(max_model_len, kv_tokens)
         self.token_delay_s = token_delay_s
         self.fail_after, self.failure = fail_after, failure
         self.num_waiting = 0
@@ -46,6 +49,9 @@ class MockEngine:
             raise ParamError("prompt", "prompt must not be empty")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ParamError("prompt", f"prompt + max_tokens exceeds max_model_len ({self.max_model_len})")
+        if len(ids) + params.max_tokens > self.max_request_tokens:
+            raise ParamError("prompt", f"prompt + max_tokens: {len(ids) + params.max_tokens} tokens exceed what the KV "
+                                       f"pages hold ({self.max_request_tokens} tokens)")
         return ids
 
     async def generate(self, prompt, params=None, request_id=None, *, prompt_token_ids=None):
@@ -65,11 +71,11 @@ class MockEngine:
                 lp = -(i + 1) / 10
                 out_ids.append(t)
                 lps.append({t: lp, (t + 1) % 256: lp - 1})
-                stop_reason = detok.add([t])
-                if stop_reason is not None:
+                if t in params.stop_token_ids:  # as the engine: its text only with include_stop_str_in_output
                     reason = "stop"
-                elif t in params.stop_token_ids:
-                    reason, stop_reason = "stop", t
+                    stop_reason = (params.include_stop_str_in_output and detok.add([t])) or t
+                elif (stop_reason := detok.add([t])) is not None:
+                    reason = "stop"
                 elif i + 1 == params.max_tokens:
                     reason = "length"
                 if reason is not None:

@@ -29,7 +29,8 @@ _ADD, _ABORT, _ABORT_ALL, _STOP, _RESET_CACHE = "add", "abort", "abort_all", "st
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (its failure is logged, and chained as `__cause__`); no request can run."""
+    """The engine thread has stopped, failed (its failure is logged, and chained as `__cause__`) or shut down; no
+    request can run."""
 
     def __init__(self):
         super().__init__("the engine thread has stopped")
@@ -39,6 +40,21 @@ def _put_all(items: list[tuple[_Stream, Any]]) -> None:
     """On a caller's loop: each item into its stream."""
     for stream, item in items:
         stream.put(item)
+
+
+def _settle(done: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    """From the engine thread: `done`'s result (or `error`), on its loop, unless it is already done (cancelled)."""
+    def settle():
+        if not done.done():
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+    try:
+        done.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's loop has closed: nobody is waiting
+        pass
 
 
 class _Stream:
@@ -85,6 +101,7 @@ class EngineClient(Protocol):
     tokenizer: Any  # encode / decode / apply_chat_template, or None (token-id prompts only)
     model: str  # the model it runs (a preset name or a checkpoint path)
     max_model_len: int
+    max_request_tokens: int  # the most tokens (prompt + output) one request can hold: max_model_len or the KV pages
     is_alive: bool
     num_waiting: int  # callers' requests with no output yet
     num_active: int  # requests whose callers are still listening
@@ -115,6 +132,11 @@ class AsyncLLM:
                  idle_tick: Callable[[], None] | None = None, idle_tick_s: float = 1.0, **kwargs):
         self.engine = engine if engine is not None else LLMEngine(EngineConfig(model=model, **kwargs))
         self._commands: queue.Queue = queue.Queue()
+        # set (under the lock) when the engine thread ends: a command queued after that would wait for ever, so
+        # callers check it under the same lock before queuing, and the thread fails what was queued before it
+        self._closed = False
+        self._lock = threading.Lock()
+        self._in_hand = None  # the command the engine thread is handling (failed with the rest if the engine fails)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
         # what the engine thread has for each callers' loop since its last `_deliver` (engine thread only)
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
@@ -140,6 +162,12 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + max_tokens) one request can hold: `max_model_len`, or fewer when the KV pages
+        (a request's rank, or kvp x max_tokens_per_kvp_rank) hold fewer."""
+        return min(self.max_model_len, self.engine.kv.max_request_tokens())
 
     @property
     def is_alive(self) -> bool:
@@ -172,19 +200,23 @@ class AsyncLLM:
                        prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's output each time it makes progress; the last one has `finished` set.
 
-        Bad input raises ValueError (naming the field and the limit) before anything is yielded; a failed
-        engine raises `EngineDeadError`. If the caller stops iterating (a client went away), the request is aborted
-        and its pages are freed. Outputs the caller has not taken yet are merged into one (see the module doc).
+        Bad input raises ValueError (naming the field and the limit) before anything is yielded; a failed or shut
+        down engine raises `EngineDeadError`. If the caller stops iterating (a client went away), the request is
+        aborted and its pages are freed. Outputs the caller has not taken yet are merged into one (see the module
+        doc).
         """
-        if self._error is not None:
-            raise EngineDeadError() from self._error
+        self._check_running()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
         params = params or SamplingParams()
         stream = _Stream(params.output_kind is RequestOutputKind.DELTA)
         self._streams[rid] = (asyncio.get_running_loop(), stream)
-        self._commands.put((_ADD, rid, prompt, params, prompt_token_ids))
+        try:
+            self._queue((_ADD, rid, prompt, params, prompt_token_ids))
+        except EngineDeadError:
+            self._streams.pop(rid, None)
+            raise
         finished, waiting = False, True
         self.num_waiting += 1
         try:
@@ -214,9 +246,10 @@ class AsyncLLM:
         self._commands.put((_ABORT_ALL,))
 
     async def reset_prefix_cache(self) -> int:
-        """Forgets every cached KV page (on the engine thread, between steps); returns how many were cached."""
+        """Forgets every cached KV page (on the engine thread, between steps); returns how many were cached. Raises
+        `EngineDeadError` if the engine has stopped (or stops before it gets to the reset)."""
         done = asyncio.get_running_loop().create_future()
-        self._commands.put((_RESET_CACHE, done))
+        self._queue((_RESET_CACHE, done))
         return await done
 
     def shutdown(self) -> None:
@@ -225,6 +258,22 @@ class AsyncLLM:
             self._commands.put((_STOP,))
             self._thread.join()
         self.engine.save_predictor_profile()  # the last calibration (with save_predictor_profile set)
+
+    def _dead(self) -> EngineDeadError:
+        err = EngineDeadError()
+        err.__cause__ = self._error
+        return err
+
+    def _check_running(self) -> None:
+        """Raises `EngineDeadError` if the engine thread has failed or ended (shut down)."""
+        if self._error is not None or self._closed or not self._thread.is_alive():
+            raise self._dead()
+
+    def _queue(self, cmd) -> None:
+        """Queues a command that someone waits on; raises `EngineDeadError` if no engine thread will ever take it."""
+        with self._lock:
+            self._check_running()
+            self._commands.put(cmd)
 
     # ---------------------------------------------------------------- the engine thread
     def _send(self, rid: str, item) -> None:
@@ -283,10 +332,25 @@ class AsyncLLM:
         elif cmd[0] == _ABORT:
             self._abort(cmd[1])
         elif cmd[0] == _RESET_CACHE:
-            n = e.reset_prefix_cache()
-            done = cmd[1]
-            done.get_loop().call_soon_threadsafe(lambda: done.done() or done.set_result(n))
+            _settle(cmd[1], e.reset_prefix_cache())
         return True
+
+    def _fail_pending(self) -> None:
+        """The engine thread is ending: no command queued now will be taken, so each caller waiting on one (the one
+        in hand included, if the engine failed while handling it) gets `EngineDeadError`."""
+        with self._lock:
+            self._closed = True
+        pending = [] if self._in_hand is None else [self._in_hand]
+        while True:
+            try:
+                pending.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in pending:
+            if cmd[0] == _ADD:
+                self._send(cmd[1], self._dead())
+            elif cmd[0] == _RESET_CACHE:
+                _settle(cmd[1], error=self._dead())
 
     def _next_command(self):
         if self.engine.has_unfinished():
@@ -304,9 +368,10 @@ class AsyncLLM:
         try:
             while True:
                 try:
-                    cmd = self._next_command()
+                    cmd = self._in_hand = self._next_command()
                     if not self._handle(cmd):
                         return
+                    self._in_hand = None
                     self._deliver()
                     self._publish()
                     continue  # take every pending command before the next step
@@ -325,9 +390,8 @@ class AsyncLLM:
             logger.exception("the engine failed; every request in flight gets an error")
             self._error = err
             for rid in list(self._streams):
-                dead = EngineDeadError()
-                dead.__cause__ = err
-                self._send(rid, dead)
+                self._send(rid, self._dead())
         finally:
+            self._fail_pending()
             self._deliver()  # what is queued (the final outputs of a stop's aborts, the errors of a failure)
             self._publish()

@@ -173,6 +173,10 @@ class KVCacheManager:
         cap = self.ranks[0].num_usable * self.page_size
         return cap if self.max_tokens_per_rank is None else min(cap, self.max_tokens_per_rank)
 
+    def max_request_tokens(self) -> int:
+        """Most tokens one request can hold (the largest that `capacity_error` accepts)."""
+        return self.span() if self.max_tokens_per_rank is None else self.span() * self.num_ranks
+
     def capacity_error(self, num_tokens: int) -> str | None:
         """Why a request of `num_tokens` tokens can never fit, or None."""
         span, n = self.span(), self.num_ranks

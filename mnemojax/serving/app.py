@@ -39,8 +39,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mnemojax.engine.async_llm import EngineClient
-from mnemojax.serving.base import INTERNAL_ERROR, APIError, ServerState, error_body
+from mnemojax.engine.async_llm import EngineClient, EngineDeadError
+from mnemojax.serving.base import ENGINE_STOPPED, INTERNAL_ERROR, APIError, ServerState, error_body
 from mnemojax.serving.chat import ServingChat
 from mnemojax.serving.completions import ServingCompletion
 from mnemojax.serving.config import ServerConfig
@@ -197,8 +197,12 @@ def build_app(llm: EngineClient, config: ServerConfig | None = None, **overrides
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
-        """Admin (behind the API key): forgets every cached KV page; later requests compute their prompts again."""
-        return {"num_cached_pages_reset": await llm.reset_prefix_cache()}
+        """Admin (behind the API key): forgets every cached KV page; later requests compute their prompts again. A
+        stopped engine is a 500 that says so (as for a completion)."""
+        try:
+            return {"num_cached_pages_reset": await llm.reset_prefix_cache()}
+        except EngineDeadError:
+            raise APIError(500, ENGINE_STOPPED) from None
 
     @app.get("/v1/models")
     async def models():

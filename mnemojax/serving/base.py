@@ -12,6 +12,7 @@ queue of per-step outputs.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import json
 import logging
@@ -24,10 +25,10 @@ from fastapi.responses import Response, StreamingResponse
 
 from mnemojax.engine.async_llm import EngineClient, EngineDeadError
 from mnemojax.scheduling.outputs import CompletionOutput, RequestOutput
-from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
+from mnemojax.scheduling.sampling_params import _MAX_SEED, ParamError, RequestOutputKind, SamplingParams
 from mnemojax.serving.config import ServerConfig
 from mnemojax.serving.metrics import ServerMetrics
-from models.tokenizer import ByteTokenizer
+from models.tokenizer import ByteTokenizer, special_ids, token_bytes_fn
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,43 @@ def top_entries(d: dict[int, float], k: int, token: int) -> list[tuple[int, floa
     order), and `token`'s own after them if it is not among them."""
     top = list(d.items())[:k]
     return top if any(t == token for t, _ in top) else top + [(token, d[token])]
+
+
+class TextOffsets:
+    """Where each token's text starts in the text its tokens decode to, token by token, as the engine's
+    `Detokenizer` makes that text (for byte-level tokenizers: the tokens' bytes decoded as UTF-8, what is not UTF-8
+    as U+FFFD): the index of the character its first byte is in. A token that continues a character starts where
+    that character does; a special token is its text, or nothing when the text skips it. Offsets never decrease."""
+
+    def __init__(self, tokenizer, token_bytes, skip_special_tokens: bool, special: frozenset[int]):
+        self._tokenizer, self._token_bytes = tokenizer, token_bytes
+        self._skip, self._special = skip_special_tokens, special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.chars = 0  # characters made whole so far
+
+    def add(self, tid: int) -> int:
+        """Token `tid`'s start; then its text counts."""
+        if self._tokenizer is None:
+            return 0  # no tokenizer: no text
+        if tid in self._special:
+            if self._skip:
+                return self.chars
+            # it ends the bytes before it (U+FFFD if they are no whole character), then is its own text
+            self.chars += len(self._utf8.decode(b"", final=True))
+            self._utf8.reset()
+            start = self.chars
+            self.chars += len(self._tokenizer.decode([tid], skip_special_tokens=False))
+            return start
+        data = self._token_bytes(tid)
+        pending = self._utf8.getstate()[0]  # the bytes of a character not whole yet
+        start = self.chars
+        if pending and data:
+            try:  # does the token's first byte continue that character?
+                codecs.getincrementaldecoder("utf-8")("strict").decode(pending + data[:1])
+            except UnicodeDecodeError:  # no: that character is a U+FFFD, and the token starts after it
+                start += 1
+        self.chars += len(self._utf8.decode(data))
+        return start
 
 
 def sse(obj) -> str:
@@ -128,6 +166,8 @@ class Choice:
     taken_chars: int = 0  # characters of text taken so far
     done: bool = False  # its engine request has ended (finished, failed or aborted)
     emptied: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set while nothing is pending
+    offsets: TextOffsets | None = None  # a stream's text offsets of the tokens taken so far (completion logprobs)
+    last_offset: int = 0  # the last text offset a stream showed
 
     def receive(self, out: RequestOutput) -> None:
         if out.prompt_logprobs:
@@ -167,6 +207,13 @@ class OpenAIServing:
         self.state = state
         self.llm = state.llm
         self.tokenizer = state.llm.tokenizer
+        tok = self.tokenizer
+        self.token_bytes = None if tok is None else token_bytes_fn(tok)
+        self.special_ids = frozenset() if tok is None else special_ids(tok)
+
+    def text_offsets(self, params: SamplingParams) -> TextOffsets:
+        """A fresh `TextOffsets` for text decoded as `params` asks (special tokens skipped or written)."""
+        return TextOffsets(self.tokenizer, self.token_bytes, params.skip_special_tokens, self.special_ids)
 
     # ------------------------------------------------------------ admission
     def check_model(self, model: str | None) -> None:
@@ -196,6 +243,9 @@ class OpenAIServing:
         with a seed, choice j draws with seed + j (choice 0 equals the same request with n = 1). `choice_fields`
         go to every `Choice`."""
         self.check_limits(base, len(prompts), n)
+        if base.seed is not None and base.seed + n - 1 >= _MAX_SEED:
+            raise APIError(400, f"seed: with n = {n}, choice j draws with seed + j, which must be below 2**63, so seed "
+                                f"must be at most 2**63 - {n} = {_MAX_SEED - n}; got {base.seed}", "seed")
         base = dataclasses.replace(base, output_kind=RequestOutputKind.DELTA)
         params = [base if base.seed is None else dataclasses.replace(base, seed=base.seed + j) for j in range(n)]
         choices: list[Choice] = []

@@ -22,13 +22,19 @@ class ServingChat(OpenAIServing):
             raise bad_request(e) from None
         prompt_ids = self.render(body.messages, body.add_generation_prompt)
         max_tokens = body.token_limit
-        if max_tokens is None:
-            max_tokens = max(self.llm.max_model_len - len(prompt_ids), 1)
+        if max_tokens is None:  # the room left in what one request can hold (max_model_len, or the KV pages' tokens)
+            max_tokens = max(self.llm.max_request_tokens - len(prompt_ids), 1)
         try:
             params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         except ValueError as e:
             raise bad_request(e) from None
-        choices = self.admit([prompt_ids], params, body.n, show_prompt_logprobs=body.prompt_logprobs)
+        try:
+            choices = self.admit([prompt_ids], params, body.n, show_prompt_logprobs=body.prompt_logprobs)
+        except APIError as e:
+            if e.param != "prompt":
+                raise
+            # the prompt is the messages through the chat template: name the field the client sent
+            raise APIError(e.status, f"messages (through the chat template): {e.message}", "messages") from None
         return await self.respond(request, body.stream, body.include_usage, choices)
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
@@ -52,9 +58,9 @@ class ServingChat(OpenAIServing):
             return None
         top = c.params.logprobs  # top_logprobs
 
-        def entry(t, lp):
-            s = self.token_text(t)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "surrogatepass"))}
+        def entry(t, lp):  # `bytes`: the token's own bytes (a piece of a character included), null without a tokenizer
+            return {"token": self.token_text(t), "logprob": lp,
+                    "bytes": None if self.token_bytes is None else list(self.token_bytes(t))}
 
         return {"content": [{**entry(t, d[t]), "top_logprobs": [entry(k, v) for k, v in list(d.items())[:top]]}
                             for t, d in zip(ids, lps)]}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from mnemojax.scheduling.outputs import CompletionOutput
-from mnemojax.serving.base import APIError, Choice, OpenAIServing, bad_request, top_entries
+from mnemojax.serving.base import APIError, Choice, OpenAIServing, TextOffsets, bad_request, top_entries
 from mnemojax.serving.protocol import CompletionRequest
 
 
@@ -38,41 +38,52 @@ class ServingCompletion(OpenAIServing):
                              discard_output=max_tokens == 0)
         return await self.respond(request, body.stream, body.include_usage, choices)
 
-    def logprobs(self, c: Choice, ids: list[int], lps: list[dict | None], offset: int,
-                 widths: list[int] | None = None) -> dict | None:
-        """OpenAI's completion logprobs of tokens `ids` whose text starts at `offset` of the choice's text; an entry
-        of `lps` that is None (the prompt's first token) gives null log-prob and top entries. `widths`: each token's
-        characters in the text (default: its `token_text`'s)."""
+    def logprobs(self, c: Choice, ids: list[int], lps: list[dict | None], offsets: list[int]) -> dict | None:
+        """OpenAI's completion logprobs of tokens `ids`, whose text starts at `offsets` of the choice's text; an entry
+        of `lps` that is None (the prompt's first token) gives null log-prob and top entries."""
         if c.params.logprobs is None:
             return None
-        tokens = [self.token_text(t) for t in ids]
-        offsets = []
-        for i, t in enumerate(tokens):
-            offsets.append(offset)
-            offset += len(t) if widths is None else widths[i]
-        return {"tokens": tokens, "token_logprobs": [None if d is None else d[t] for t, d in zip(ids, lps)],
+        return {"tokens": [self.token_text(t) for t in ids],
+                "token_logprobs": [None if d is None else d[t] for t, d in zip(ids, lps)],
                 "top_logprobs": [None if d is None else {self.token_text(k): v for k, v in d.items()} for d in lps],
                 "text_offset": offsets}
 
+    @staticmethod
+    def offsets(tracker: TextOffsets, ids: list[int], base: int, floor: int, end: int) -> list[int]:
+        """Where tokens `ids` start in the choice's text: `base` (where their text starts) plus what `tracker`, which
+        has read the tokens before them, says; never below `floor` (the previous token's) nor past `end` (the text
+        so far: a stop string cut from the text, or held back, leaves its tokens at the end)."""
+        out = []
+        for t in ids:
+            floor = min(max(base + tracker.add(t), floor), end)
+            out.append(floor)
+        return out
+
     def stream_choice(self, c: Choice, new: CompletionOutput, offset: int) -> dict:
-        lps = self.logprobs(c, new.token_ids, new.logprobs or [], offset)
+        lps = None
+        if c.params.logprobs is not None:
+            if c.offsets is None:
+                c.offsets = self.text_offsets(c.params)
+            offsets = self.offsets(c.offsets, new.token_ids, 0, c.last_offset, offset + len(new.text))
+            c.last_offset = offsets[-1] if offsets else c.last_offset
+            lps = self.logprobs(c, new.token_ids, new.logprobs or [], offsets)
         return {"index": c.index, "text": new.text, "logprobs": lps, "finish_reason": new.finish_reason,
                 "stop_reason": new.stop_reason}
 
     def whole_choice(self, c: Choice, whole: CompletionOutput) -> dict:
-        if not c.echo:
-            return {**self.stream_choice(c, whole, 0), "prompt_logprobs": self.prompt_logprobs(c)}
-        skip = c.params.skip_special_tokens
-        prompt = self.tokenizer.decode(c.prompt_ids, skip_special_tokens=skip)
+        prompt = self.tokenizer.decode(c.prompt_ids, skip_special_tokens=c.params.skip_special_tokens) if c.echo else ""
+        text = prompt + whole.text
         lps = None
         if c.params.logprobs is not None:
-            special = set(self.tokenizer.all_special_ids) if skip else set()
-            widths = [0 if t in special else len(self.token_text(t)) for t in c.prompt_ids]
-            # The engine may have computed more top entries for the prompt (`prompt_logprobs`) than `logprobs` shows.
-            plps = [None if d is None else dict(top_entries(d, c.params.logprobs, t))
-                    for t, d in zip(c.prompt_ids, c.prompt_logprobs)]
-            lps = self.logprobs(c, c.prompt_ids, plps, 0, widths)
-            gen = self.logprobs(c, whole.token_ids, whole.logprobs or [], len(prompt))
-            lps = {k: lps[k] + gen[k] for k in lps}
-        return {"index": c.index, "text": prompt + whole.text, "logprobs": lps, "finish_reason": whole.finish_reason,
+            at = self.offsets(self.text_offsets(c.params), whole.token_ids, len(prompt), len(prompt), len(text))
+            lps = self.logprobs(c, whole.token_ids, whole.logprobs or [], at)
+            if c.echo:
+                # The engine may have computed more top entries for the prompt (`prompt_logprobs`) than `logprobs`
+                # shows.
+                plps = [None if d is None else dict(top_entries(d, c.params.logprobs, t))
+                        for t, d in zip(c.prompt_ids, c.prompt_logprobs)]
+                at = self.offsets(self.text_offsets(c.params), c.prompt_ids, 0, 0, len(prompt))
+                echoed = self.logprobs(c, c.prompt_ids, plps, at)
+                lps = {k: echoed[k] + lps[k] for k in lps}
+        return {"index": c.index, "text": text, "logprobs": lps, "finish_reason": whole.finish_reason,
                 "stop_reason": whole.stop_reason, "prompt_logprobs": self.prompt_logprobs(c)}

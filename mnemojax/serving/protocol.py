@@ -159,7 +159,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, description=f"top log-probs per token, 0..{MAX_LOGPROBS} (with "
+                                                               f"logprobs)")
     add_generation_prompt: bool = True
 
     def check(self) -> None:
@@ -167,6 +168,9 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ParamError("messages", "messages must not be empty")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs to be true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ParamError("top_logprobs",
+                             f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}")
         for name in ("max_completion_tokens", "max_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -174,7 +178,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @property
     def token_limit(self) -> int | None:
-        """`max_completion_tokens` (OpenAI's newer name), else `max_tokens`; None: the rest of max_model_len."""
+        """`max_completion_tokens` (OpenAI's newer name), else `max_tokens`; None: the rest of what a request can
+        hold (`EngineClient.max_request_tokens`)."""
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
 

@@ -1,12 +1,13 @@
 """AsyncLLM: concurrent streams equal the offline results, aborts free pages, bad input is answered alone."""
 import asyncio
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
 
 from mnemojax import LLM, SamplingParams
-from mnemojax.engine.async_llm import AsyncLLM
+from mnemojax.engine.async_llm import AsyncLLM, EngineDeadError
 from mnemojax.scheduling.sampling_params import RequestOutputKind
 
 KW = dict(max_model_len=128, page_size=4, chunk_size=16, max_num_batched_tokens=32)
@@ -165,3 +166,72 @@ def test_prefix_cache_stats_and_reset():
         assert second.outputs[0].token_ids == first.outputs[0].token_ids == third.outputs[0].token_ids
     finally:
         llm.shutdown()
+
+
+def test_generate_and_reset_after_shutdown_raise_instead_of_hanging():
+    """After `shutdown()` no engine thread reads the command queue: a new request or cache reset raises
+    `EngineDeadError` at once instead of waiting for ever. (No step runs: nothing is compiled.)"""
+    llm = AsyncLLM("tiny", **KW, precompile=False)
+    llm.shutdown()
+    assert not llm.is_alive
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="engine thread has stopped"):
+            await _collect(llm, [1, 2, 3], SamplingParams(max_tokens=2))
+        with pytest.raises(EngineDeadError):
+            await llm.reset_prefix_cache()
+        assert llm.num_active == 0 and llm.num_waiting == 0
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_commands_queued_when_the_engine_fails_are_answered():
+    """Commands queued while the engine thread is inside the step that fails (a cache reset, a new request) and
+    the request in flight all get `EngineDeadError` (the failure as its cause), not a wait for ever; later ones
+    raise at once."""
+    llm = AsyncLLM("tiny", **KW, precompile=False)
+    stepping, fail = threading.Event(), threading.Event()
+
+    def failing_step():
+        stepping.set()
+        fail.wait(10)
+        raise RuntimeError("device lost")
+
+    llm.engine.step = failing_step
+
+    async def main():
+        in_flight = asyncio.ensure_future(_collect(llm, [1, 2, 3], SamplingParams(max_tokens=4)))
+        while not stepping.is_set():
+            await asyncio.sleep(0.01)
+        reset = asyncio.ensure_future(llm.reset_prefix_cache())
+        queued = asyncio.ensure_future(_collect(llm, [4, 5], SamplingParams(max_tokens=2)))
+        await asyncio.sleep(0.05)  # both are queued behind the step
+        assert llm.engine.requests.keys() == {"req-0"} and llm._commands.qsize() == 2
+        fail.set()
+        results = await asyncio.gather(in_flight, reset, queued, return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert all(isinstance(r.__cause__, RuntimeError) for r in results)
+        with pytest.raises(EngineDeadError):
+            await llm.reset_prefix_cache()
+        with pytest.raises(EngineDeadError):
+            await _collect(llm, [6], SamplingParams(max_tokens=2))
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 20))
+    finally:
+        fail.set()
+        llm.shutdown()
+
+
+def test_max_request_tokens_is_what_the_kv_pages_hold(async_llm):
+    """`max_request_tokens`: the most tokens one request can hold, which the engine's checks accept and one more
+    they refuse: max_model_len, or fewer when the KV pages hold fewer (15 usable pages of 4 tokens: 60)."""
+    assert async_llm.max_request_tokens == async_llm.max_model_len == 128
+    small = AsyncLLM("tiny", **{**KW, "num_pages": 16}, precompile=False)
+    try:
+        assert small.max_request_tokens == 60
+        small.validate(list(range(1, 11)), SamplingParams(max_tokens=50))
+        with pytest.raises(ValueError, match="KV pages"):
+            small.validate(list(range(1, 11)), SamplingParams(max_tokens=51))
+    finally:
+        small.shutdown()

@@ -176,11 +176,11 @@ def test_cache_manager_counts_span_and_capacity():
     kv = KVCacheManager(3, 9, 4)  # 8 usable pages (32 tokens) per rank
     assert (kv.num_ranks, kv.num_usable, kv.num_used) == (3, 24, 0)
     assert kv.span() == 32
-    assert kv.capacity_error(32) is None
+    assert kv.capacity_error(32) is None and kv.max_request_tokens() == 32
     assert "needs 9 KV pages" in kv.capacity_error(33)  # no limit: a request stays on one rank
     kv = KVCacheManager(3, 9, 4, max_tokens_per_rank=12)
     assert kv.span() == 12
-    assert kv.capacity_error(36) is None
+    assert kv.capacity_error(36) is None and kv.max_request_tokens() == 36
     assert "exceeds" in kv.capacity_error(37)
     assert KVCacheManager(2, 3, 4, max_tokens_per_rank=40).span() == 8  # a limit above the pool: the pool
 

@@ -160,6 +160,8 @@ def test_sse_wire_format_ends_with_done(url):
     (dict(prompt=[5, 99999]), "prompt", "outside the vocabulary"),
     (dict(prompt="a", presence_penalty=0.5), "presence_penalty", "not supported"),
     (dict(prompt="a", logprobs=21), "logprobs", "between 0 and 20"),
+    # choice j draws with seed + j, which must stay below 2**63 (not a 500 from the last choice's seed)
+    (dict(prompt="a", n=2, seed=2**63 - 1), "seed", r"at most 2\*\*63 - 2"),
 ])
 def test_bad_completion_input_is_400_naming_the_field(client, kw, param, match):
     kw = {"model": "tiny", "max_tokens": 4, **kw}
@@ -172,11 +174,62 @@ def test_bad_completion_input_is_400_naming_the_field(client, kw, param, match):
 def test_bad_chat_input_is_400(client):
     with pytest.raises(openai.BadRequestError, match="messages must not be empty"):
         client.chat.completions.create(model="tiny", messages=[])
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+    # the prompt is the messages through the chat template: the error names the field the client sent
+    with pytest.raises(openai.BadRequestError, match="max_tokens") as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=500)
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match="max_model_len") as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 200}])
+    assert e.value.body["param"] == "messages"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user"}], temperature="hot")
     assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError, match="between 0 and 20") as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                       logprobs=True, top_logprobs=50)
+    assert e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError, match=r"at most 2\*\*63 - 3") as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=2, n=3,
+                                       seed=2**63 - 2)
+    assert e.value.body["param"] == "seed"
+
+
+def test_chat_logprob_bytes_are_the_tokens_bytes(client):
+    """A chat logprob's `bytes` are the token's own bytes (a token that is a piece of a UTF-8 character included,
+    shown as `bytes:\\xNN`), so that joined they are the content's bytes."""
+    got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
+                                         max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+                                         logprobs=True, top_logprobs=2)
+    content = got.choices[0].logprobs.content
+    pieces = [t for t in content if t.token.startswith("bytes:")]
+    assert pieces, "the tiny model's output has no byte that is not UTF-8 alone: the check below is weaker"
+    assert all(t.bytes == [int(t.token[len("bytes:\\x"):], 16)] for t in pieces)
+    assert bytes(b for t in content for b in t.bytes).decode("utf-8", "replace") == got.choices[0].message.content
+    tops = [top for t in content for top in t.top_logprobs]
+    assert all(top.bytes == list(top.token.encode()) for top in tops if not top.token.startswith("bytes:"))
+    assert all(top.bytes == [int(top.token[len("bytes:\\x"):], 16)] for top in tops if top.token.startswith("bytes:"))
+
+
+def test_text_offset_is_each_tokens_start_in_text(client):
+    """Completion logprobs' text_offset indexes into `text`: a token that continues a UTF-8 character starts where
+    that character does, and a byte that is no character is one U+FFFD (not the 10 characters of its token string
+    `bytes:\\xNN`). The prompt "é€x" echoed: BOS (skipped, width 0), é = c3 a9, € = e2 82 ac, x."""
+    tok = ByteTokenizer()
+    got = client.completions.create(model="tiny", prompt="é€x", echo=True, max_tokens=12, temperature=0,
+                                    logprobs=0, extra_body={"ignore_eos": True}).choices[0]
+    text, tokens, offsets = got.text, got.logprobs.tokens, got.logprobs.text_offset
+    assert tokens[:7] == ["<|begin_of_text|>", "bytes:\\xc3", "bytes:\\xa9", "bytes:\\xe2", "bytes:\\x82",
+                          "bytes:\\xac", "x"]
+    assert offsets[:7] == [0, 0, 0, 1, 1, 1, 2] and text.startswith("é€x")
+    # the generated tokens (the tiny model's output is mostly bytes that are not UTF-8): each starts where the text
+    # of the tokens before it ends, or one character earlier when it continues that text's last character
+    generated = [int(t[len("bytes:\\x"):], 16) if t.startswith("bytes:\\x") else tok.encode(t, False)[0]
+                 for t in tokens[7:]]
+    assert any(t.startswith("bytes:") for t in tokens[7:])
+    for i, o in enumerate(offsets[7:]):
+        before = "é€x" + tok.decode(generated[:i])
+        assert o in (len(before), len(before) - 1) and text[:o] == before[:o], (i, tokens[7 + i], o, before)
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
 
 
 def test_malformed_json_invalid_utf8_wrong_types_and_oversized_bodies(url):
@@ -369,7 +422,8 @@ def test_kv_memory_fraction_needs_a_device_that_reports_memory():
 
 def test_engine_failure_is_answered_not_hung():
     """If the engine itself fails, every caller gets an answer: a stream ends with an error event and [DONE],
-    a whole response is a 500, and /health says so."""
+    a whole response is a 500, so is the admin /reset_prefix_cache (it hung: its command waited for an engine
+    thread that was gone), and /health says so."""
     broken = AsyncLLM("tiny", max_model_len=64, page_size=4, chunk_size=16, max_num_batched_tokens=32)
     calls = 0
     step = broken.engine.step
@@ -395,6 +449,8 @@ def test_engine_failure_is_answered_not_hung():
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
         assert r.status_code == 500 and "engine thread has stopped" in r.json()["error"]["message"]
         assert "device lost" not in r.text
+        r = httpx.post(f"{s.url}/reset_prefix_cache", timeout=10)
+        assert r.status_code == 500 and "engine thread has stopped" in r.json()["error"]["message"]
         assert httpx.get(f"{s.url}/health").status_code == 500
     finally:
         s.stop()
@@ -418,9 +474,13 @@ def test_hugging_face_checkpoint_uses_its_tokenizer_chat_template(tmp_path):
         assert ids.count(tok.bos_token_id) == 1
         ref = LLM(path, **kw).generate([ids], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
         c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
-        got = c.chat.completions.create(model="llama", messages=messages, max_tokens=8, temperature=0)
+        got = c.chat.completions.create(model="llama", messages=messages, max_tokens=8, temperature=0, logprobs=True)
         assert got.usage.prompt_tokens == len(ids)
         assert got.choices[0].message.content == ref.text
+        # logprob `bytes`: a byte-level BPE token's own bytes (its symbols back through the byte table; this
+        # tokenizer's ids 0..255 are the bytes), not the UTF-8 of its token string (0xc3 is "Ã" there)
+        assert [t.bytes for t in got.choices[0].logprobs.content] == \
+            [[i] if i < 256 else list(tok.decode([i], skip_special_tokens=False).encode()) for i in ref.token_ids]
     finally:
         s.stop()
         served.shutdown()

@@ -64,6 +64,55 @@ def test_n_choices_and_several_prompts(served):
     assert r["usage"]["prompt_tokens"] == 3  # each prompt counted once, whatever n
 
 
+def _offsets(client, body):
+    """The whole response's (text, tokens, text_offset), and the text_offset of its stream, which (checked here)
+    never decreases nor points past the text streamed so far."""
+    c = client.post("/v1/completions", json=body).json()["choices"][0]
+    streamed, text = [], ""
+    for e in _events(client, "/v1/completions", body):
+        if e["choices"]:
+            text += e["choices"][0]["text"]
+            streamed += e["choices"][0]["logprobs"]["text_offset"]
+            assert streamed == sorted(streamed) and all(o <= len(text) for o in streamed), (text, streamed)
+    assert text == c["text"]
+    return c["text"], c["logprobs"]["tokens"], c["logprobs"]["text_offset"], streamed
+
+
+def test_text_offset_indexes_into_text_for_tokens_that_are_not_utf8_alone(served):
+    """text_offset is where each token starts in `text`, not a sum of the lengths of the token strings (a byte that
+    is no whole character is shown as `bytes:\\xNN`, 10 characters, and is one U+FFFD in the text)."""
+    _, client = served
+    # after "}" (0x7d): "~", DEL, then 0x80 and 0x81, each not UTF-8 and one U+FFFD in the text
+    text, tokens, whole, streamed = _offsets(client, {"prompt": [0x7d], "max_tokens": 4, "logprobs": 0})
+    assert text == "~\x7f\ufffd\ufffd"
+    assert tokens == ["~", "\x7f", "bytes:\\x80", "bytes:\\x81"]
+    assert whole == streamed == [0, 1, 2, 3]
+    # after 0xbf: 0xc0 and 0xc1 (never UTF-8), then 0xc2 (the start of a character the output ends inside). The
+    # stream holds the text back until a whole character follows (here: the end), so 0xc1, whose U+FFFD is not
+    # streamed yet when it is, starts at the end of the text so far there.
+    text, tokens, whole, streamed = _offsets(client, {"prompt": [0xbf], "max_tokens": 3, "logprobs": 0})
+    assert text == "\ufffd" * 3 and whole == [0, 1, 2] and streamed == [0, 0, 2]
+    # a stop string cut from the text leaves the tokens that made it at the text's end
+    text, _, whole, streamed = _offsets(client, {"prompt": "ab", "max_tokens": 5, "stop": "de", "logprobs": 0})
+    assert text == "c" and whole == streamed == [0, 1, 1]
+
+
+def test_chat_default_max_tokens_is_what_the_kv_pages_hold():
+    """Without max_tokens a chat request gets the rest of what a request can hold: max_model_len, or the KV pages'
+    tokens when they hold fewer (the rest of max_model_len would always be a 400)."""
+    engine = MockEngine(max_model_len=64, kv_tokens=40)
+    with TestClient(build_app(engine, served_model_name="m")) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        prompt = r.json()["usage"]["prompt_tokens"]
+        assert prompt == 27 and engine.requests[0][1].max_tokens == 40 - prompt
+        assert r.json()["usage"]["completion_tokens"] == 13
+        # a conversation the KV pages cannot hold names the field the client sent
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 20}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "KV pages" in r.json()["error"]["message"]
+
+
 def test_chat_whole_and_streamed(served):
     _, client = served
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 1}
