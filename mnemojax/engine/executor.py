@@ -73,7 +73,7 @@ class RowSampling:
     temperature: jax.Array  # f32[R] 0 => greedy
     top_k: jax.Array  # i32[R] <= 0 => disabled
     top_p: jax.Array  # f32[R]
-    seeds: jax.Array  # u32[R]
+    seeds: jax.Array  # u32[R, 2] the seed's high and low words (its threefry key, `sampler.seed_words`)
     steps: jax.Array  # i32[R] index of the generated token (keys the sampler's random stream)
     targets: jax.Array  # i32[R] prompt token scored by this row; -1 => score the sampled token
     want_top: jax.Array  # bool[R] its request asked for top log-probs (else the vocabulary top-k is skipped)
@@ -416,7 +416,7 @@ class Executor:
             # it to the vocabulary), a temperature past float32's range is its largest (a flat distribution);
             # valid requests of either kind must not overflow the cast and fail the step.
             samp[rank].append((0.0 if p.greedy else min(p.temperature, _F32_MAX), min(p.top_k, _I32_MAX), p.top_p,
-                               req.seed & 0xFFFFFFFF, step, target, bool(num_top)))
+                               (req.seed >> 32, req.seed & 0xFFFFFFFF), step, target, bool(num_top)))
 
         def place(chunk_i, ch, rank, span_i, t0, is_shared, logits):
             req, s, n = ch.request, ch.start, ch.num_tokens
@@ -480,6 +480,7 @@ class Executor:
         R = self.logits_rows(T, max(len(x) for x in rows))
         pad_rows = np.zeros((K, R), np.int32)
         cols = [np.zeros((K, R), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool)]
+        cols[3] = np.zeros((K, R, 2), np.uint32)  # seeds: (high, low) words
         cols[2][:] = 1.0  # top_p
         cols[5][:] = -1  # targets
         for r in range(K):

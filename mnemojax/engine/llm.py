@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
@@ -38,9 +39,9 @@ class LLM:
         `prompts` is a string, a list of token ids, or a list of either. Every prompt is validated before any
         is queued: a bad one raises ValueError (naming the field and the limit) and nothing is left behind.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1 or (
+                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)):
+            prompts = [prompts]  # one prompt (token ids: Python or numpy integers, or a 1-D array)
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

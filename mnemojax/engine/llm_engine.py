@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import numbers
 import os
 import random
 import time
@@ -13,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.engine.executor import Executor, Launched
@@ -213,7 +215,18 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ParamError("prompt", f"model {self.config.model!r} has no tokenizer: give prompts as token ids")
             return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
+        try:
+            ids = list(prompt)
+        except TypeError:
+            raise ParamError("prompt", f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}") \
+                from None
+        if all(type(t) is int for t in ids):
+            return ids
+        for i, t in enumerate(ids):  # numpy integers are ids too; a float or a bool is not (no silent int())
+            if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_)):
+                raise ParamError("prompt", f"prompt token ids must be integers; index {i} is {t!r} "
+                                           f"({type(t).__name__})")
+        return [int(t) for t in ids]
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError naming the field and the limit; changes nothing."""

@@ -6,7 +6,9 @@ compiled step serves any mix of greedy and sampled requests.
 Semantics (vLLM's, stated exactly):
   * greedy rows (temperature < `GREEDY_TEMPERATURE`) take `argmax(logits)`, the first index on ties;
   * other rows: logits / temperature, then top-k, then top-p on the renormalized top-k distribution,
-    then one draw `categorical(fold_in(key(uint32(seed)), step), filtered, mode="high")`;
+    then one draw `categorical(fold_in(key(seed), step), filtered, mode="high")`, where key(seed) is the
+    threefry key of the 64-bit seed, words [seed >> 32, seed & 0xFFFFFFFF] (what `jax.random.key(seed)` gives
+    with 64-bit integers on; for a seed below 2**32, exactly `jax.random.key(seed)`);
   * top-k keeps every token whose logit is >= the k-th largest, so tokens tied with the k-th are all
     kept (as vLLM does); top-p keeps the fewest most-likely tokens whose cumulative probability reaches
     top_p (at least one), plus any token tied with the last one kept (vLLM cuts top-p by sorted
@@ -92,16 +94,23 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.where(keys >= threshold[:, None], logits, -jnp.inf)
 
 
+def seed_words(seeds: jax.Array) -> jax.Array:
+    """u32[N, 2] threefry key words (high, low) of `seeds`: u32 or i32 [N] (32-bit seeds: the high word is 0; i32
+    bits are read as u32, so -1 == 0xFFFFFFFF) or [N, 2] (the words of 64-bit seeds, as they are)."""
+    seeds = seeds.astype(jnp.uint32)
+    return seeds if seeds.ndim == 2 else jnp.stack([jnp.zeros_like(seeds), seeds], axis=-1)
+
+
 def _draw(filtered: jax.Array, seeds: jax.Array, steps: jax.Array) -> jax.Array:
     """One categorical draw per row from `filtered` logits, keyed only by the row's (seed, step)."""
 
-    def one(row, seed, step):
-        key = jax.random.fold_in(jax.random.key(seed), step)
+    def one(row, words, step):
+        key = jax.random.fold_in(jax.random.wrap_key_data(words, impl="threefry2x32"), step)
         # "high" gumbel noise samples tokens down to probability ~1e-14 without bias ("low", the default,
         # stops near 1e-7); naming it also keeps draws stable if the library default changes.
         return jax.random.categorical(key, row, mode="high")
 
-    return jax.vmap(one)(filtered, seeds.astype(jnp.uint32), steps.astype(jnp.uint32)).astype(jnp.int32)
+    return jax.vmap(one)(filtered, seed_words(seeds), steps.astype(jnp.uint32)).astype(jnp.int32)
 
 
 def sample(
@@ -115,8 +124,9 @@ def sample(
     """Pick the next token of each row.
 
     logits f32[N, V]; temperature f32[N] (< GREEDY_TEMPERATURE, e.g. 0 => greedy argmax);
-    top_k i32[N] (<= 0 => disabled); top_p f32[N] (>= 1.0 => disabled); seeds u32 or i32 [N] (per-request
-    seed; the 32 bits are read as uint32, so i32 -1 == u32 0xFFFFFFFF); steps i32[N] (index of the token
+    top_k i32[N] (<= 0 => disabled); top_p f32[N] (>= 1.0 => disabled); seeds: per-request seed, u32 or i32 [N]
+    (32 bits, read as uint32, so i32 -1 == u32 0xFFFFFFFF) or u32[N, 2] (a 64-bit seed's high and low words,
+    `seed_words`); steps i32[N] (index of the token
     being generated, so the same (seed, step) gives the same token however requests are batched).
     Returns i32[N] token ids.
     """

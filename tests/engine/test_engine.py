@@ -197,12 +197,43 @@ def test_eos_stops_unless_ignored(ckpt, tmp_path):
     ([], SamplingParams(), "prompt must not be empty"),
     ([1, 320, 2], SamplingParams(), r"token id 320 .* vocabulary \[0, 320\)"),
     (list(range(200)), SamplingParams(max_tokens=100), r"max_model_len \(256\)"),
-])
+    # a float or a bool is no token id (it used to be int()-ed: 10.9 ran as token 10)
+    ([10.9, 20.5, 30.2], SamplingParams(), r"prompt token ids must be integers; index 0 is 10.9 \(float\)"),
+    ([5, True, 7], SamplingParams(), r"index 1 is True \(bool\)"),
+    ([5, np.bool_(True)], SamplingParams(), r"index 1 is .*True.* \(bool"),
+    ([5, None], SamplingParams(), r"index 1 is None"),
+], ids=["empty", "vocab", "max_model_len", "float", "bool", "numpy_bool", "none"])
 def test_bad_input_raises_and_engine_still_works(llm, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([[5, 6], prompt], params)
     assert not llm.engine.has_unfinished() and llm.engine.kv.num_used == 0
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
+def test_numpy_token_ids_are_one_prompt(llm):
+    """Token ids as numpy integers (`list(array)`) or a 1-D array are one prompt, as a list of ints is (each id
+    used to be taken for a prompt of its own, and the call died with a TypeError)."""
+    p = _prompts((7,), seed=3)[0]
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    want = llm.generate(p, greedy)[0].outputs[0].token_ids
+    for ids in (list(np.array(p, np.int64)), np.array(p, np.int32)):
+        out = llm.generate(ids, greedy)
+        assert len(out) == 1 and out[0].prompt_token_ids == p and out[0].outputs[0].token_ids == want
+    with pytest.raises(ValueError, match=r"prompts\[1\]: .*a prompt is a string or a sequence of token ids, got int"):
+        llm.generate([p, 5], greedy)
+
+
+def test_seeds_use_all_64_bits(llm):
+    """A seed is 64 bits wide: seed s and s + 2**32 draw different streams (the step used to key them by the low
+    32 bits only), and a seed below 2**32 draws as before (its key is jax.random.key(seed), checked in
+    tests/engine/test_sampler.py)."""
+    p = _prompts((9,), seed=4)[0]
+    draw = lambda s: llm.generate([p], SamplingParams(max_tokens=24, temperature=1.5, seed=s, ignore_eos=True))[0] \
+        .outputs[0].token_ids
+    a, c = draw(5), draw(6)
+    assert a != c  # the draw does depend on the seed here
+    assert draw(5 + 2**32) != a and draw(2**63 - 1) != draw(2**32 - 1)
+    assert draw(5) == a
 
 
 def test_sampling_values_past_the_step_columns_range_serve(llm):

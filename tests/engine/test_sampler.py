@@ -420,6 +420,33 @@ def test_key_is_fold_in_of_seed_and_step():
         assert tokens[i] == int(expected), i
 
 
+def test_64_bit_seeds_key_threefry_by_both_words():
+    """Seeds given as (high, low) u32 words (the engine's: a seed is 64 bits) key threefry with both words, so s
+    and s + 2**32 differ; a high word of 0 draws exactly as the 32-bit seed does, whose key jax.random.key(s) has
+    the words (0, s)."""
+    logits = np.random.default_rng(11).normal(size=(8, 1000)).astype(np.float32)
+    seeds = [5, 5 + 2**32, 2**32 - 1, 2**63 - 1, 2**40 + 7, 7, 0, 2**33]
+    words = np.array([(s >> 32, s & 0xFFFFFFFF) for s in seeds], np.uint32)
+    steps = np.arange(8, dtype=np.int32)
+    n = len(seeds)
+    tokens = np.asarray(_sample(logits, np.ones(n, np.float32), np.full(n, -1, np.int32), np.ones(n, np.float32),
+                                words, steps))
+    for i, (hi, lo) in enumerate(words):
+        key = jax.random.fold_in(jax.random.wrap_key_data(np.array([hi, lo], np.uint32), impl="threefry2x32"),
+                                 int(steps[i]))
+        assert tokens[i] == int(jax.random.categorical(key, jnp.asarray(logits[i]), mode="high")), i
+    low = [i for i, s in enumerate(seeds) if s < 2**32]
+    np.testing.assert_array_equal(tokens[low], run_sample(logits[low], 1.0, -1, 1.0, words[low, 1], steps[low]))
+    for s in (0, 5, 2**32 - 1):
+        np.testing.assert_array_equal(jax.random.key_data(jax.random.key(s)), [0, s])
+    # the same row with seeds 5 and 5 + 2**32 (step 0): 16 draws each, all alike only if the high word were lost
+    rows = np.broadcast_to(logits[:1], (32, 1000))
+    pair = np.array([(0, 5)] * 16 + [(1, 5)] * 16, np.uint32)
+    drawn = np.asarray(_sample(rows, np.ones(32, np.float32), np.full(32, -1, np.int32), np.ones(32, np.float32),
+                               pair, np.tile(np.arange(16, dtype=np.int32), 2)))
+    assert list(drawn[:16]) != list(drawn[16:])
+
+
 def test_int32_and_uint32_seeds_agree_bitwise():
     logits = np.zeros((16, 1000), np.float32)
     seeds_u = np.array([0, 1, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1] + list(range(5, 15)), np.uint32)
