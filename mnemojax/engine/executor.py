@@ -549,7 +549,7 @@ class Executor:
         a multi-host follower receives into; read only, so cached per shape)."""
         mb = self.prepare(StepPlan([], []), T)
         stages = jax.tree.map(lambda a: np.zeros((a.shape[0], self.spp) + a.shape[1:], a.dtype), mb.batch)
-        samp = jax.tree.map(lambda a: np.zeros((self.kvp, R), a.dtype), mb.sampling)
+        samp = jax.tree.map(lambda a: np.zeros((self.kvp, R) + a.shape[2:], a.dtype), mb.sampling)  # seeds: [.., 2]
         return stages, np.zeros((self.kvp, R), np.int32), samp, mb.src
 
     def put(self, T: int, packed: tuple[np.ndarray, Packing]):
