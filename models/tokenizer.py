@@ -134,10 +134,9 @@ def token_bytes_fn(tokenizer) -> Callable[[int], bytes]:
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.token_bytes
     specials = special_ids(tokenizer)
-    try:
-        byte_level = b'"type":"ByteLevel"' in tokenizer.backend_tokenizer.decoder.__getstate__()
-    except Exception:  # noqa: BLE001 - a slow tokenizer, or one with no decoder
-        byte_level = False
+    # a slow tokenizer has no backend_tokenizer, and a fast one may have no decoder
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    byte_level = decoder is not None and b'"type":"ByteLevel"' in decoder.__getstate__()
     table = {c: b for b, c in bytes_to_unicode().items()}
 
     def token_bytes(tid: int) -> bytes:

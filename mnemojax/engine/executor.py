@@ -479,8 +479,8 @@ class Executor:
 
         R = self.logits_rows(T, max(len(x) for x in rows))
         pad_rows = np.zeros((K, R), np.int32)
-        cols = [np.zeros((K, R), d) for d in (np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool)]
-        cols[3] = np.zeros((K, R, 2), np.uint32)  # seeds: (high, low) words
+        cols = [np.zeros((K, R) + (2,) * (j == 3), d)  # seeds (column 3): (high, low) words
+                for j, d in enumerate((np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool))]
         cols[2][:] = 1.0  # top_p
         cols[5][:] = -1  # targets
         for r in range(K):

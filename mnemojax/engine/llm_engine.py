@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.engine.executor import Executor, Launched
@@ -223,7 +222,7 @@ class LLMEngine:
         if all(type(t) is int for t in ids):
             return ids
         for i, t in enumerate(ids):  # numpy integers are ids too; a float or a bool is not (no silent int())
-            if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_)):
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
                 raise ParamError("prompt", f"prompt token ids must be integers; index {i} is {t!r} "
                                            f"({type(t).__name__})")
         return [int(t) for t in ids]

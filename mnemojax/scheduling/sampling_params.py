@@ -16,7 +16,7 @@ MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are treated as 0 (greedy argmax), as in vLLM (`_SAMPLING_EPS`)."""
 
-_MAX_SEED = 2**63
+MAX_SEED = 2**63
 
 
 class RequestOutputKind(enum.Enum):
@@ -123,7 +123,7 @@ class SamplingParams:
         if self.seed is not None:
             if not _is_int(self.seed):
                 raise ParamError("seed", f"seed must be an int or None, got {self.seed!r}")
-            if not 0 <= self.seed < _MAX_SEED:
+            if not 0 <= self.seed < MAX_SEED:
                 raise ParamError("seed", f"seed must be in [0, 2**63), got {self.seed}")
 
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):

@@ -25,7 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from mnemojax.engine.async_llm import EngineClient, EngineDeadError
 from mnemojax.scheduling.outputs import CompletionOutput, RequestOutput
-from mnemojax.scheduling.sampling_params import _MAX_SEED, ParamError, RequestOutputKind, SamplingParams
+from mnemojax.scheduling.sampling_params import MAX_SEED, ParamError, RequestOutputKind, SamplingParams
 from mnemojax.serving.config import ServerConfig
 from mnemojax.serving.metrics import ServerMetrics
 from models.tokenizer import ByteTokenizer, special_ids, token_bytes_fn
@@ -243,9 +243,9 @@ class OpenAIServing:
         with a seed, choice j draws with seed + j (choice 0 equals the same request with n = 1). `choice_fields`
         go to every `Choice`."""
         self.check_limits(base, len(prompts), n)
-        if base.seed is not None and base.seed + n - 1 >= _MAX_SEED:
+        if base.seed is not None and base.seed + n - 1 >= MAX_SEED:
             raise APIError(400, f"seed: with n = {n}, choice j draws with seed + j, which must be below 2**63, so seed "
-                                f"must be at most 2**63 - {n} = {_MAX_SEED - n}; got {base.seed}", "seed")
+                                f"must be at most 2**63 - {n} = {MAX_SEED - n}; got {base.seed}", "seed")
         base = dataclasses.replace(base, output_kind=RequestOutputKind.DELTA)
         params = [base if base.seed is None else dataclasses.replace(base, seed=base.seed + j) for j in range(n)]
         choices: list[Choice] = []
