@@ -18,6 +18,7 @@ are flattened: their fields become flags too, and must not share a name with ano
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -25,7 +26,7 @@ import textwrap
 import types
 import typing
 
-from absl import flags
+from absl import app, flags
 
 
 @functools.cache
@@ -152,3 +153,20 @@ def from_flags(cls, flag_values: flags.FlagValues = flags.FLAGS, **overrides):
         elif f.name in flag_values:
             kwargs[f.name] = flag_values[f.name].value
     return cls(**kwargs)
+
+
+def no_arguments(argv: list[str]) -> None:
+    """A command takes flags only: anything else on its command line (`serve MODEL`, say) is a usage error, not
+    silently ignored."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]} (every setting is a flag: see --help)")
+
+
+@contextlib.contextmanager
+def usage_errors():
+    """Turns a bad setting found while a command starts (a ValueError naming the field, or a file that cannot be
+    read) into absl's usage error: the message and the exit code 1, not a traceback."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        raise app.UsageError(str(e)) from None

@@ -1,13 +1,17 @@
-"""Flags derived from config dataclasses: names, defaults, help from field docstrings, enums, nesting."""
+"""Flags derived from config dataclasses: names, defaults, help from field docstrings, enums, nesting; and the
+commands' answer to a bad command line (a message naming the flag, exit status 1, no traceback)."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from typing import Literal
 
 import pytest
 from absl import flags
 
 from mnemojax.cli import define_flags, field_docs, from_flags
+from tests.server_utils import ROOT, serve_env
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,3 +83,21 @@ def test_optional_numbers_take_none():
 def test_a_name_in_two_configs_is_refused():
     with pytest.raises(ValueError, match="chunk_size"):
         _parse([], cls=Clash)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["mnemojax.serve", "/path/to/model"], "unexpected arguments: ['/path/to/model']"),  # vLLM's `serve MODEL`
+    (["mnemojax.serve", "--port=70000"], "port must be in 0..65535, got 70000"),
+    (["mnemojax.serve", "--page_size=0"], "page_size must be a positive integer, got 0"),
+    (["mnemojax.serve", "--model=/nonexistent"], "no config.json in '/nonexistent'"),  # found while loading
+    (["mnemojax.engine", "--max_num_seqs=0"], "max_num_seqs"),
+    (["mnemojax.sim", "stray"], "unexpected arguments: ['stray']"),
+    (["mnemojax.sim", "--num_pages=1"], "num_pages must be at least 2"),
+    (["mnemojax.sim", "--trace=/nonexistent.jsonl"], "No such file or directory: '/nonexistent.jsonl'"),
+    (["mnemojax.plan", "--model=nosuch"], "model 'nosuch' is neither a preset"),
+])
+def test_a_bad_command_line_is_a_usage_error_naming_the_flag(argv, message):
+    proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, env=serve_env(1), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -10,7 +10,7 @@ import statistics
 
 from absl import app
 
-from mnemojax.cli import define_flags, from_flags
+from mnemojax.cli import define_flags, from_flags, no_arguments, usage_errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,19 +32,16 @@ class GenerateConfig:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    no_arguments(argv)
     from mnemojax.engine.llm import LLM
     from mnemojax.engine.llm_engine import EngineConfig
     from mnemojax.scheduling.sampling_params import SamplingParams
 
-    try:
+    with usage_errors():
         config, g = from_flags(EngineConfig), from_flags(GenerateConfig)
         params = SamplingParams(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                 seed=g.sampling_seed)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
-    llm = LLM(**dataclasses.asdict(config))
+        llm = LLM(**dataclasses.asdict(config))
     llm.generate([g.prompt], SamplingParams(max_tokens=2, temperature=0))  # compile outside the timing
     out = llm.generate([g.prompt], params)[0]
     c, m = out.outputs[0], out.metrics

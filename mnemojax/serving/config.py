@@ -15,7 +15,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     """Address to listen on (0.0.0.0 serves other machines)."""
     port: int = 8000
-    """Port to listen on."""
+    """Port to listen on (0 to 65535; 0 lets the system pick a free one)."""
     api_key: str | None = None
     """Require `Authorization: Bearer <key>` on /v1 endpoints (/health and /metrics stay open). The process list
     shows it: prefer --api_key_file or the MNEMOJAX_API_KEY environment variable."""
@@ -52,16 +52,22 @@ class ServerConfig:
         for name in ("max_queue", "max_choices", "header_timeout_s", "body_timeout_s", "write_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids"):
+        for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids", "shutdown_grace_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port!r}")
+        if self.max_request_bytes is not None and self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1 (or unset for the default), got {self.max_request_bytes!r}")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give the API key by api_key or api_key_file, not both")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
 
     def request_bytes_limit(self, max_model_len: int) -> int:
-        return self.max_request_bytes or (1 << 20) + 32 * max_model_len
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return (1 << 20) + 32 * max_model_len
 
     def with_api_key(self, environ: Mapping[str, str]) -> ServerConfig:
         """This config with `api_key` resolved: from `api_key`, else the first line of `api_key_file`, else the
@@ -87,6 +93,14 @@ class MultiHostConfig:
     """Multi-host: number of processes."""
     process_id: int | None = None
     """Multi-host: this process's index (0 serves HTTP)."""
+
+    def __post_init__(self):
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
+        if self.process_id is not None and self.process_id < 0:
+            raise ValueError(f"process_id must be >= 0, got {self.process_id}")
+        if None not in (self.process_id, self.num_processes) and self.process_id >= self.num_processes:
+            raise ValueError(f"process_id must be < num_processes ({self.num_processes}), got {self.process_id}")
 
     @property
     def enabled(self) -> bool:

@@ -23,7 +23,7 @@ import time
 
 from absl import app, flags
 
-from mnemojax.cli import define_flags, from_flags
+from mnemojax.cli import define_flags, from_flags, no_arguments, usage_errors
 from mnemojax.serving.config import MultiHostConfig, ServerConfig
 
 logger = logging.getLogger("mnemojax.serve")
@@ -32,11 +32,9 @@ FLAGS = flags.FLAGS
 
 def _init_distributed(mh: MultiHostConfig) -> int:
     """Starts jax.distributed when the multi-host flags are given; returns the number of processes."""
-    try:
+    with usage_errors():
         if not mh.enabled:
             return 1
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
     import jax
 
     jax.distributed.initialize(mh.coordinator_address, num_processes=mh.num_processes, process_id=mh.process_id)
@@ -105,14 +103,12 @@ def _freeze_startup() -> None:
 
 
 def main(argv):
-    del argv
+    no_arguments(argv)
     from mnemojax.engine.llm_engine import EngineConfig
 
-    config, mh = from_flags(EngineConfig), from_flags(MultiHostConfig)
-    try:
+    with usage_errors():
+        config, mh = from_flags(EngineConfig), from_flags(MultiHostConfig)
         server = from_flags(ServerConfig).with_api_key(os.environ)
-    except (OSError, ValueError) as e:
-        raise app.UsageError(str(e)) from None
     num_processes = _init_distributed(mh)
     from mnemojax.engine.async_llm import AsyncLLM
     from mnemojax.engine.llm_engine import LLMEngine
@@ -123,12 +119,14 @@ def main(argv):
         from mnemojax.engine import multihost
 
         if mh.process_id != 0:
-            follower = LLMEngine(config).executor
+            with usage_errors():  # a setting only the model or the devices can refuse (the KV split, say)
+                follower = LLMEngine(config).executor
             _freeze_startup()
             multihost.follow(follower)
             return
         leader = multihost.Leader()
-    engine = LLMEngine(config, channel=leader)
+    with usage_errors():
+        engine = LLMEngine(config, channel=leader)
     llm = AsyncLLM(engine=engine, idle_tick=None if leader is None else leader.noop)
     fastapi_app = build_app(llm, server)
     _freeze_startup()

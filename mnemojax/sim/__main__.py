@@ -10,7 +10,7 @@ import dataclasses
 from absl import app
 
 from mnemojax.sim import simulator
-from mnemojax.cli import define_flags, from_flags
+from mnemojax.cli import define_flags, from_flags, no_arguments, usage_errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,16 +26,17 @@ class Outputs:
 
 
 def main(argv):
-    del argv
-    try:
+    no_arguments(argv)
+    with usage_errors():
         trace = from_flags(simulator.Workload).requests()
         config = from_flags(simulator.SimConfig)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
+        sim = simulator.Simulator(config, trace)  # checks the pages and the KV split
     t = from_flags(Outputs)
     if t.save_trace:
         simulator.save_trace(trace, t.save_trace)
-    result = simulator.simulate(config, trace, plot_dir=t.plot_dir)
+    result = sim.run()
+    if t.plot_dir is not None:
+        simulator.plot(result, t.plot_dir)
     m = result.metrics
     print(f"{config.model} on {config.hardware}, tp={config.tp} spp={config.spp} kvp={config.kvp}, "
           f"{len(trace)} requests ({m['short']['requests']} short, {m['long']['requests']} long), "

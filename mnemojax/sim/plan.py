@@ -11,17 +11,15 @@ from __future__ import annotations
 from absl import app
 
 from mnemojax.sim import planner
-from mnemojax.cli import define_flags, from_flags
+from mnemojax.cli import define_flags, from_flags, no_arguments, usage_errors
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    try:
+    no_arguments(argv)
+    with usage_errors():
         config = from_flags(planner.PlanConfig)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
-    result = planner.plan(config)
+        setup = planner.resolve(config)  # the model, the trace and the deadlines
+    result = planner.plan(config, setup=setup)
     print(result.report(), end="")
     if config.output_dir:
         print("wrote " + " ".join(result.save(config.output_dir)))

@@ -357,7 +357,7 @@ class Setup:
     window_s: float  # arrival window: goodput's denominator
     horizon_s: float  # absolute simulated time at which simulations stop
     longest: int  # prompt + output tokens of the longest request
-    max_model_len: int  # the longest request rounded up to whole pages
+    max_model_len: int  # the longest request's tokens (prompt and output)
     deadline_min_s: float  # the scheduler's TTFT deadlines (ttft_slo_min_s, ttft_slo_per_token_s)
     deadline_per_token_s: float
     notes: tuple[str, ...]
@@ -410,8 +410,7 @@ def resolve(config: PlanConfig, trace: Sequence[TraceRequest] | None = None) -> 
     # Goodput's denominator: a synthetic mix's duration; a given trace's first to last arrival (at least 1 s).
     window = wl.duration_s if synthetic else max(trace[-1].arrival_time - trace[0].arrival_time, 1.0)
     longest = max(r.prompt_tokens + r.output_tokens for r in trace)
-    page = config.space.page_size
-    max_model_len = -(-longest // page) * page
+    max_model_len = longest  # the engine rounds its pages up itself
     longest_prompt = max(r.prompt_tokens for r in trace)
     per_token = 0.0
     if longest_prompt > wl.long_threshold_tokens:
@@ -860,7 +859,7 @@ class PlanResult:
             lines.append("serve commands (one per replica process; replicas behind a round-robin load balancer):")
             for i, o in enumerate(best, 1):
                 cmd = self.serve_command(o)
-                lines += [f"#{i} {o.candidate.label}: {cmd.describe()}", f"  {cmd.shell()}"]
+                lines += [f"#{i} {o.candidate.label}: {cmd.describe()}", *(f"  {sh}" for sh in cmd.shells())]
             lines.append("")
         for status, title in (("dominated", "stopped early"), ("infeasible", "infeasible")):
             group = self.of_status(status)
@@ -890,11 +889,16 @@ class PlanResult:
         return paths
 
 
-def plan(config: PlanConfig, *, trace: Sequence[TraceRequest] | None = None) -> PlanResult:
-    """Searches `config`'s candidates (see the module docstring); `trace` replaces the workload's requests."""
+def plan(config: PlanConfig, *, trace: Sequence[TraceRequest] | None = None, setup: Setup | None = None
+         ) -> PlanResult:
+    """Searches `config`'s candidates (see the module docstring); `trace` replaces the workload's requests, and
+    `setup` is `resolve(config, trace)` when the caller has it already."""
     from tqdm import tqdm
 
-    setup = resolve(config, trace)
+    if setup is None:
+        setup = resolve(config, trace)
+    elif trace is not None or setup.config != config:
+        raise ValueError("give plan() a setup resolved from its own config, and no trace beside it")
     outcomes: list[Outcome] = []
     feasible = []
     for c in candidates(setup):
@@ -940,16 +944,24 @@ def plan(config: PlanConfig, *, trace: Sequence[TraceRequest] | None = None) -> 
 
 
 # ------------------------------------------------------------------------------------------------ serve commands
+BASE_PORT = 8000
+"""The server's default --port (`ServerConfig.port`): the first replica on a host listens there, the next one up."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeCommand:
     """`python -m mnemojax.serve` for one replica of a candidate: `argv` (the flags, `--name=value`) and `env`.
     A replica larger than a host runs on `processes` hosts: the same command on each, with the multi-host flags
-    (`multi_host_argv`)."""
+    (`multi_host_argv`). Replicas smaller than a host share it, `replicas_per_host` at most: each on its own
+    `devices_per_replica` devices (CUDA_VISIBLE_DEVICES, on NVIDIA GPUs) and port (`replica_argv`)."""
 
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     replicas: int
     processes: int
+    replicas_per_host: int = 1
+    devices_per_replica: int = 1
+    nvidia_gpu: bool = False
 
     def multi_host_argv(self, coordinator_address: str, process_id: int) -> tuple[str, ...]:
         if self.processes == 1:
@@ -957,22 +969,46 @@ class ServeCommand:
         return (*self.argv, f"--coordinator_address={coordinator_address}", f"--num_processes={self.processes}",
                 f"--process_id={process_id}")
 
-    def shell(self) -> str:
-        """The command line; a multi-host one names $COORDINATOR (host:port of process 0) and $PROCESS_ID."""
-        argv = [shlex.quote(a) for a in self.argv]
+    def replica_env(self, slot: int) -> tuple[tuple[str, str], ...]:
+        """The environment of the `slot`-th replica on a host: its own GPUs when several replicas share one."""
+        if self.replicas_per_host == 1 or not self.nvidia_gpu:
+            return self.env
+        first = slot * self.devices_per_replica
+        devices = ",".join(str(d) for d in range(first, first + self.devices_per_replica))
+        return (*self.env, ("CUDA_VISIBLE_DEVICES", devices))
+
+    def replica_argv(self, slot: int) -> tuple[str, ...]:
+        """The flags of the `slot`-th replica on a host: its own port when several replicas share one."""
+        return self.argv if self.replicas_per_host == 1 else (*self.argv, f"--port={BASE_PORT + slot}")
+
+    def shell(self, slot: int = 0) -> str:
+        """The command line (of the `slot`-th replica on a host); a multi-host one names $COORDINATOR (host:port
+        of process 0) and $PROCESS_ID."""
+        argv = [shlex.quote(a) for a in self.replica_argv(slot)]
         if self.processes > 1:
             argv += ["--coordinator_address=$COORDINATOR", f"--num_processes={self.processes}",
                      "--process_id=$PROCESS_ID"]
-        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env), "python -m mnemojax.serve", *argv])
+        env = self.replica_env(slot)
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env), "python -m mnemojax.serve", *argv])
+
+    def shells(self) -> list[str]:
+        """The command lines of one host: one per replica it runs."""
+        return [self.shell(j) for j in range(self.replicas_per_host)]
 
     def describe(self) -> str:
-        where = (f"{self.processes} hosts per replica, the same command on each" if self.processes > 1
-                 else "one process per replica")
+        if self.processes > 1:
+            where = f"{self.processes} hosts per replica, the same command on each"
+        elif self.replicas_per_host > 1:
+            where = (f"{self.replicas_per_host} per host, each on its own devices and port: on each host, the "
+                     f"commands below")
+        else:
+            where = "one process per replica"
         return f"{self.replicas} replica(s), {where}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"argv": list(self.argv), "env": dict(self.env), "replicas": self.replicas,
-                "processes": self.processes, "shell": self.shell()}
+                "processes": self.processes, "replicas_per_host": self.replicas_per_host, "shell": self.shell(),
+                "shells": self.shells()}
 
 
 def serve_command(outcome: Outcome, setup: Setup) -> ServeCommand:
@@ -996,8 +1032,11 @@ def serve_command(outcome: Outcome, setup: Setup) -> ServeCommand:
     }
     argv = tuple(f"--{k}={v!r}" if isinstance(v, float) else f"--{k}={v}"
                  for k, v in flags.items() if v is not None)
-    env = (("XLA_CLIENT_MEM_FRACTION", "0.95"),) if HARDWARE[cl.hardware].nvidia_gpu else ()
-    return ServeCommand(argv, env, c.replicas, -(-c.gpus_per_replica // cl.gpus_per_host))
+    gpu = HARDWARE[cl.hardware].nvidia_gpu
+    env = (("XLA_CLIENT_MEM_FRACTION", "0.95"),) if gpu else ()
+    per_host = min(c.replicas, max(cl.gpus_per_host // c.gpus_per_replica, 1))
+    return ServeCommand(argv, env, c.replicas, -(-c.gpus_per_replica // cl.gpus_per_host), per_host,
+                        c.gpus_per_replica, gpu)
 
 
 # ------------------------------------------------------------------------------------------------ plots

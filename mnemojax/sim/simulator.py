@@ -106,6 +106,9 @@ class TraceRequest:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not isinstance(self.prefix_tokens, (int, np.integer)) or not 0 <= self.prefix_tokens <= self.prompt_tokens:
             raise ValueError(f"prefix_tokens must be an integer in [0, prompt_tokens], got {self.prefix_tokens!r}")
+        if self.prefix_id is not None and (not isinstance(self.prefix_id, (int, np.integer))
+                                           or isinstance(self.prefix_id, bool)):
+            raise ValueError(f"prefix_id must be an integer (or None), got {self.prefix_id!r}")
         if (self.prefix_id is None) != (self.prefix_tokens == 0):
             raise ValueError("prefix_id and prefix_tokens go together (a shared prefix has an id and a length), got "
                              f"{self.prefix_id!r} and {self.prefix_tokens!r}")
@@ -190,12 +193,18 @@ def load_trace(path: str) -> list[TraceRequest]:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            d = json.loads(line)
+            try:
+                d = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e}): {line!r}") from None
             if not isinstance(d, dict) or set(d) not in (keys, prefix_keys):
                 raise ValueError(f"{path}:{i}: expected an object with exactly the keys {sorted(keys)} (and "
                                  f"optionally prefix_id and prefix_tokens), got {line!r}")
-            out.append(TraceRequest(float(d["arrival_time"]), d["prompt_tokens"], d["output_tokens"],
-                                    d.get("prefix_id"), d.get("prefix_tokens", 0)))
+            try:
+                out.append(TraceRequest(d["arrival_time"], d["prompt_tokens"], d["output_tokens"],
+                                        d.get("prefix_id"), d.get("prefix_tokens", 0)))
+            except ValueError as e:
+                raise ValueError(f"{path}:{i}: {e}") from None
     return sorted(out, key=lambda r: r.arrival_time)
 
 

@@ -63,10 +63,17 @@ def test_the_api_key_from_a_file_or_the_environment(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [("max_queue", 0), ("max_choices", 0), ("max_stop_strings", -1),
-                                          ("header_timeout_s", 0.0), ("write_timeout_s", -1.0)])
+                                          ("header_timeout_s", 0.0), ("write_timeout_s", -1.0),
+                                          ("port", 70000), ("port", -1), ("max_request_bytes", 0),
+                                          ("max_request_bytes", -1), ("shutdown_grace_s", -5.0)])
 def test_server_limits_are_checked(field, value):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**{field: value})
+
+
+def test_the_request_size_limit_is_the_one_given():
+    assert ServerConfig(max_request_bytes=1).request_bytes_limit(4096) == 1
+    assert ServerConfig().request_bytes_limit(4096) == (1 << 20) + 32 * 4096
 
 
 def test_an_internal_error_says_nothing_of_its_exception(served):

@@ -214,6 +214,42 @@ def test_multi_host_and_gpu_commands_parse():
     assert "--process_id=$PROCESS_ID" in cmd.shell() and cmd.shell().startswith("XLA_CLIENT_MEM_FRACTION=0.95 ")
 
 
+def test_replicas_sharing_a_host_get_their_own_gpus_and_ports():
+    from mnemojax.serving.config import ServerConfig
+
+    assert planner.BASE_PORT == ServerConfig().port
+    trace = [TraceRequest(0.0, 1000, 4), TraceRequest(0.5, 1000, 4)]
+    cfg = PlanConfig(model="llama3-8b", cluster=Cluster(num_gpus=8, gpus_per_host=8), space=SearchSpace(
+        tp="2", spp="1", kvp="1", replicas="4", target_batch_time_ms="30"), workers=1, progress=False,
+        capacity_scales="", workload=Workload(output_tokens=4))
+    setup = planner.resolve(cfg, trace)
+    [c] = planner.candidates(setup)
+    cmd = planner.serve_command(planner.simulate(c, setup), setup)
+    assert cmd.replicas_per_host == 4 and cmd.processes == 1
+    shells = cmd.shells()
+    assert len(shells) == 4 == len(set(shells))
+    for j, line in enumerate(shells):
+        assert line.startswith(f"XLA_CLIENT_MEM_FRACTION=0.95 CUDA_VISIBLE_DEVICES={2 * j},{2 * j + 1} python ")
+        fv = _serve_flags(cmd.replica_argv(j))
+        assert (fv.port, fv.tp) == (8000 + j, 2)
+    assert "4 per host" in cmd.describe()
+    # a replica with a host to itself keeps the plain command
+    one = planner.ServeCommand(cmd.argv, cmd.env, 2, 1, 1, 8, True)
+    assert one.shells() == [one.shell()] and "CUDA_VISIBLE_DEVICES" not in one.shell() and "--port" not in one.shell()
+
+
+def test_max_model_len_is_the_longest_request_not_rounded_to_pages():
+    trace = [TraceRequest(0.0, 8186, 4), TraceRequest(0.5, 100, 4)]  # 8,190 tokens: fits llama3-8b's 8,192
+    cfg = PlanConfig(model="llama3-8b", cluster=Cluster(num_gpus=1), space=SearchSpace(
+        tp="1", spp="1", kvp="1", replicas="1", target_batch_time_ms="30"), workers=1, progress=False,
+        capacity_scales="", workload=Workload(output_tokens=4))
+    setup = planner.resolve(cfg, trace)
+    assert setup.max_model_len == 8190 and not [n for n in setup.notes if "max_position_embeddings" in n]
+    [c] = planner.candidates(setup)
+    argv = planner.serve_command(planner.simulate(c, setup), setup).argv
+    assert "--max_model_len=8190" in argv
+
+
 def test_hf_directory_is_priced_as_the_preset_with_its_shapes(tmp_path):
     from models.config import preset
 

@@ -114,6 +114,18 @@ def test_jsonl_trace_round_trip(tmp_path):
         simulator.load_trace(str(bad))
     with pytest.raises(ValueError, match="prompt_tokens"):
         TraceRequest(0.0, 0, 5)
+    # a bad value names its line and its field; so does a line that is not JSON
+    good = '{"arrival_time": 0.0, "prompt_tokens": 5, "output_tokens": 2}\n'
+    for line, field in [('{"arrival_time": 1.0, "prompt_tokens": 8, "output_tokens": 2, "prefix_id": "doc-a", '
+                         '"prefix_tokens": 4}', "prefix_id"),
+                        ('{"arrival_time": "soon", "prompt_tokens": 8, "output_tokens": 2}', "arrival_time"),
+                        ('{"arrival_time": 1.0, "prompt_tokens": 8, "output_tokens": 0}', "output_tokens"),
+                        ("{arrival_time: 1}", "not JSON")]:
+        bad.write_text(good + line + "\n")
+        with pytest.raises(ValueError, match=f"bad.jsonl:2: .*{field}"):
+            simulator.load_trace(str(bad))
+    with pytest.raises(ValueError, match="prefix_id must be an integer"):
+        TraceRequest(0.0, 8, 2, True, 4)
 
 
 @pytest.mark.parametrize("spp", [1, 2, 4])
