@@ -9,7 +9,9 @@
    (`max_tokens_per_kvp_rank` = context / kvp), decode-only batch of one.
 
 Every number comes from the simulator (one request alone; the clocked pipeline, the scheduler and the page
-manager included) and is checked against the predictor's closed forms (`prefill_time`, `decode_time`).
+manager included) and is checked against the predictor's closed forms (`prefill_time`, `decode_time`). Micro-
+batches are priced at their own size (`pipeline_padding=False`): the papers' ragged executor, not this engine's
+padded pipeline register.
 
     python scripts/sim_scaling.py [--hardware h100] [--profile NAME]
 """
@@ -31,7 +33,7 @@ OUTPUT = 5  # decode tokens per request: 4 gaps averaged
 
 def prefill_ttft(spp: int, chunk: int, hardware: str, profile, prompt: int = M):
     cfg = SimConfig(model="llama3-8b", hardware=hardware, tp=8, spp=spp, scheduler_policy="fcfs", target_batch_time_ms=None,
-                    chunk_size=chunk, max_num_batched_tokens=max(chunk, 16), predictor_profile=profile)
+                    pipeline_padding=False, chunk_size=chunk, max_num_batched_tokens=max(chunk, 16), predictor_profile=profile)
     sim = Simulator(cfg, [TraceRequest(0.0, prompt, 1)])
     res = sim.run()
     return res.requests[0]["ttft"], sim.predictor.prefill_time(prompt, chunk)
@@ -43,7 +45,7 @@ def decode_tbt(context: int, spp: int, kvp: int, hardware: str, profile):
         per_rank = -(-(-(-(context + OUTPUT) // kvp)) // 16) * 16
     cfg = SimConfig(model="llama3-8b", hardware=hardware, tp=8, spp=spp, kvp=kvp, scheduler_policy="fcfs",
                     target_batch_time_ms=None, chunk_size=16384, max_num_batched_tokens=16384,
-                    max_tokens_per_kvp_rank=per_rank, predictor_profile=profile)
+                    max_tokens_per_kvp_rank=per_rank, predictor_profile=profile, pipeline_padding=False)
     sim = Simulator(cfg, [TraceRequest(0.0, context, OUTPUT)])
     res = sim.run()
     r = res.requests[0]

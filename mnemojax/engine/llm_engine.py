@@ -166,8 +166,10 @@ class LLMEngine:
         self._last_wait_end = 0.0  # when the last collect's wait ended
         if config.precompile:
             self.precompile()
+        # the predictor sizes chunks to the target batch time and prices TTFT deadlines by the prefill factor
+        uses_predictor = config.target_batch_time_ms is not None or config.ttft_slo_prefill_factor > 0
         self.predictor = self._make_predictor(config, self.model_config, runs=loaded.spec.attention) \
-            if config.target_batch_time_ms is not None else None
+            if uses_predictor else None
         self.scheduler = Scheduler(config, self.kv, self.predictor, clock=clock,
                                    eos_token_ids=self.model_config.eos_token_ids, spp=config.spp,
                                    max_model_len=self.max_model_len)

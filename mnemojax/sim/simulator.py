@@ -285,10 +285,10 @@ class SimConfig(SchedulerConfig, ParallelConfig):
     """Bytes per weight / activation / KV element (bf16)."""
     predictor_profile: str | None = None
     """Predictor profile (a shipped profile's name or a path); None: the predictor's default factors."""
-    pipeline_padding: bool = False
+    pipeline_padding: bool = True
     """Cost every micro-batch at the pipeline register's padded size (`bucket(max_num_batched_tokens)` token
-    rows when spp > 1), as this repository's executor runs it. Off: each micro-batch's own padded size (what an
-    ideal ragged executor, and the engine's scheduler today, assume)."""
+    rows when spp > 1), as this repository's executor runs it and the engine's predictor prices it. Off: each
+    micro-batch's own padded size (what an ideal ragged executor, as Medha's, would run)."""
     long_threshold_tokens: int = SHORT_MAX_TOKENS
     """Prompts longer than this are *long* in the metrics."""
     max_simulated_s: float | None = None

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
+from mnemojax.scheduling.request import Request
 from mnemojax.scheduling.sampling_params import SamplingParams
 from mnemojax.sim.simulator import SimConfig, Simulator, TraceRequest
 from tests.virtual_clock import VirtualMachine
@@ -81,3 +82,29 @@ def test_async_scheduling_starts_an_arrival_one_step_later():
     assert async_["first_token_step"] == sync["first_token_step"] + 1
     assert async_["first_scheduled"] == sync["first_scheduled"]
     assert async_["first_token"] > sync["first_token"]
+
+
+def test_prefill_factor_deadlines_are_the_simulators_without_a_target():
+    """`ttft_slo_prefill_factor` prices deadlines with the predictor; without a target batch time the engine
+    built no predictor and kept the per-token deadline, while the simulator applied the factor."""
+    kw = dict(settings("ilrs"), target_batch_time_ms=None, ttft_slo_prefill_factor=1000.0, ttft_slo_min_s=1.0,
+              ttft_slo_per_token_s=1e-3)
+    engine = LLMEngine(EngineConfig(**kw, hardware="cpu", calibrate=False, precompile=False))
+    assert engine.predictor is not None
+    rid = engine.add_request([1 + i % 250 for i in range(900)], SamplingParams(max_tokens=1, ignore_eos=True))
+    mine = engine.requests[rid].deadline_duration
+    sim = Simulator(SimConfig(**kw, hardware="cpu", dtype_bytes=4), [], predictor=engine.predictor)
+    theirs = Request("sim", list(range(900)), SamplingParams(max_tokens=1, ignore_eos=True), 0.0, seed=0)
+    sim.scheduler.add(theirs)
+    assert mine > 1.0 + 1e-3 * 900  # the factor, not the per-token deadline
+    assert mine == theirs.deadline_duration
+
+
+def test_simulator_prices_a_pipeline_as_the_engine_does_by_default():
+    from models.config import preset
+
+    kw = dict(settings("ilrs"), spp=2)
+    engine_predictor = LLMEngine._make_predictor(EngineConfig(**kw, hardware="cpu"), preset("tiny"))
+    sim = Simulator(SimConfig(**kw, hardware="cpu", dtype_bytes=4), [TraceRequest(0.0, 10, 1)])
+    assert engine_predictor.pipeline_tokens is not None
+    assert sim.predictor.pipeline_tokens == engine_predictor.pipeline_tokens
