@@ -83,7 +83,9 @@ class SafetensorsReader:
             files = {SINGLE_FILE: None}
         elif os.path.exists(index):
             with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no 'weight_map' object (tensor name -> file)")
             files = {name: None for name in sorted(set(weight_map.values()))}
         else:
             found = sorted(os.listdir(self.path))
@@ -153,14 +155,21 @@ class _SafetensorsFile:
             size = os.path.getsize(file)
             if 8 + int(header_len) > size:
                 raise ValueError(f"{file} is not a safetensors file (header length {header_len} > file size)")
-            header = json.loads(f.read(int(header_len)))
+            try:
+                header = json.loads(f.read(int(header_len)))
+            except ValueError as e:
+                raise ValueError(f"{file} is not a safetensors file (its header is not JSON: {e})") from None
         data_start = 8 + int(header_len)
         self.headers: dict[str, _TensorHeader] = {}
         for name, h in header.items():
             if name == "__metadata__":
                 continue
-            begin, end = h["data_offsets"]
-            t = _TensorHeader(h["dtype"], tuple(h["shape"]), data_start + begin, data_start + end)
+            try:
+                begin, end = h["data_offsets"]
+                t = _TensorHeader(h["dtype"], tuple(h["shape"]), data_start + begin, data_start + end)
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"tensor {name} in {file}: its header needs dtype, shape and data_offsets [begin, "
+                                 f"end], got {h!r}") from None
             itemsize = SAFETENSORS_DTYPES[t.dtype].itemsize if t.dtype in SAFETENSORS_DTYPES else None
             if itemsize is not None and t.end - t.begin != math.prod(t.shape) * itemsize:
                 raise ValueError(f"tensor {name} in {file}: {t.end - t.begin} bytes for shape {t.shape} {t.dtype}")

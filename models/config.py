@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any
 
 ROPE_TYPES = ("linear", "llama3")
@@ -154,22 +155,25 @@ class LlamaConfig:
         num_kv_heads = d.get("num_key_value_heads")
         eps = d.get("rms_norm_eps")
         tie = d.get("tie_word_embeddings")
-        return cls(
-            vocab_size=required("vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=required("intermediate_size"),
-            num_layers=required("num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=max_pos,
-            rms_norm_eps=_HF_DEFAULT_RMS_NORM_EPS if eps is None else _float("rms_norm_eps", eps),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=False if tie is None else tie,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=_eos_ids("eos_token_id", d.get("eos_token_id")),
-        )
+        try:
+            return cls(
+                vocab_size=required("vocab_size"),
+                hidden_size=hidden,
+                intermediate_size=required("intermediate_size"),
+                num_layers=required("num_hidden_layers"),
+                num_heads=num_heads,
+                num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
+                head_dim=head_dim,
+                max_position_embeddings=max_pos,
+                rms_norm_eps=_HF_DEFAULT_RMS_NORM_EPS if eps is None else _float("rms_norm_eps", eps),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=False if tie is None else tie,
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=_eos_ids("eos_token_id", d.get("eos_token_id")),
+            )
+        except ValueError as e:  # name the config.json keys, not this class's fields
+            raise ValueError(_HF_NAME.sub(lambda m: _HF_KEYS[m.group(0)], str(e))) from None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> LlamaConfig:
@@ -180,6 +184,9 @@ class LlamaConfig:
         """
         path = os.fspath(path)
         config_file = os.path.join(path, "config.json")
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model {path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+                                    "local checkpoint directory (hub ids are not downloaded)")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"no config.json in {path!r}")
         with open(config_file, encoding="utf-8") as f:
@@ -189,6 +196,8 @@ class LlamaConfig:
             with open(gen_file, encoding="utf-8") as f:
                 gen = json.load(f)
             extra = _eos_ids("generation_config.json eos_token_id", gen.get("eos_token_id"))
+            for t in extra:
+                _check_token_id(f"{gen_file} eos_token_id", t, config.vocab_size)
             eos = config.eos_token_ids + tuple(t for t in dict.fromkeys(extra) if t not in config.eos_token_ids)
             config = dataclasses.replace(config, eos_token_ids=eos)
         return config
@@ -208,6 +217,8 @@ class LlamaConfig:
         if tp > self.num_kv_heads and tp % self.num_kv_heads:
             raise ValueError(f"tp ({tp}) must be a multiple of the number of KV heads ({self.num_kv_heads}) or "
                              "divide it")
+        if self.intermediate_size % tp:
+            raise ValueError(f"tp ({tp}) must divide the MLP width intermediate_size ({self.intermediate_size})")
         if spp > self.num_layers:
             raise ValueError(f"spp ({spp}) exceeds the number of layers ({self.num_layers})")
         return -(-self.num_layers // spp) * spp, max(self.num_kv_heads, tp)
@@ -402,6 +413,12 @@ def _check_number(name: str, value, *, positive: bool) -> None:
         raise ValueError(f"{name} must be a number, got {value!r}")
     if positive and not value > 0:
         raise ValueError(f"{name} must be positive, got {value}")
+
+
+_HF_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads", "eos_token_ids": "eos_token_id"}
+"""This class's field names that config.json spells otherwise."""
+_HF_NAME = re.compile(r"\b(" + "|".join(_HF_KEYS) + r")\b")
 
 
 def _check_token_id(name: str, value, vocab_size: int) -> None:

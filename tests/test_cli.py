@@ -89,7 +89,7 @@ def test_a_name_in_two_configs_is_refused():
     (["mnemojax.serve", "/path/to/model"], "unexpected arguments: ['/path/to/model']"),  # vLLM's `serve MODEL`
     (["mnemojax.serve", "--port=70000"], "port must be in 0..65535, got 70000"),
     (["mnemojax.serve", "--page_size=0"], "page_size must be a positive integer, got 0"),
-    (["mnemojax.serve", "--model=/nonexistent"], "no config.json in '/nonexistent'"),  # found while loading
+    (["mnemojax.serve", "--model=/nonexistent"], "'/nonexistent' is neither a preset"),  # found while loading
     (["mnemojax.engine", "--max_num_seqs=0"], "max_num_seqs"),
     (["mnemojax.sim", "stray"], "unexpected arguments: ['stray']"),
     (["mnemojax.sim", "--num_pages=1"], "num_pages must be at least 2"),

@@ -301,6 +301,29 @@ def test_index_naming_wrong_file(checkpoints, tmp_path):
     assert "model." in _error(path) and "does not hold it" in _error(path)
 
 
+def test_malformed_index_or_header_names_the_file(checkpoints, tmp_path):
+    path = tmp_path / "shards"
+    shutil.copytree(checkpoints["bf16-mha-shards"], path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    assert "has no 'weight_map'" in _error(path)
+    single = tmp_path / "single"
+    shutil.copytree(checkpoints["f32-gqa"], single)
+    file = single / "model.safetensors"
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    del header[name]["data_offsets"]
+    new = json.dumps(header, separators=(",", ":")).encode()
+    assert len(new) <= n
+    new += b" " * (n - len(new))  # same length: the data stays where it was
+    file.write_bytes(raw[:8] + new + raw[8 + n:])
+    msg = _error(single)
+    assert f"tensor {name} in" in msg and "data_offsets" in msg
+    file.write_bytes(raw[:8] + b"{" * n + raw[8 + n:])  # a header that is not JSON
+    assert "header is not JSON" in _error(single)
+
+
 def test_truncated_file(editable):
     path, _ = editable
     file = os.path.join(path, "model.safetensors")

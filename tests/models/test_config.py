@@ -184,9 +184,9 @@ def test_harmless_keys_with_unusual_values_are_accepted():
     ({"sliding_window": 4096}, "sliding_window"),
     ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
     ({"num_hidden_layers": None}, "num_hidden_layers"),
-    ({"num_key_value_heads": 5}, "num_kv_heads"),
+    ({"num_key_value_heads": 5}, "num_key_value_heads"),  # config.json's names, not the fields'
     ({"eos_token_id": "128001"}, "eos_token_id"),
-    ({"eos_token_id": 128256}, "eos_token_ids"),
+    ({"eos_token_id": 128256}, "eos_token_id: 128256"),
 ])
 def test_rejects_what_changes_the_math_or_is_not_understood(change, key):
     d = dict(LLAMA_31_8B, **change)
@@ -315,5 +315,28 @@ def test_from_pretrained_without_generation_eos(tmp_path):
 
 
 def test_from_pretrained_missing_directory(tmp_path):
-    with pytest.raises(FileNotFoundError):
-        LlamaConfig.from_pretrained(tmp_path / "nope")
+    # a typo'd preset or a hub id: neither a preset nor a directory (not "no config.json in it")
+    for name in (tmp_path / "nope", "llama3-8B", "meta-llama/Llama-3.1-8B-Instruct"):
+        with pytest.raises(FileNotFoundError, match="is neither a preset .*llama3-8b.* nor a local checkpoint"):
+            LlamaConfig.from_pretrained(name)
+
+
+def test_from_pretrained_names_generation_configs_bad_eos(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_32_1B))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 999999]}))
+    with pytest.raises(ValueError, match=r"generation_config.json eos_token_id: 999999 is not a token id"):
+        LlamaConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 0), ("num_key_value_heads", 3),
+                                        ("num_attention_heads", 5), ("eos_token_id", [128001, -1])])
+def test_from_hf_config_errors_name_the_config_json_key(key, value):
+    with pytest.raises(ValueError, match=key):
+        LlamaConfig.from_hf_config(dict(LLAMA_32_1B, **{key: value}))
+
+
+def test_tp_must_divide_the_mlp_width():
+    c = dataclasses.replace(preset("tiny"), intermediate_size=129)
+    assert c.mesh_layout(tp=1, spp=1) == (c.num_layers, c.num_kv_heads)
+    with pytest.raises(ValueError, match=r"tp \(2\) must divide the MLP width intermediate_size \(129\)"):
+        c.mesh_layout(tp=2, spp=1)
