@@ -202,6 +202,8 @@ class LLMEngine:
         resolves to for `mc`), costed whatever the preset's profile says."""
         hardware = config.hardware or detect_hardware()
         pages_per_seq = -(-(config.max_model_len or mc.max_position_embeddings) // config.page_size)
+        if config.max_tokens_per_kvp_rank is not None:  # a rank's page table is no wider (as the executor's)
+            pages_per_seq = min(pages_per_seq, config.max_tokens_per_kvp_rank // config.page_size)
         runs = engine_attention(config, mc) if runs is None else runs
         # the executor runs every micro-batch at the pipeline register's size when spp > 1
         return make_predictor(config, mc, hardware=hardware, dtype_bytes=jnp.dtype(config.dtype).itemsize,

@@ -99,7 +99,7 @@ class Calibrator:
 
     def observe(self, chunks: Sequence[ChunkShape], measured_s: float) -> bool:
         """Records one step; refits when due. Returns True when the predictor's profile changed."""
-        if not chunks or not measured_s > 0:
+        if not chunks or not 0 < measured_s < math.inf:  # NaN and inf too
             return False
         x, fixed = self.features(chunks)
         predicted = self.predictor.step_time(chunks)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 POLICIES = ("fcfs", "edf", "lrs", "ilrs")
 """Prefill orders (see `mnemojax.scheduling.scheduler`)."""
@@ -54,13 +55,13 @@ class SchedulerConfig:
         _positive_ints(self, "max_num_batched_tokens", "max_num_seqs", "chunk_size", "min_chunk_size")
         if self.scheduler_policy not in POLICIES:
             raise ValueError(f"scheduler_policy must be one of {POLICIES}, got {self.scheduler_policy!r}")
-        if self.target_batch_time_ms is not None and not self.target_batch_time_ms > 0:
-            raise ValueError(f"target_batch_time_ms must be positive, got {self.target_batch_time_ms}")
+        if self.target_batch_time_ms is not None and not 0 < self.target_batch_time_ms < math.inf:
+            raise ValueError(f"target_batch_time_ms must be positive and finite, got {self.target_batch_time_ms}")
         if not 0.0 <= self.ppb_max_share < 1.0:
             raise ValueError(f"ppb_max_share must be in [0, 1), got {self.ppb_max_share}")
         for name in ("ttft_slo_min_s", "ttft_slo_per_token_s", "ttft_slo_prefill_factor"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < math.inf:  # NaN too: every deadline would be NaN
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
         if self.ttft_slo_min_s == 0 and self.ttft_slo_per_token_s == 0:
             # every deadline would be its arrival: slack is measured in units of the deadline's duration
             raise ValueError("ttft_slo_min_s and ttft_slo_per_token_s must not both be 0 (a TTFT deadline needs a "

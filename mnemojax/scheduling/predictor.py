@@ -42,6 +42,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -176,10 +177,10 @@ class Profile:
             if f.name == "attn_gather_cache_bytes":
                 if v is not None and not v > 0:
                     raise ValueError(f"{f.name} must be positive or None, got {v}")
-            elif (f.name.endswith("_eff") or f.name == "wake_factor") and not v > 0:
-                raise ValueError(f"{f.name} must be positive, got {v}")
-            if (f.name.endswith("_s") or f.name.endswith("_min")) and v < 0:
-                raise ValueError(f"{f.name} must not be negative, got {v}")
+            elif (f.name.endswith("_eff") or f.name == "wake_factor") and not 0 < v < math.inf:
+                raise ValueError(f"{f.name} must be positive and finite, got {v}")
+            if (f.name.endswith("_s") or f.name.endswith("_min")) and not 0 <= v < math.inf:  # NaN too
+                raise ValueError(f"{f.name} must be finite and not negative, got {v}")
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens must be positive, got {self.block_tokens}")
 

@@ -258,13 +258,14 @@ class Scheduler:
         hit = self._prefill_cache.get(key)
         # a waiting request is expected to find its cached pages (estimated when it was added)
         start = req.num_computed if req.status is RequestStatus.RUNNING else (req.num_cached_tokens or 0)
-        if hit is not None and hit[:3] == (req.num_computed, start, version):
-            return hit[3]
+        # keyed by the tokens known too: a request preempted after decoding recomputes its outputs as well
+        if hit is not None and hit[:4] == (req.num_computed, start, req.num_tokens, version):
+            return hit[4]
         if self.predictor is None:
             t = (req.num_tokens - start) * DEFAULT_SECONDS_PER_TOKEN
         else:
             t = self.predictor.prefill_time(req.num_tokens, self.config.chunk_size, context_start=start)
-        self._prefill_cache[key] = (req.num_computed, start, version, t)
+        self._prefill_cache[key] = (req.num_computed, start, req.num_tokens, version, t)
         return t
 
     def relative_slack(self, req: Request, now: float) -> float:

@@ -4,7 +4,7 @@ Field names, types and defaults follow the OpenAI API, plus vLLM's extensions (`
 `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`). Types are strict: a wrong type is a 400
 naming the field, never coerced ("2" is not 2, true is not 1; an int is a valid float). Strings must be Unicode
 (JSON's `\\ud800` escapes can spell a lone surrogate, which no tokenizer takes). Unknown fields are ignored, as
-OpenAI-compatible servers do; fields we cannot honour (penalties, `suffix`, `best_of`, `echo` or `prompt_logprobs`
+OpenAI-compatible servers do; fields we cannot honour (penalties, vLLM's `min_p` and `min_tokens`, `suffix`, `best_of`, `echo` or `prompt_logprobs`
 with `stream`) are accepted in the schema and rejected with a 400 naming them when set, never silently dropped. Range checks live in
 `SamplingParams` and the engine, so the server and the library share one set of limits and messages.
 """
@@ -63,6 +63,8 @@ class _SamplingRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
     user: Text | None = None
     prompt_logprobs: int | None = Field(default=None, description=f"vLLM's: top log-probs per prompt token, "
@@ -74,6 +76,10 @@ class _SamplingRequest(_Strict):
                 raise ParamError(name, f"{name} is not supported (only 0)")
         if self.repetition_penalty not in (None, 1, 1.0):
             raise ParamError("repetition_penalty", "repetition_penalty is not supported (only 1)")
+        if self.min_p not in (None, 0, 0.0):  # vLLM's extensions: ignoring them would change what is sampled
+            raise ParamError("min_p", "min_p is not supported (only 0)")
+        if self.min_tokens not in (None, 0):
+            raise ParamError("min_tokens", "min_tokens is not supported (only 0)")
         if self.logit_bias:
             raise ParamError("logit_bias", "logit_bias is not supported")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:

@@ -131,3 +131,15 @@ def test_the_predictor_costs_the_kernels_the_engine_runs(attention, costed):
 
     config = EngineConfig(model="tiny", hardware="h100", target_batch_time_ms=TARGET_MS, attention=attention)
     assert LLMEngine._make_predictor(config, preset("tiny")).attention == costed
+
+
+def test_predictor_costs_the_attention_block_the_kernel_runs_with_a_kvp_split():
+    """A rank's page table is at most max_tokens_per_kvp_rank wide, and the reference kernel's block is at most
+    that many pages: min(block_pages 8, 64 // 16 = 4) x 16 = 64 tokens, not min(8, 256 // 16) x 16 = 128."""
+    from models.config import preset
+
+    config = EngineConfig(model="tiny", kvp=2, max_tokens_per_kvp_rank=64, page_size=16, block_pages=8,
+                          max_model_len=256, hardware="cpu", attention="reference")
+    assert LLMEngine._make_predictor(config, preset("tiny")).profile.block_tokens == 64
+    whole = dataclasses.replace(config, kvp=1, max_tokens_per_kvp_rank=None)
+    assert LLMEngine._make_predictor(whole, preset("tiny")).profile.block_tokens == 128

@@ -185,6 +185,15 @@ def test_attention_cost_models_by_the_engines_kernel_names():
     assert attention_s("h100", "mosaic") == attention_s("h100", "pallas")  # same ideal kernel until measured
 
 
+@pytest.mark.parametrize("field, value", [("step_overhead_s", float("nan")), ("step_overhead_s", float("inf")),
+                                          ("per_token_overhead_s", float("nan")), ("linear_flops_eff", float("inf")),
+                                          ("attn_bw_eff", float("nan"))])
+def test_profile_rejects_nan_and_infinite_values(field, value):
+    """json.load reads NaN and Infinity: such a profile made every step time NaN."""
+    with pytest.raises(ValueError, match=field):
+        Profile(**{field: value})
+
+
 def test_profile_round_trip(tmp_path):
     prof = Profile(linear_flops_eff=0.3, attn_block_overhead_s=2e-5, attention="reference", block_tokens=64)
     pred = Predictor(preset("tiny"), "cpu", dtype_bytes=4, profile=prof)

@@ -7,6 +7,7 @@ the engine calls, so these tests check the engine's update, not a copy of it. Ab
 `scheduler.finish(req, "abort")`. `Sim.schedule` asserts the invariants every plan must keep.
 """
 import logging
+import math
 import random
 
 import pytest
@@ -219,6 +220,41 @@ def test_config_rejects_non_positive():
     for kw in ({"max_num_batched_tokens": 0}, {"max_num_seqs": 0}, {"chunk_size": -1}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SchedulerConfig(**kw)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("ttft_slo_min_s", math.nan), ("ttft_slo_per_token_s", math.nan), ("ttft_slo_prefill_factor", math.nan),
+    ("ttft_slo_min_s", math.inf), ("target_batch_time_ms", math.inf), ("target_batch_time_ms", math.nan)])
+def test_config_rejects_nan_and_infinite_times(field, value):
+    """Every deadline would be NaN (or inf), and the slack policies would sort on NaN."""
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{field: value})
+
+
+def test_remaining_prefill_time_counts_the_outputs_a_preempted_request_recomputes():
+    """The estimate was cached by (tokens computed, start, predictor version): a one-chunk request priced while
+    waiting, then decoding and preempted, came back with the same key and kept its prompt-only estimate."""
+    from mnemojax.scheduling.predictor import Predictor
+    from models.config import preset
+
+    pred = Predictor(preset("tiny"), "cpu", profile="cpu")
+    cfg = SchedulerConfig(scheduler_policy="ilrs", chunk_size=256, max_num_batched_tokens=256)
+    sched = Scheduler(cfg, KVCacheManager(1, 8, 16), pred, clock=lambda: 0.0)  # 7 usable pages of 16 tokens
+    for i in range(2):
+        sched.add(Request(str(i), [i + 1] * 16, SamplingParams(max_tokens=200, ignore_eos=True), 0.0, seed=i))
+    for step in range(200):
+        for r in sched.waiting:
+            sched.remaining_prefill_time(r)  # as the ILRS priority does each step
+        plan = sched.schedule(now=float(step))
+        sched.update_from_output(plan, [ChunkOutput(token=7 if c.sample else None) for c in plan.chunks],
+                                 now=float(step))
+        if plan.preempted:
+            break
+    [victim] = plan.preempted
+    assert victim.output_token_ids and victim.num_computed == 0
+    want = pred.prefill_time(victim.num_tokens, cfg.chunk_size)  # prompt and outputs, from token 0
+    assert want > pred.prefill_time(victim.num_prompt_tokens, cfg.chunk_size)
+    assert sched.remaining_prefill_time(victim) == want
 
 
 @pytest.mark.parametrize("policy", ["edf", "lrs", "ilrs"])

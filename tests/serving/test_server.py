@@ -159,6 +159,9 @@ def test_sse_wire_format_ends_with_done(url):
     (dict(prompt="a", model="gpt-4"), "model", "does not exist"),
     (dict(prompt=[5, 99999]), "prompt", "outside the vocabulary"),
     (dict(prompt="a", presence_penalty=0.5), "presence_penalty", "not supported"),
+    # vLLM's extensions that change what is sampled: refused, not silently ignored
+    (dict(prompt="a", extra_body={"min_p": 0.5}), "min_p", "not supported"),
+    (dict(prompt="a", extra_body={"min_tokens": 10}), "min_tokens", "not supported"),
     (dict(prompt="a", logprobs=21), "logprobs", "between 0 and 20"),
     # choice j draws with seed + j, which must stay below 2**63 (not a 500 from the last choice's seed)
     (dict(prompt="a", n=2, seed=2**63 - 1), "seed", r"at most 2\*\*63 - 2"),
