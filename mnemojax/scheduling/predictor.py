@@ -178,9 +178,9 @@ class Profile:
                 if v is not None and not v > 0:
                     raise ValueError(f"{f.name} must be positive or None, got {v}")
             elif (f.name.endswith("_eff") or f.name == "wake_factor") and not 0 < v < math.inf:
-                raise ValueError(f"{f.name} must be positive and finite, got {v}")
+                raise ValueError(f"{f.name} must be positive (and finite), got {v}")
             if (f.name.endswith("_s") or f.name.endswith("_min")) and not 0 <= v < math.inf:  # NaN too
-                raise ValueError(f"{f.name} must be finite and not negative, got {v}")
+                raise ValueError(f"{f.name} must not be negative (and must be finite), got {v}")
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens must be positive, got {self.block_tokens}")
 
