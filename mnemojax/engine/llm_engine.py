@@ -35,6 +35,14 @@ DTYPES = ("float32", "bfloat16")
 HARDWARE_NAMES = tuple(sorted(HARDWARE))
 
 
+def _pages_per_seq(config, max_model_len: int) -> int:
+    """Columns of a rank's page table: a whole request's pages, at most `max_tokens_per_kvp_rank`'s."""
+    pages = -(-max_model_len // config.page_size)
+    if config.max_tokens_per_kvp_rank is not None:
+        pages = min(pages, config.max_tokens_per_kvp_rank // config.page_size)
+    return pages
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig(SchedulerConfig, ParallelConfig):
     """Everything that shapes an engine. `LLM(...)` keyword arguments and `python -m mnemojax.serve` flags map
@@ -148,11 +156,9 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.mesh = loaded.mesh
         self.tokenizer = loaded.tokenizer
-        pages_per_seq = -(-self.max_model_len // config.page_size)
+        pages_per_seq = _pages_per_seq(config, self.max_model_len)
         self.kv = KVCacheManager(config.kvp, loaded.num_pages, config.page_size, config.max_tokens_per_kvp_rank,
                                  prefix_caching=config.enable_prefix_caching)
-        if config.max_tokens_per_kvp_rank is not None:
-            pages_per_seq = min(pages_per_seq, config.max_tokens_per_kvp_rank // config.page_size)
         self.executor = Executor(loaded.spec, loaded.params, self.mesh, num_pages=loaded.num_pages,
                                  page_size=config.page_size, max_num_seqs=config.max_num_seqs,
                                  max_pages_per_seq=pages_per_seq, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -166,10 +172,8 @@ class LLMEngine:
         self._last_wait_end = 0.0  # when the last collect's wait ended
         if config.precompile:
             self.precompile()
-        # the predictor sizes chunks to the target batch time and prices TTFT deadlines by the prefill factor
-        uses_predictor = config.target_batch_time_ms is not None or config.ttft_slo_prefill_factor > 0
         self.predictor = self._make_predictor(config, self.model_config, runs=loaded.spec.attention) \
-            if uses_predictor else None
+            if config.uses_predictor else None
         self.scheduler = Scheduler(config, self.kv, self.predictor, clock=clock,
                                    eos_token_ids=self.model_config.eos_token_ids, spp=config.spp,
                                    max_model_len=self.max_model_len)
@@ -201,9 +205,7 @@ class LLMEngine:
         """The runtime predictor for this engine; `runs`: the attention its executor runs (default: what `config`
         resolves to for `mc`), costed whatever the preset's profile says."""
         hardware = config.hardware or detect_hardware()
-        pages_per_seq = -(-(config.max_model_len or mc.max_position_embeddings) // config.page_size)
-        if config.max_tokens_per_kvp_rank is not None:  # a rank's page table is no wider (as the executor's)
-            pages_per_seq = min(pages_per_seq, config.max_tokens_per_kvp_rank // config.page_size)
+        pages_per_seq = _pages_per_seq(config, config.max_model_len or mc.max_position_embeddings)
         runs = engine_attention(config, mc) if runs is None else runs
         # the executor runs every micro-batch at the pipeline register's size when spp > 1
         return make_predictor(config, mc, hardware=hardware, dtype_bytes=jnp.dtype(config.dtype).itemsize,

@@ -71,6 +71,12 @@ class SchedulerConfig:
     def target_batch_time_s(self) -> float | None:
         return None if self.target_batch_time_ms is None else self.target_batch_time_ms / 1e3
 
+    @property
+    def uses_predictor(self) -> bool:
+        """Whether the scheduler needs the runtime predictor: to size chunks to the target batch time, or to price
+        TTFT deadlines by the prefill factor (the engine and the simulator build it by this one rule)."""
+        return self.target_batch_time_ms is not None or self.ttft_slo_prefill_factor > 0
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:

@@ -443,8 +443,7 @@ class Simulator:
                                           wake_overhead_s=self.predictor.profile.wake_overhead_s)
         # As in the engine, the scheduler gets the predictor with a target batch time (without one, its LRS /
         # ILRS remaining prefill time is its per-token fallback); also for predicted TTFT deadlines.
-        uses_predictor = config.target_batch_time_ms is not None or config.ttft_slo_prefill_factor > 0
-        self.scheduler = Scheduler(config, self.kv, self.predictor if uses_predictor else None,
+        self.scheduler = Scheduler(config, self.kv, self.predictor if config.uses_predictor else None,
                                    clock=lambda: self.now, spp=config.spp)
         self.trace = sorted(trace, key=lambda r: r.arrival_time)
         self.steps = 0
