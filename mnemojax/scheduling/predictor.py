@@ -15,7 +15,9 @@ The cost model, for one micro-batch on one device (one KVP rank, one pipeline st
 * **Attention**, per layer, per request, by the engine's kernel names (`models.kernels`): with
   `attention="pallas"` (the Pallas kernels, costed as an ideal ragged paged kernel) the causal work
   of its query tokens over the keys on this rank, FLOPs `4 x visible_keys x heads x head_dim` (per tp shard)
-  and its KV read once, `ctx x 2 x kv_heads x head_dim x dtype_bytes`. With `attention="reference"` (the
+  and its KV read once, `ctx x 2 x kv_heads x head_dim x dtype_bytes`. A request over several KVP ranks is
+  costed on its busiest: the page manager fills its ranks in order, `max_tokens_per_kvp_rank` keys each, so
+  its first rank holds `min(ctx, max_tokens_per_kvp_rank)` keys, all seen by its queries. With `attention="reference"` (the
   plain-jnp blockwise kernel of `models/attention.py`) every one of the T padded rows loops over the blocks
   of the *longest* sequence of the step: FLOPs `4 x T x blocks x block_tokens x heads x head_dim`, a gather
   of each row's K/V block (float32) with its own efficiency (past a cache-sized footprint per block, at the
@@ -217,6 +219,16 @@ class ChunkShape:
 
 
 
+def _causal_pairs(lo: int, hi: int, q_lo: int, q_hi: int) -> int:
+    """(query, key) pairs with key <= query, queries at positions [q_lo, q_hi), keys at [lo, hi)."""
+
+    def upto(t: int) -> int:  # pairs of the queries at positions [0, t)
+        seen = min(max(t - lo, 0), hi - lo)  # keys the last of them sees, counting itself
+        return seen * (seen + 1) // 2 + max(t - hi, 0) * (hi - lo)
+
+    return upto(q_hi) - upto(q_lo)
+
+
 def _ring_allreduce(nbytes: float, n: int, bandwidth: float, latency: float, calls: int = 1) -> float:
     if n <= 1:
         return 0.0
@@ -364,16 +376,15 @@ class Predictor:
         out["lm_head"] = roofline(2 * R * self.lm_head_params, self.lm_head_params * b,
                                   p.linear_flops_eff, p.linear_bw_eff)
 
-        # Attention, per layer. Each rank holds ceil(ctx / ranks) keys of a multi-rank request (its busiest).
+        # Attention, per layer, on the busiest KVP rank of a multi-rank request (`_busiest_share`).
         kv_row = 2 * self.kv_heads * c.head_dim  # K and V elements per key
-        local = [-(-ch.context_len // ch.num_ranks) for ch in chunks]
+        shares = [self._busiest_share(ch) for ch in chunks]
+        local = [keys for keys, _ in shares]
         kv_bytes = sum(local) * kv_row * b
         if self.attention in (PALLAS, MOSAIC):  # both costed as an ideal ragged paged kernel (mosaic: unmeasured)
             attn = 0.0
-            for ch, ctx in zip(chunks, local):
-                q = ch.query_tokens
-                visible = (q * ch.context_len - q * (q - 1) // 2) / ch.num_ranks  # causal keys seen
-                attn += roofline(4 * visible * self.heads * c.head_dim, ctx * kv_row * b,
+            for keys, visible in shares:
+                attn += roofline(4 * visible * self.heads * c.head_dim, keys * kv_row * b,
                                  p.attn_flops_eff, p.attn_bw_eff)
             out["attention"] = attn * n_layers
         else:
@@ -437,6 +448,24 @@ class Predictor:
         """Seconds between two tokens of a decoding request whose micro-batch holds `batch` such decodes at
         `context_len`: its token must leave the last stage before the next can enter, so spp stage times."""
         return self.spp * self.stage_time([ChunkShape(1, context_len, num_ranks)] * batch)
+
+    def _busiest_share(self, ch: ChunkShape) -> tuple[float, float]:
+        """(keys held, causal (query, key) pairs computed) of the KVP rank that works hardest on `ch`.
+
+        The page manager fills a request's ranks in order: its i-th rank holds keys [i m, (i + 1) m) and the
+        last the rest, m = `max_tokens_per_kvp_rank`; each rank attends the chunk's queries to its own keys.
+        The first rank is full and every query sees all of it, so it is the busiest in bytes and, but for a
+        chunk wider than m, in work: the maximum over ranks is taken all the same. Without a limit (a direct
+        call with `num_ranks` > 1) the keys are taken as split evenly, ceil(ctx / ranks) each, an idealised
+        KVP that no page manager gives."""
+        q, ctx, n = ch.query_tokens, ch.context_len, ch.num_ranks
+        if n == 1 or self.max_tokens_per_kvp_rank is None:
+            return -(-ctx // n), (q * ctx - q * (q - 1) // 2) / n
+        m = self.max_tokens_per_kvp_rank
+        spans = [(i * m, min((i + 1) * m, ctx)) for i in range(n - 1)]
+        spans.append((min((n - 1) * m, ctx), ctx))
+        return (max(hi - lo for lo, hi in spans),
+                max(_causal_pairs(lo, hi, ctx - q, ctx) for lo, hi in spans))
 
     def _ranks(self, context_len: int) -> int:
         """KVP ranks a request of `context_len` tokens spans: the page manager onboards rank r + 1 only once

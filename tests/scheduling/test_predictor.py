@@ -76,6 +76,7 @@ def _predictors():
     yield Predictor(preset("tiny"), "cpu", dtype_bytes=4, profile="cpu")
     yield Predictor(LLAMA8B, "h100")
     yield Predictor(LLAMA8B, "h200", tp=8, spp=4, kvp=2)
+    yield Predictor(LLAMA8B, "h100", tp=8, kvp=4, max_tokens_per_kvp_rank=16384)  # ranks filled in order
     yield Predictor(preset("llama3-70b"), "a100", tp=8, spp=2, pipeline_tokens=2048)
     yield Predictor(LLAMA8B, "h100", profile=dataclasses.replace(NO_OVERHEAD, pad_tokens_min=0, pad_rows_min=0))
 
@@ -115,6 +116,26 @@ def test_kvp_halves_attention_of_a_long_decode():
     assert a1["kvp_merge"] == 0 < a2["kvp_merge"] < 1e-3  # query-sized: a few latencies
     assert two.decode_time(ctx, num_ranks=2) < one.decode_time(ctx)
     assert a2["linear"] == a1["linear"]  # replicated on each rank
+
+
+def test_kvp_costs_the_busiest_rank_as_the_page_manager_fills_them():
+    # The page manager fills a request's first rank to max_tokens_per_kvp_rank before the next joins, so a
+    # decode just past the limit costs its first rank's m keys, not half of the context.
+    m = 131072
+    one = Predictor(LLAMA8B, "h100", tp=8)
+    two = Predictor(LLAMA8B, "h100", tp=8, kvp=2, max_tokens_per_kvp_rank=m)
+    attention = lambda pred, *shape: pred.breakdown([ChunkShape(*shape)])["attention"]
+    assert attention(two, 1, m + 16, 2) == pytest.approx(attention(one, 1, m), rel=1e-12)
+    assert two.decode_time(m + 16, num_ranks=2) > one.decode_time(m)
+    assert attention(two, 1, 2 * m, 2) == pytest.approx(attention(one, 1, m), rel=1e-12)  # both ranks full
+    # A prefill chunk straddling the limit, queries [m - 1024, m + 1024): its first rank sees all m keys from
+    # the last 1024 queries and a causal triangle's worth from the first; the second rank only 1024 keys.
+    hw, p = HARDWARE["h100"], two.profile
+    pairs = 1024 * m + sum(range(m - 1024 + 1, m + 1))
+    by_hand = 32 * max(4 * pairs * 4 * 128 / (hw.matmul_flops * p.attn_flops_eff),  # 32 heads / tp 8
+                       m * 2 * 1 * 128 * 2 / (hw.memory_bandwidth * p.attn_bw_eff))  # K, V x 1 kv head x bf16
+    assert attention(two, 2048, m + 1024, 2) == pytest.approx(by_hand, rel=1e-12)
+    assert attention(one, 2048, m) < by_hand < attention(one, 2048, m + 1024)
 
 
 def test_spp_cuts_stage_time_and_tp_cuts_step_time():
