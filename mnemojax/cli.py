@@ -26,7 +26,7 @@ import textwrap
 import types
 import typing
 
-from absl import app, flags
+from absl import app, flags, logging
 
 
 @functools.cache
@@ -165,8 +165,10 @@ def no_arguments(argv: list[str]) -> None:
 @contextlib.contextmanager
 def usage_errors():
     """Turns a bad setting found while a command starts (a ValueError naming the field, or a file that cannot be
-    read) into absl's usage error: the message and the exit code 1, not a traceback."""
+    read) into absl's usage error: the message and the exit code 1, not a traceback. The traceback is logged at
+    debug level (`-v 1` shows it), for an error that is a bug rather than a setting."""
     try:
         yield
     except (ValueError, OSError) as e:
+        logging.debug("the usage error's traceback", exc_info=True)
         raise app.UsageError(str(e)) from None

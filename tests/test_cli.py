@@ -101,3 +101,11 @@ def test_a_bad_command_line_is_a_usage_error_naming_the_flag(argv, message):
                           text=True, timeout=120)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_usage_error_logs_its_traceback_at_debug_level():
+    # An error that is a bug rather than a bad setting still has a trace to follow: `-v 1` prints it.
+    proc = subprocess.run([sys.executable, "-m", "mnemojax.sim", "--num_pages=1", "-v", "1"], cwd=ROOT,
+                          env=serve_env(1), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" in proc.stderr and "kv_manager.py" in proc.stderr, proc.stderr[-2000:]
