@@ -167,7 +167,8 @@ class Choice:
     done: bool = False  # its engine request has ended (finished, failed or aborted)
     emptied: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set while nothing is pending
     offsets: TextOffsets | None = None  # a stream's text offsets of the tokens taken so far (completion logprobs)
-    last_offset: int = 0  # the last text offset a stream showed
+    last_offset: int = 0  # a stream's last token's start in the text (never below the token before it's)
+    held: list = dataclasses.field(default_factory=list)  # a stream's (token, log-probs, start) not shown yet
 
     def receive(self, out: RequestOutput) -> None:
         if out.prompt_logprobs:

@@ -60,13 +60,24 @@ class ServingCompletion(OpenAIServing):
         return out
 
     def stream_choice(self, c: Choice, new: CompletionOutput, offset: int) -> dict:
+        """A chunk's choice. Its log-probs are those of the tokens whose `text_offset` is settled: a token's offset
+        is its start in the text, or the end of the final text when a stop string cut its text off; while its
+        start lies past the text streamed so far (its text held back: an incomplete character, the start of a stop
+        string) that is not known yet, so its entry waits for a later chunk, as held-back text does, and the
+        stream's entries joined equal the whole response's."""
         lps = None
         if c.params.logprobs is not None:
             if c.offsets is None:
                 c.offsets = self.text_offsets(c.params)
-            offsets = self.offsets(c.offsets, new.token_ids, 0, c.last_offset, offset + len(new.text))
-            c.last_offset = offsets[-1] if offsets else c.last_offset
-            lps = self.logprobs(c, new.token_ids, new.logprobs or [], offsets)
+            for t, d in zip(new.token_ids, new.logprobs or [None] * len(new.token_ids)):
+                c.last_offset = max(c.offsets.add(t), c.last_offset)
+                c.held.append((t, d, c.last_offset))
+            end = offset + len(new.text)  # the text streamed so far, this chunk's included
+            n = len(c.held) if new.finish_reason is not None else \
+                next((i for i, (_, _, at) in enumerate(c.held) if at > end), len(c.held))
+            ready, c.held = c.held[:n], c.held[n:]
+            lps = self.logprobs(c, [t for t, _, _ in ready], [d for _, d, _ in ready],
+                                [min(at, end) for _, _, at in ready])
         return {"index": c.index, "text": new.text, "logprobs": lps, "finish_reason": new.finish_reason,
                 "stop_reason": new.stop_reason}
 

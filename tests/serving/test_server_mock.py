@@ -88,13 +88,16 @@ def test_text_offset_indexes_into_text_for_tokens_that_are_not_utf8_alone(served
     assert tokens == ["~", "\x7f", "bytes:\\x80", "bytes:\\x81"]
     assert whole == streamed == [0, 1, 2, 3]
     # after 0xbf: 0xc0 and 0xc1 (never UTF-8), then 0xc2 (the start of a character the output ends inside). The
-    # stream holds the text back until a whole character follows (here: the end), so 0xc1, whose U+FFFD is not
-    # streamed yet when it is, starts at the end of the text so far there.
+    # stream holds the text back until a whole character follows (here: the end), and with it the entries of the
+    # tokens that start past the text streamed so far (0xc1's): the stream's offsets are the whole response's.
     text, tokens, whole, streamed = _offsets(client, {"prompt": [0xbf], "max_tokens": 3, "logprobs": 0})
-    assert text == "\ufffd" * 3 and whole == [0, 1, 2] and streamed == [0, 0, 2]
+    assert text == "\ufffd" * 3 and whole == streamed == [0, 1, 2]
     # a stop string cut from the text leaves the tokens that made it at the text's end
     text, _, whole, streamed = _offsets(client, {"prompt": "ab", "max_tokens": 5, "stop": "de", "logprobs": 0})
     assert text == "c" and whole == streamed == [0, 1, 1]
+    # "d" and "e" held back as the start of a stop string that "f" then breaks: they start where they are
+    text, _, whole, streamed = _offsets(client, {"prompt": "ab", "max_tokens": 4, "stop": "dez", "logprobs": 0})
+    assert text == "cdef" and whole == streamed == [0, 1, 2, 3]
 
 
 def test_chat_default_max_tokens_is_what_the_kv_pages_hold():
