@@ -63,6 +63,8 @@ class MockEngine:
         reason = stop_reason = None
         sent_tokens = sent_text = 0
         self.num_active += 1
+        self.num_waiting += 1  # as AsyncLLM: from the generator's first step to its first output
+        waiting = True
         try:
             for i, t in enumerate(mock_tokens(ids[-1], params.max_tokens)):
                 await asyncio.sleep(self.token_delay_s)
@@ -88,10 +90,15 @@ class MockEngine:
                     whole = self._output(request_id, ids, detok.text, out_ids, lps, params, reason, stop_reason)
                     for fn in self._listeners:
                         fn(whole)
+                if waiting:
+                    self.num_waiting -= 1
+                    waiting = False
                 yield out
                 if reason is not None:
                     return
         finally:
+            if waiting:
+                self.num_waiting -= 1
             self.num_active -= 1
             if reason is None:
                 self.dropped += 1

@@ -18,7 +18,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -130,8 +131,12 @@ class ServerState:
         self.max_request_bytes = config.request_bytes_limit(llm.max_model_len)
         self.draining = False
         self._drain_started: asyncio.Future | None = None
+        self.num_admitted = 0  # choices admitted whose engine request has not started yet (see `OpenAIServing.admit`)
         self.metrics = ServerMetrics(llm.stats, self.served_model_name)
         self.created = int(time.time())
+
+    def unreserve(self) -> None:
+        self.num_admitted -= 1
 
     def start_draining(self) -> None:
         """New requests get 503 from now on, and so do requests whose body is still arriving. On the event loop."""
@@ -166,6 +171,7 @@ class Choice:
     taken_chars: int = 0  # characters of text taken so far
     done: bool = False  # its engine request has ended (finished, failed or aborted)
     emptied: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set while nothing is pending
+    unreserve: Callable[[], None] = lambda: None  # gives back its place in the queue (`OpenAIServing.admit`)
     offsets: TextOffsets | None = None  # a stream's text offsets of the tokens taken so far (completion logprobs)
     last_offset: int = 0  # a stream's last token's start in the text (never below the token before it's)
     held: list = dataclasses.field(default_factory=list)  # a stream's (token, log-probs, start) not shown yet
@@ -259,10 +265,17 @@ class OpenAIServing:
                 raise bad_request(e, "" if len(prompts) == 1 else f"prompt[{pi}]: ") from None
             first = len(choices)
             choices += [Choice(first + j, pi, ids, p, **choice_fields) for j, p in enumerate(params)]
-        max_queue = self.state.config.max_queue
-        if self.llm.num_waiting + len(choices) > max_queue:
-            raise APIError(429, f"too many requests waiting ({self.llm.num_waiting}, the limit is max_queue = "
-                                f"{max_queue}); retry later")
+        # The queue counts the engine's waiting requests and the choices admitted whose engine request has not
+        # started yet: other requests' handlers run between this admission and the start, and would pass it too.
+        # Each choice holds its place until its engine request starts (`run`), or until it is dropped unstarted.
+        state, max_queue = self.state, self.state.config.max_queue
+        waiting = self.llm.num_waiting + state.num_admitted
+        if waiting + len(choices) > max_queue:
+            raise APIError(429, f"too many requests waiting ({waiting}, the limit is max_queue = {max_queue}); retry "
+                                f"later")
+        for c in choices:
+            state.num_admitted += 1
+            c.unreserve = weakref.finalize(c, state.unreserve)
         return choices
 
     # ------------------------------------------------------------ running
@@ -275,6 +288,8 @@ class OpenAIServing:
 
         async def pump(c: Choice):
             try:
+                # no await between: the engine counts the request waiting from the generator's first step on
+                c.unreserve()
                 async for out in self.llm.generate(None, c.params, f"{rid}-{c.index}", prompt_token_ids=c.prompt_ids):
                     c.receive(out)
                     progress.set()
@@ -301,6 +316,8 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for c in choices:
+                c.unreserve()  # a task cancelled before it started
 
     async def run_to_end(self, request: Request, rid: str, choices: list[Choice]) -> bool:
         """Runs the choices of a non-streaming request to the end; False if the client went away first (watched

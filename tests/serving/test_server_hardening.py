@@ -5,10 +5,12 @@ idle connections are closed after their documented timeouts.
 HTTP-level checks go through FastAPI's TestClient; connection-level ones (timeouts, a client that reads nothing)
 need real sockets, so they run a uvicorn server on loopback and speak raw HTTP/1.1 to it.
 """
+import asyncio
 import json
 import socket
 import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -139,6 +141,27 @@ def test_a_full_queue_is_429_naming_max_queue(served):
     err = _error(client.post(COMPLETIONS, json={"prompt": "ab", "max_tokens": 2, "n": 2}), 429)
     assert err["type"] == "rate_limit_error" and "max_queue" in err["message"]
     assert client.post(COMPLETIONS, json={"prompt": "ab", "max_tokens": 2}).status_code == 200
+
+
+def test_requests_arriving_together_cannot_overfill_the_queue():
+    # 12 requests at once: each handler admits its request before any engine request has started (and counts
+    # as waiting), so each must count those admitted before it.
+    engine = MockEngine(token_delay_s=0.2)
+    app = build_app(engine, served_model_name="m", max_queue=3)
+    s = ThreadServer(app)
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+            return await asyncio.gather(*(c.post(COMPLETIONS, json={"prompt": "ab", "max_tokens": 2})
+                                          for _ in range(12)))
+
+    try:
+        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        assert codes == [200] * 3 + [429] * 9, codes
+        assert app.state.server.num_admitted == 0 and engine.num_waiting == 0
+        assert httpx.post(f"{s.url}{COMPLETIONS}", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
+    finally:
+        s.stop()
 
 
 # ---------------------------------------------------------------- 4. zero token limits
