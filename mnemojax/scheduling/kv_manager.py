@@ -147,6 +147,11 @@ class KVCacheManager:
             raise ValueError(f"max_tokens_per_kvp_rank must be a positive multiple of page_size ({page_size}), "
                              f"got {max_tokens_per_rank}")
         self.ranks = [PageManager(num_pages, page_size) for _ in range(num_ranks)]
+        # a request fills its ranks max_tokens_per_rank at a time: more than a rank's pages hold would never fit
+        held = self.ranks[0].num_usable * page_size
+        if max_tokens_per_rank is not None and max_tokens_per_rank > held:
+            raise ValueError(f"max_tokens_per_kvp_rank ({max_tokens_per_rank}) exceeds what one KVP rank's KV pages "
+                             f"hold: {held} tokens ({self.ranks[0].num_usable} usable pages of {page_size})")
         self.page_size = page_size
         self.max_tokens_per_rank = max_tokens_per_rank
         self.prefix_caching = prefix_caching

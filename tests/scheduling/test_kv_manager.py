@@ -182,7 +182,11 @@ def test_cache_manager_counts_span_and_capacity():
     assert kv.span() == 12
     assert kv.capacity_error(36) is None and kv.max_request_tokens() == 36
     assert "exceeds" in kv.capacity_error(37)
-    assert KVCacheManager(2, 3, 4, max_tokens_per_rank=40).span() == 8  # a limit above the pool: the pool
+    # a limit above a rank's pool is refused: the first rank would be filled to it, which it can never hold (a
+    # request of 15 tokens was accepted, put on one rank of 8 tokens' pages, and waited forever)
+    with pytest.raises(ValueError, match=r"max_tokens_per_kvp_rank \(40\) exceeds what one KVP rank's KV pages "
+                                         r"hold: 8 tokens \(2 usable pages of 4\)"):
+        KVCacheManager(2, 3, 4, max_tokens_per_rank=40)
 
 
 @pytest.mark.parametrize("limit, num_tokens, counts", [
