@@ -43,8 +43,8 @@ prompt is a short request for every policy and for adaptive chunking. `update_fr
 a leaving chunk completed (their K/V is then written on every pipeline stage).
 
 Memory pressure: a request that cannot get a page preempts, by recompute, the most recently admitted request
-that was admitted after it, holds pages on a rank that is short, and has nothing in flight; with none it
-waits. A preempted request returns to the front of the queue and computes its prompt and generated tokens
+that was admitted after it, holds pages on a rank that is short, and has nothing in flight; with none, a prefill
+chunk shrinks to what the free pages hold (rather than leave them to newer requests), and a decode waits. A preempted request returns to the front of the queue and computes its prompt and generated tokens
 again; results do not change (the sampler is keyed by (seed, token index); prompt log-probs already
 reported are kept).
 """
@@ -341,6 +341,17 @@ class Scheduler:
             self._log_target_unmet(entries, req, min(floor, hi), cap)
         return max(best, min(floor, hi))
 
+    def _fits_in_free_pages(self, req: Request, most: int) -> int:
+        """The largest chunk of `req`, up to `most` tokens, whose pages are free now (0: none)."""
+        lo, hi = 0, most
+        while lo < hi:  # the pages a chunk needs grow with it
+            mid = (lo + hi + 1) // 2
+            if self.kv.short_ranks(req, req.num_computed + mid):
+                hi = mid - 1
+            else:
+                lo = mid
+        return lo
+
     def _log_target_unmet(self, entries, req: Request, n: int, cap: float) -> None:
         """Says once that a step's least work (its decodes and the most urgent prefill's smallest chunk) is
         predicted over the target."""
@@ -360,7 +371,9 @@ class Scheduler:
 
     def _schedule(self, req: Request, n: int, rows: StepRows, chunks: list[ScheduledChunk],
                   preempted: list[Request]) -> bool:
-        """Grows `req`'s pages for `n` more tokens (preempting newer requests if needed) and adds its chunk."""
+        """Grows `req`'s pages for `n` more tokens (preempting newer requests if needed; a prefill chunk shrinks to
+        what the free pages hold when nobody is left to preempt, rather than leave them to newer requests) and adds
+        its chunk."""
         while short := self.kv.short_ranks(req, req.num_computed + n):
             if req.status is not RequestStatus.RUNNING:
                 return False  # a waiting request preempts nobody
@@ -368,7 +381,10 @@ class Scheduler:
             scheduled = {id(c.request) for c in chunks}
             victims = [r for r in newer if r.in_flight == 0 and id(r) not in scheduled and short & set(r.kv_ranks)]
             if not victims:
-                return False
+                n = self._fits_in_free_pages(req, n - 1)
+                if n == 0:
+                    return False
+                break
             self._preempt(victims[-1])
             preempted.append(victims[-1])
         ranks = self._ranks_of(req, n)
@@ -484,14 +500,18 @@ class Scheduler:
 
         scheduled = {id(ch.request) for ch in chunks}
         primary = cands[0] if cands else None
+        # the most urgent request, waiting, keeps a seat for its own pass: the capped passes of the others come first
+        seat_kept = primary is not None and primary.status is RequestStatus.WAITING
         full: set[int] = set()  # ranks where not even one token of a fresh prompt fits under the limit
         for req, cap in passes:
+            if req is primary:
+                seat_kept = False
             if all(rows.room([r]) <= 0 for r in range(self.kv.num_ranks)) or len(full) == self.kv.num_ranks:
                 break
             if id(req) in scheduled or req in preempted:
                 continue  # one chunk per request per step; a victim is not re-admitted in the same step
             if req.status is RequestStatus.WAITING:
-                if self.num_seats_held >= c.max_num_seqs or (c.scheduler_policy == "fcfs" and preempted):
+                if self.num_seats_held + seat_kept >= c.max_num_seqs or (c.scheduler_policy == "fcfs" and preempted):
                     continue
                 req.num_computed = self.kv.place(req, rows)  # its cached prefix, if any
                 if self.kv.waits_for_pending(req, req.num_computed):

@@ -210,6 +210,20 @@ def test_ppb_leaves_the_most_urgent_its_smallest_chunk_when_costs_do_not_add():
     assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("long", 49)]
 
 
+@pytest.mark.parametrize("policy", ["ilrs", "lrs", "edf"])
+def test_a_waiting_most_urgent_request_keeps_the_last_seat_from_the_capped_passes(policy):
+    # Prefill-prefill batching runs the others' capped passes before the most urgent request's: with one seat
+    # left, the less urgent waiting request took it there, and the urgent one waited for the lax one to finish.
+    s = _sched(policy, max_num_batched_tokens=64, max_num_seqs=1, chunk_size=64, ppb_max_share=0.5)
+    lax, urgent = _req("lax", 1000, 0.0), _req("urgent", 10, 0.0)
+    s.add(lax)
+    s.add(urgent)
+    assert sorted(s.waiting, key=lambda r: s._priority(r, 0.9)) == [urgent, lax]
+    plan = s.schedule(now=0.9)
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("urgent", 10)]
+    assert s.running == [urgent]
+
+
 def test_fcfs_never_shares():
     p = LinearPredictor(overhead=0.0, a=1e-5, b=0.0)
     s = _sched("fcfs", predictor=p, chunk_size=4096, max_num_batched_tokens=4096, target_batch_time_ms=10.0,
@@ -226,8 +240,8 @@ def _ttft_of_short(policy, ppb):
     the clock; returns (the short request's TTFT, its isolated prefill time, the longest step)."""
     p = LinearPredictor(overhead=0.002, a=1e-5, b=1e-9)
     clock = [0.0]
-    s = _sched(policy, predictor=p, chunk_size=2048, max_num_batched_tokens=2048, target_batch_time_ms=50.0,
-               min_chunk_size=32, ppb_max_share=ppb, clock=lambda: clock[0])
+    s = _sched(policy, pages=12_600, predictor=p, chunk_size=2048, max_num_batched_tokens=2048,  # room for both
+               target_batch_time_ms=50.0, min_chunk_size=32, ppb_max_share=ppb, clock=lambda: clock[0])
     long = _req("long", 200_000, 0.0, max_tokens=2)
     s.add(long)
     short = None

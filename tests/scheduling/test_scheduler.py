@@ -479,6 +479,25 @@ def test_request_that_preempts_itself_is_not_scheduled():
     assert len(old.output_token_ids) == len(new.output_token_ids) == 9
 
 
+def test_a_prefill_without_victims_takes_the_free_pages_it_can_use():
+    """page_size 4, 10 usable pages, chunk 16: D and R prefill 16 tokens each (8 pages). Then D takes a page for
+    its last 4 prompt tokens and R, with nobody newer to preempt, needs 2 pages for its last 8: it computes the 4
+    tokens the last free page holds rather than nothing (which left that page to a newer request, preempted for
+    it a step later)."""
+    sim = Sim(budget=64, max_num_seqs=8, chunk_size=16, num_pages=11, page_size=4)
+    d = make_request("D", 20, max_tokens=12)
+    r = make_request("R", 24, max_tokens=4)
+    sim.add(d, r)
+    sim.step()
+    sim.add(make_request("W", 3, max_tokens=3, arrival=1.0))
+    plan, _ = sim.step()
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("D", 16, 4), ("R", 16, 4)]
+    assert plan.preempted == [] and sim.kv.ranks[0].num_free == 0
+    assert [w.request_id for w in sim.sched.waiting] == ["W"]
+    sim.run()
+    assert sim.kv.num_used == 0
+
+
 # ---------------------------------------------------------------------------------- waiting for pages
 def test_request_without_pages_waits_and_is_admitted_when_pages_free(caplog):
     caplog.set_level(logging.DEBUG, logger=LOGGER)
