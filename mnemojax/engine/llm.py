@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 from mnemojax.scheduling.outputs import RequestOutput
-from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
+from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -56,7 +56,7 @@ class LLM:
                 token_ids.append(engine.tokenize(prompt))
                 engine.validate(token_ids[-1], p)
             except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}") from None
+                raise ParamError(getattr(e, "param", None), f"prompts[{i}]: {e}") from None
         # Only the final outputs are returned: the engine builds no output in the steps before (vLLM does the same).
         final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
         params = [final[id(p)] for p in params]

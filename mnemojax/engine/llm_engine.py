@@ -220,23 +220,31 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ParamError("prompt", f"model {self.config.model!r} has no tokenizer: give prompts as token ids")
             return list(self.tokenizer.encode(prompt))
+        return self._token_ids(prompt, "prompt")
+
+    @staticmethod
+    def _token_ids(prompt, field: str) -> list[int]:
+        """`prompt`'s token ids as Python ints; a ParamError naming `field` if it is not a sequence of integers."""
         try:
             ids = list(prompt)
         except TypeError:
-            raise ParamError("prompt", f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}") \
+            raise ParamError(field, f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}") \
                 from None
         if all(type(t) is int for t in ids):
             return ids
         for i, t in enumerate(ids):  # numpy integers are ids too; a float or a bool is not (no silent int())
             if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-                raise ParamError("prompt", f"prompt token ids must be integers; index {i} is {t!r} "
-                                           f"({type(t).__name__})")
+                raise ParamError(field, f"prompt token ids must be integers; index {i} is {t!r} "
+                                        f"({type(t).__name__})")
         return [int(t) for t in ids]
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError naming the field and the limit; changes nothing."""
         vocab = self.model_config.vocab_size
         params.validate(vocab_size=vocab)
+        if params.stop and self.tokenizer is None:
+            raise ParamError("stop", f"model {self.config.model!r} has no tokenizer, so stop strings cannot be "
+                                     f"matched: use stop_token_ids")
         if not prompt_ids:
             raise ParamError("prompt", "prompt must not be empty")
         for i, t in enumerate(prompt_ids):
@@ -257,7 +265,8 @@ class LLMEngine:
         engine's clock, at most now; default now), as vLLM's: when the request arrived, which its TTFT and its ILRS
         deadline count from (a server or a trace replay that hands requests over late)."""
         params = params or SamplingParams()
-        prompt_ids = self.tokenize(prompt) if prompt_token_ids is None else prompt_token_ids
+        prompt_ids = self.tokenize(prompt) if prompt_token_ids is None else \
+            self._token_ids(prompt_token_ids, "prompt_token_ids")
         self.validate(prompt_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
@@ -268,10 +277,10 @@ class LLMEngine:
             raise ParamError("arrival_time", f"arrival_time {arrival_time} is later than the engine's clock ({now})")
         req = Request(rid, prompt_ids, params, now if arrival_time is None else arrival_time, seed,
                       prompt=prompt if isinstance(prompt, str) else None)
+        self.scheduler.add(req)
         self.requests[rid] = req
         if self.tokenizer is not None:
             self._detokenizers[rid] = Detokenizer(self.tokenizer, params)
-        self.scheduler.add(req)
         return rid
 
     def abort(self, request_id: str) -> None:

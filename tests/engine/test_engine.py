@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mnemojax import LLM, SamplingParams
+from mnemojax.scheduling.sampling_params import ParamError
 from tests.hf_utils import EOS_ID, load_hf_model, make_hf_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=0, ignore_eos=True)
@@ -210,6 +211,25 @@ def test_bad_input_raises_and_engine_still_works(llm, prompt, params, match):
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
 
 
+@pytest.mark.parametrize("ids, match", [
+    ([1.5, 2], r"index 0 is 1.5 \(float\)"),  # was served as token 1
+    ([7.0] * 20, r"index 0 is 7.0 \(float\)"),  # was a TypeError from the prefix cache's hashing, request kept
+    (np.array([[1, 2]]), r"index 0 is array"),  # was numpy's "truth value of an array is ambiguous"
+])
+def test_add_request_checks_prompt_token_ids_as_prompts(llm, ids, match):
+    engine = llm.engine
+    with pytest.raises(ParamError, match=match) as e:
+        engine.add_request("ignored", SamplingParams(max_tokens=2), request_id="bad", prompt_token_ids=ids)
+    assert e.value.param == "prompt_token_ids" and "bad" not in engine.requests
+    assert not engine.has_unfinished() and engine.kv.num_used == 0
+
+
+def test_a_bad_prompt_keeps_its_field_name_through_generate(llm):
+    with pytest.raises(ParamError, match=r"prompts\[1\]: prompt must not be empty") as e:
+        llm.generate([[5, 6], []], SamplingParams())
+    assert e.value.param == "prompt"
+
+
 def test_numpy_token_ids_are_one_prompt(llm):
     """Token ids as numpy integers (`list(array)`) or a 1-D array are one prompt, as a list of ints is (each id
     used to be taken for a prompt of its own, and the call died with a TypeError)."""
@@ -278,6 +298,10 @@ def test_text_prompt_without_tokenizer(tmp_path):
     llm = LLM(model=path, max_model_len=64)
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate(["hello"])
+    # stop strings cannot be matched without text (they were accepted and ignored)
+    with pytest.raises(ParamError, match="no tokenizer, so stop strings cannot be matched") as e:
+        llm.generate([[1, 2]], SamplingParams(max_tokens=3, stop=["x"]))
+    assert e.value.param == "stop"
     assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
 
 
