@@ -9,14 +9,15 @@ Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`:
 - 400 bad input (the message names the field and the limit): malformed JSON, invalid UTF-8 or a lone surrogate,
   a wrong type (types are strict), an empty prompt, prompt + max_tokens beyond max_model_len, a sampling field out
   of range, more stop strings, stop characters, stop token ids or choices than the server's limits, an unknown
-  model name or chat role;
+  chat role, a field the server cannot honour (structured output, tools);
 - 401 a missing or wrong API key (only when the server has one, for /v1, the tokenizer endpoints and admin paths;
   /health and /metrics stay open);
+- 404 an unknown model name (OpenAI's and vLLM's status);
 - 408 the body did not arrive within the body timeout;
 - 413 a body larger than the limit;
 - 429 the queue of requests waiting for their first step is full;
 - 500 only the server's own failure, whose text goes to the log, never to the client;
-- 503 the server is shutting down.
+- 503 the server is shutting down; /health also when the engine has stopped.
 A bad request is answered alone: nothing is queued for it and the engine keeps serving everyone else. The body is
 read as JSON whatever its Content-Type says.
 
@@ -184,7 +185,7 @@ def build_app(llm: EngineClient, config: ServerConfig | None = None, **overrides
     @app.get("/health")
     async def health():
         if not llm.is_alive:
-            return error_response(500, "the engine has stopped")
+            return error_response(503, "the engine has stopped")  # as vLLM's: probes take the replica out
         if st.draining:
             return error_response(503, "the server is shutting down")
         return {}

@@ -225,7 +225,7 @@ class OpenAIServing:
     # ------------------------------------------------------------ admission
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.state.served_model_name:
-            raise APIError(400, f"model {model!r} does not exist; this server serves "
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
                                 f"{self.state.served_model_name!r}", "model")
 
     def check_limits(self, params: SamplingParams, num_prompts: int, n: int) -> None:

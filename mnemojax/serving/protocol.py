@@ -5,7 +5,9 @@ Field names, types and defaults follow the OpenAI API, plus vLLM's extensions (`
 naming the field, never coerced ("2" is not 2, true is not 1; an int is a valid float). Strings must be Unicode
 (JSON's `\\ud800` escapes can spell a lone surrogate, which no tokenizer takes). Unknown fields are ignored, as
 OpenAI-compatible servers do; fields we cannot honour (penalties, vLLM's `min_p` and `min_tokens`, `suffix`, `best_of`, `echo` or `prompt_logprobs`
-with `stream`) are accepted in the schema and rejected with a 400 naming them when set, never silently dropped. Range checks live in
+with `stream`, a `response_format` other than text, `tools`, a `tool_choice` other than none or auto) are accepted in
+the schema and rejected with a 400 naming them when set, never silently dropped; so is `stream_options` without
+`stream`. Range checks live in
 `SamplingParams` and the engine, so the server and the library share one set of limits and messages.
 """
 from __future__ import annotations
@@ -69,6 +71,7 @@ class _SamplingRequest(_Strict):
     user: Text | None = None
     prompt_logprobs: int | None = Field(default=None, description=f"vLLM's: top log-probs per prompt token, "
                                                                   f"0..{MAX_LOGPROBS}; not with stream")
+    response_format: dict | None = Field(default=None, description='only {"type": "text"} (no structured output)')
 
     def _check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -86,6 +89,11 @@ class _SamplingRequest(_Strict):
             raise ParamError("n", f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.prompt_logprobs is not None and self.stream:
             raise ParamError("prompt_logprobs", "prompt_logprobs is not supported with stream (as in vLLM)")
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "stream_options is only allowed with stream: true (as in vLLM)")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ParamError("response_format", f"response_format {self.response_format.get('type')!r} is not "
+                                                f"supported (no structured output; only 'text')")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -168,10 +176,16 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, description=f"top log-probs per token, 0..{MAX_LOGPROBS} (with "
                                                                f"logprobs)")
     add_generation_prompt: bool = True
+    tools: list | None = None
+    tool_choice: str | dict | None = None
 
     def check(self) -> None:
         if not self.messages:
             raise ParamError("messages", "messages must not be empty")
+        if self.tools:
+            raise ParamError("tools", "tools are not supported (no tool calling)")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ParamError("tool_choice", "tool_choice is not supported (no tool calling; only 'none' or 'auto')")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:

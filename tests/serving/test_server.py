@@ -156,7 +156,6 @@ def test_sse_wire_format_ends_with_done(url):
     (dict(prompt="a", extra_body={"top_k": -5}), "top_k", "top_k"),
     (dict(prompt="a", max_tokens=0), "max_tokens", "at least 1"),
     (dict(prompt="a", n=100), "n", "between 1 and 8"),
-    (dict(prompt="a", model="gpt-4"), "model", "does not exist"),
     (dict(prompt=[5, 99999]), "prompt", "outside the vocabulary"),
     (dict(prompt="a", presence_penalty=0.5), "presence_penalty", "not supported"),
     # vLLM's extensions that change what is sampled: refused, not silently ignored
@@ -454,7 +453,7 @@ def test_engine_failure_is_answered_not_hung():
         assert "device lost" not in r.text
         r = httpx.post(f"{s.url}/reset_prefix_cache", timeout=10)
         assert r.status_code == 500 and "engine thread has stopped" in r.json()["error"]["message"]
-        assert httpx.get(f"{s.url}/health").status_code == 500
+        assert httpx.get(f"{s.url}/health").status_code == 503  # vLLM's: a probe takes the replica out
     finally:
         s.stop()
 

@@ -143,6 +143,38 @@ def test_a_full_queue_is_429_naming_max_queue(served):
     assert client.post(COMPLETIONS, json={"prompt": "ab", "max_tokens": 2}).status_code == 200
 
 
+@pytest.mark.parametrize("path, extra, param", [
+    # fields the server cannot honour: refused by name, not ignored (a 200 with unconstrained text, no tool call)
+    (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    # vLLM's rule: stream_options only with a stream
+    (COMPLETIONS, {"stream_options": {"include_usage": True}}, "stream_options"),
+    (CHAT, {"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
+])
+def test_fields_the_server_cannot_honour_are_400_naming_them(served, path, extra, param):
+    _, client = served
+    body = {"prompt": "ab"} if path == COMPLETIONS else {"messages": MSG}
+    err = _error(client.post(path, json={**body, "max_tokens": 2, **extra}))
+    assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("extra", [{"response_format": {"type": "text"}}, {"tools": [], "tool_choice": "none"},
+                                   {"tool_choice": "auto"}, {"stream": True, "stream_options": {"include_usage": True}}])
+def test_their_default_values_are_served(served, extra):
+    _, client = served
+    assert client.post(CHAT, json={"messages": MSG, "max_tokens": 2, **extra}).status_code == 200
+
+
+def test_an_unknown_model_is_404_as_in_openai_and_vllm(served):
+    _, client = served
+    err = _error(client.post(COMPLETIONS, json={"prompt": "ab", "model": "gpt-4"}), 404)
+    assert err["type"] == "not_found_error" and err["param"] == "model" and "does not exist" in err["message"]
+
+
 def test_requests_arriving_together_cannot_overfill_the_queue():
     # 12 requests at once: each handler admits its request before any engine request has started (and counts
     # as waiting), so each must count those admitted before it.
