@@ -209,9 +209,9 @@ class Executor:
         num_layers, kv_heads = len(params["layers"]) * self.spp, params["layers"][0]["wk"].shape[2]
         cache_shape = (num_layers, self.kvp * num_pages, page_size, kv_heads, c.head_dim)
         # Zeros, never uninitialized memory: 0 * NaN would poison masked attention (JAX_NOTES.md).
-        alloc = jax.jit(lambda: jnp.zeros(cache_shape, spec.dtype),
-                        out_shardings=NamedSharding(mesh, table.kv_lpskh))
-        self.k_cache, self.v_cache = alloc(), alloc()
+        self._alloc_cache = jax.jit(lambda: jnp.zeros(cache_shape, spec.dtype),
+                                    out_shardings=NamedSharding(mesh, table.kv_lpskh))
+        self.k_cache, self.v_cache = self._alloc_cache(), self._alloc_cache()
         self.register = None
         self._shapes_run: set[tuple[int, int, str]] = set()  # (T, R, kind) of every step launched
         self.last_step_first_of_shape = False
@@ -226,17 +226,37 @@ class Executor:
         self._sampled_sharding = NamedSharding(mesh, table.sampled_kr)
         # Rows 0..max_num_seqs-1 are the requests' slots; the last row is the padding rows' sequence, never
         # written: every padding row attends to nothing.
-        self.page_table = jax.jit(lambda: jnp.zeros((self.kvp, max_num_seqs + 1, max_pages_per_seq), jnp.int32),
-                                  out_shardings=NamedSharding(mesh, table.table_kbm))()
+        self._alloc_table = jax.jit(lambda: jnp.zeros((self.kvp, max_num_seqs + 1, max_pages_per_seq), jnp.int32),
+                                    out_shardings=NamedSharding(mesh, table.table_kbm))
+        self.page_table = self._alloc_table()
         self._slots = [_Slots(max_num_seqs) for _ in range(self.kvp)]
         self._updates: list[list[np.ndarray]] = [[] for _ in range(self.kvp)]  # per rank: [2, n] (index, page)
         self._update_table = self._build_table_update()
         # The previous step's sampled tokens [kvp, R_max] (R_max: the most logits rows of any step shape), and
         # where each request's token sampled in it is (flat index), for the rows of the next step that read one.
         self.max_rows = max(R for _, R, _ in self.shape_buckets())
-        self.sampled = jax.jit(lambda: jnp.zeros((self.kvp, self.max_rows), jnp.int32),
-                               out_shardings=self._sampled_sharding)()
+        self._alloc_sampled = jax.jit(lambda: jnp.zeros((self.kvp, self.max_rows), jnp.int32),
+                                      out_shardings=self._sampled_sharding)
+        self.sampled = self._alloc_sampled()
         self._sampled_at: dict[int, int] = {}  # id(request) -> rank * max_rows + row
+
+    def reset(self) -> None:
+        """Forgets every micro-batch in flight and every sequence slot, as after a step that failed (the engine then
+        preempts every request: `LLMEngine._recover`), and re-creates the device buffers such a step consumed
+        (donated) without giving them back: the KV cache (zeros again) and the sampled tokens."""
+        self.in_flight = Pipeline(self.spp)
+        self._slots = [_Slots(self.max_num_seqs) for _ in range(self.kvp)]
+        self._updates = [[] for _ in range(self.kvp)]
+        self._sampled_at = {}
+        self.register = None
+        self.page_table = self._alloc_table()
+        if self.sampled.is_deleted():
+            self.sampled = self._alloc_sampled()
+        if self.k_cache.is_deleted() or self.v_cache.is_deleted():
+            for cache in (self.k_cache, self.v_cache):
+                if not cache.is_deleted():
+                    cache.delete()  # its memory first: two whole caches may not fit
+            self.k_cache, self.v_cache = self._alloc_cache(), self._alloc_cache()
 
     # ---------------------------------------------------------------- device side
     def _step(self, kind: str):

@@ -63,8 +63,14 @@ class LLM:
         ids = [engine.add_request(prompt, p, prompt_token_ids=t)
                for prompt, p, t in zip(prompts, params, token_ids)]
         pending = set(ids)
-        while pending:
-            engine.step()
-            pending = {rid for rid in pending if not engine.requests[rid].is_finished}
-        engine.drain()  # a step launched after the last one finished computed nothing anyone needs: let it end
+        try:
+            while pending:
+                engine.step()
+                pending = {rid for rid in pending if not engine.requests[rid].is_finished}
+            engine.drain()  # a step launched after the last one finished computed nothing anyone needs: let it end
+        except BaseException:  # a failed step (the engine has recovered) or a KeyboardInterrupt: this call's
+            for rid in ids:    # requests end here, their pages back, and the next call starts clean
+                engine.abort(rid)
+                engine.pop_finished(rid)
+            raise
         return [engine.pop_finished(rid) for rid in ids]

@@ -303,7 +303,33 @@ class LLMEngine:
         only the one when it ends).
 
         With async scheduling the step launched here is collected (its tokens appended, its outputs returned) in
-        the next call, after that call has launched its own: the outputs returned are the previous launch's."""
+        the next call, after that call has launched its own: the outputs returned are the previous launch's.
+
+        A step that fails (an exception, a KeyboardInterrupt during a compile) raises after `_recover`: every
+        running request is then preempted by recompute, so the engine goes on serving and no page is lost."""
+        try:
+            return self._step()
+        except BaseException:
+            self._recover()
+            raise
+
+    def _recover(self) -> None:
+        """After a failed step what the device holds is unknown (the steps in flight are lost, and the KV cache with
+        them when the step had taken it): the executor starts empty, every running request is preempted by
+        recompute (exact: sampling is keyed by seed and token index), every finished one still in flight gives its
+        pages back, and the prefix cache is forgotten. Multi-host: nothing (the followers' state cannot follow)."""
+        if self.executor.channel is not None:
+            return
+        logger.error("a step failed: every running request is preempted and computed again")
+        self._launched = None
+        self._in_flight_shapes.clear()
+        for req in self.requests.values():
+            req.num_unfetched = 0
+        self.executor.reset()
+        self.scheduler.preempt_all()
+        self.kv.reset_cache()
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         launch = None
         if not plan.is_empty or self.executor.has_in_flight():
@@ -324,7 +350,11 @@ class LLMEngine:
         """Collects the step launched and not yet collected (async scheduling), launching nothing; returns its
         outputs. `LLM.generate` calls it when its requests are done, so nothing is left running."""
         previous, self._launched = self._launched, None
-        return [] if previous is None else self._collect(previous)
+        try:
+            return [] if previous is None else self._collect(previous)
+        except BaseException:
+            self._recover()
+            raise
 
     def _collect(self, launch: _Launch) -> list[RequestOutput]:
         """Waits for a launched step's results and applies them: the update half of a step."""

@@ -239,7 +239,7 @@ class Scheduler:
         elif len(req.output_token_ids) >= p.max_tokens or (max_len is not None and req.num_tokens >= max_len):
             self.finish(req, "length", None, now)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, why: str = "out of KV pages") -> None:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed = 0
@@ -247,8 +247,22 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        logger.warning("preempted request %s by recompute: out of KV pages (%d of %d pages in use)",
-                       request.request_id, self.kv.num_used, self.kv.num_usable)
+        logger.warning("preempted request %s by recompute: %s (%d of %d pages in use)",
+                       request.request_id, why, self.kv.num_used, self.kv.num_usable)
+
+    def preempt_all(self) -> list[Request]:
+        """Every running request back to the queue to be computed again, and every finished one still in flight
+        gives its pages back: what the engine does when a step failed and what the device held is lost. Returns
+        the requests preempted."""
+        for req in self._draining.values():
+            req.in_flight = req.awaiting_sample = 0
+            self.kv.free(req)
+        self._draining.clear()
+        preempted = list(self.running)
+        for req in reversed(preempted):  # the newest first: each goes to the queue's front, so they keep their order
+            req.in_flight = req.awaiting_sample = 0
+            self._preempt(req, "a step failed")
+        return preempted
 
     # ---------------------------------------------------------------- priorities
     def remaining_prefill_time(self, req: Request) -> float:
