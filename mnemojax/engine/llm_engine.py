@@ -25,7 +25,7 @@ from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, S
 from mnemojax.scheduling.config import ParallelConfig, SchedulerConfig
 from mnemojax.scheduling.calibration import Calibrator
 from mnemojax.scheduling.predictor import HARDWARE, default_profile, make_predictor
-from mnemojax.scheduling.scheduler import Scheduler
+from mnemojax.scheduling.scheduler import Scheduler, StepPlan
 from models.config import LlamaConfig
 from models.kernels import ATTENTION_IMPLS, AUTO, MOSAIC, PALLAS, REFERENCE, check_attention_impl
 
@@ -347,11 +347,22 @@ class LLMEngine:
         return [] if previous is None else self._collect(previous)
 
     def drain(self) -> list[RequestOutput]:
-        """Collects the step launched and not yet collected (async scheduling), launching nothing; returns its
-        outputs. `LLM.generate` calls it when its requests are done, so nothing is left running."""
+        """Collects the step launched and not yet collected (async scheduling), then runs empty steps until the
+        pipeline's stages hold nothing (spp > 1), scheduling nothing new; returns their outputs. `LLM.generate`
+        calls it when its requests are done, so nothing is left running and every page is back."""
         previous, self._launched = self._launched, None
         try:
-            return [] if previous is None else self._collect(previous)
+            outputs = [] if previous is None else self._collect(previous)
+            while self.executor.has_in_flight():
+                if self.calibrator is not None:
+                    self._in_flight_shapes.append([])
+                launched = self.executor.launch(StepPlan([], []), fetch=True)
+                if self.async_scheduling:  # `_collect` counts them fetched
+                    for ch in launched.leaving.plan.chunks:
+                        ch.request.num_unfetched += ch.sample
+                outputs += self._collect(_Launch(launched, None, self.clock(), self.executor.last_step_first_of_shape,
+                                                 queued_behind=False))
+            return outputs
         except BaseException:
             self._recover()
             raise

@@ -96,6 +96,22 @@ def test_stop_token_wastes_one_decode_and_frees_pages(ckpt):
     assert sync[0][3:] == ("stop", stop_at)
 
 
+def test_generate_leaves_nothing_in_the_pipeline(ckpt):
+    # spp 2, async: the decode launched before the stop token was seen was still in the pipeline's second stage
+    # when generate returned, holding its pages until some later step
+    llm = LLM(model=ckpt, page_size=4, chunk_size=16, max_model_len=128, max_num_batched_tokens=32, spp=2,
+              async_scheduling=True)
+    prompt = list(range(10, 30))
+    ref = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
+    stop_at = ref.token_ids[3]
+    out = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                stop_token_ids=[stop_at]))[0].outputs[0]
+    assert out.token_ids == ref.token_ids[:4] and out.finish_reason == "stop"
+    engine = llm.engine
+    assert not engine.has_unfinished() and not engine.executor.has_in_flight() and engine.kv.num_used == 0
+    assert engine.scheduler.num_seats_held == 0
+
+
 def test_abort_with_a_decode_in_flight(ckpt):
     llm = LLM(model=ckpt, page_size=4, chunk_size=16, max_model_len=128, async_scheduling=True)
     e = llm.engine
