@@ -335,9 +335,13 @@ class Scheduler:
         `floor` tokens when the budgets allow, so a prefill always makes progress)."""
         hi = min(req.num_uncomputed, self.config.chunk_size)
         if hi > 0:  # (a smaller chunk spans the same ranks or fewer, with as much room or more)
-            hi = min(hi, rows.room(self._ranks_of(req, hi)))
+            hi = self._room_for(req, hi, rows)
         if hi <= 0:
             return 0
+        if self.kv.num_ranks > 1:
+            # The step lasts as long as its busiest rank: a chunk that leaves that as it is (on an idle rank) is
+            # free, even when the busiest rank is already over the cap.
+            cap = max(cap, self._cost(entries))
         if self._cost(entries + [(req, req.num_computed, hi)]) <= cap:
             return hi
         if self._cost(entries + [(req, req.num_computed, 1)]) > cap:
@@ -354,6 +358,18 @@ class Scheduler:
         if best < min(floor, hi):
             self._log_target_unmet(entries, req, min(floor, hi), cap)
         return max(best, min(floor, hi))
+
+    def _room_for(self, req: Request, most: int, rows: StepRows) -> int:
+        """The largest chunk of `req`, up to `most` tokens, that every rank it occupies has rows for. A chunk that
+        brings in the request's next KVP rank needs rows there too; one that stays on the ranks it has may fit
+        where that one does not."""
+        fit = min(most, rows.room(self._ranks_of(req, most)))
+        m = self.kv.max_tokens_per_rank
+        if fit < most and m is not None and req.kv_ranks:
+            stay = len(req.kv_ranks) * m - req.num_computed  # tokens left on the ranks it has
+            if 0 < stay < most:
+                fit = max(fit, min(stay, rows.room(self._ranks_of(req, stay))))
+        return fit
 
     def _fits_in_free_pages(self, req: Request, most: int) -> int:
         """The largest chunk of `req`, up to `most` tokens, whose pages are free now (0: none)."""

@@ -224,6 +224,22 @@ def test_a_waiting_most_urgent_request_keeps_the_last_seat_from_the_capped_passe
     assert s.running == [urgent]
 
 
+def test_kvp_a_prefill_on_an_idle_rank_runs_beside_a_rank_over_the_target():
+    # The most urgent prompt's 32-token minimum puts rank 0 over the 4 ms target (5.2 ms). The step's time is its
+    # busiest rank's, so a chunk on idle rank 1 that stays within 5.2 ms is free: it was refused (every rank
+    # "full" once one was over the target).
+    p = LinearPredictor(overhead=0.002, a=1e-4, b=0.0)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, chunk_size=256, scheduler_policy="ilrs",
+                                  ppb_max_share=0.0, target_batch_time_ms=4.0, min_chunk_size=32),
+                  KVCacheManager(2, 1000, 4), p, clock=lambda: 0.0)
+    a, b = _req("a", 500, 0.0), _req("b", 40, 0.0)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule(now=0.0)
+    assert [(c.request.request_id, c.num_tokens, c.request.kv_ranks) for c in plan.chunks] == [
+        ("a", 32, [0]), ("b", 32, [1])]  # b's 32 tokens: 5.2 ms on rank 1, as rank 0's
+
+
 def test_fcfs_never_shares():
     p = LinearPredictor(overhead=0.0, a=1e-5, b=0.0)
     s = _sched("fcfs", predictor=p, chunk_size=4096, max_num_batched_tokens=4096, target_batch_time_ms=10.0,

@@ -677,6 +677,24 @@ def test_kvp_multi_rank_request_is_charged_only_to_the_ranks_holding_its_kv():
     assert sim.kv.num_used == 0
 
 
+def test_kvp_a_chunk_that_stays_on_its_rank_is_not_sized_by_the_rank_it_would_bring_in():
+    """kvp = 2, 8 tokens per rank, a budget of 4 rows per rank. A decode holds a row of rank 0; a 12-token prompt
+    starts on rank 1. Its largest chunk (12 tokens) would bring in rank 0 as well, which has 3 rows left: it was
+    cut to 3 tokens (with a budget of 1: to none, rank 1 idle for 6 steps). A chunk that stays on rank 1 takes its
+    4 rows."""
+    sim = Sim(budget=4, chunk_size=16, num_pages=64, page_size=2, kvp=2, max_tokens_per_rank=8)
+    decoder = make_request("decoder", 1, max_tokens=7)
+    sim.add(decoder)
+    sim.step()
+    long = make_request("long", 12, max_tokens=2)
+    sim.add(long)
+    plan, _ = sim.step()
+    assert [(c.request, c.start, c.num_tokens) for c in plan.chunks] == [(decoder, 1, 1), (long, 0, 4)]
+    assert long.kv_ranks == [1]
+    sim.run()
+    assert sim.kv.num_used == 0
+
+
 def test_kvp_preemption_only_takes_requests_on_the_rank_short_of_pages():
     """kvp = 2, 4 usable pages per rank. Rank 0 holds A and C, rank 1 holds D and B (admitted last). When C
     needs a page on the full rank 0, preempting B frees nothing there, and no request newer than C holds
