@@ -245,10 +245,12 @@ class OpenAIServing:
             raise APIError(400, f"{num_prompts} prompt(s) with n = {n} make {num_prompts * n} choices; this server "
                                 f"takes at most {most} in one request", "n" if n > 1 else "prompt")
 
-    def admit(self, prompts: list, base: SamplingParams, n: int, **choice_fields) -> list[Choice]:
+    def admit(self, prompts: list, base: SamplingParams, n: int, rest_of_context: bool = False,
+              **choice_fields) -> list[Choice]:
         """Validates every prompt before anything is queued; 400 or 429 on failure. Each prompt gets `n` choices:
-        with a seed, choice j draws with seed + j (choice 0 equals the same request with n = 1). `choice_fields`
-        go to every `Choice`."""
+        with a seed, choice j draws with seed + j (choice 0 equals the same request with n = 1).
+        `rest_of_context`: each prompt's `max_tokens` is the rest of what one request can hold. `choice_fields` go
+        to every `Choice`."""
         self.check_limits(base, len(prompts), n)
         if base.seed is not None and base.seed + n - 1 >= MAX_SEED:
             raise APIError(400, f"seed: with n = {n}, choice j draws with seed + j, which must be below 2**63, so seed "
@@ -260,11 +262,16 @@ class OpenAIServing:
             try:
                 if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
                     raise ParamError("prompt", "prompt must be a string, a list of token ids, or a list of either")
-                ids = self.llm.validate(prompt, params[0])
+                mine = params
+                if rest_of_context:
+                    ids = self.llm.validate(prompt, dataclasses.replace(params[0], max_tokens=1))
+                    room = max(self.llm.max_request_tokens - len(ids), 1)
+                    mine = [dataclasses.replace(p, max_tokens=room) for p in params]
+                ids = self.llm.validate(prompt, mine[0])
             except ValueError as e:
                 raise bad_request(e, "" if len(prompts) == 1 else f"prompt[{pi}]: ") from None
             first = len(choices)
-            choices += [Choice(first + j, pi, ids, p, **choice_fields) for j, p in enumerate(params)]
+            choices += [Choice(first + j, pi, ids, p, **choice_fields) for j, p in enumerate(mine)]
         # The queue counts the engine's waiting requests and the choices admitted whose engine request has not
         # started yet: other requests' handlers run between this admission and the start, and would pass it too.
         # Each choice holds its place until its engine request starts (`run`), or until it is dropped unstarted.

@@ -24,6 +24,8 @@ class ServingCompletion(OpenAIServing):
         try:
             body.check()
             prompts = body.prompts()
+            # absent: OpenAI's 16; an explicit null: the rest of what the request can hold (vLLM's), per prompt
+            rest = body.max_tokens is None and "max_tokens" in body.model_fields_set
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
             # echo shows the prompt's log-probs with the request's `logprobs` top entries: the engine computes as
             # many as the larger of that and `prompt_logprobs` asks for.
@@ -34,8 +36,8 @@ class ServingCompletion(OpenAIServing):
         if body.echo and self.tokenizer is None:
             raise APIError(400, f"echo needs a tokenizer to write the prompt as text; model "
                                 f"{self.state.served_model_name!r} has none", "echo")
-        choices = self.admit(prompts, params, body.n, show_prompt_logprobs=body.prompt_logprobs, echo=body.echo,
-                             discard_output=max_tokens == 0)
+        choices = self.admit(prompts, params, body.n, rest_of_context=rest, show_prompt_logprobs=body.prompt_logprobs,
+                             echo=body.echo, discard_output=max_tokens == 0)
         return await self.respond(request, body.stream, body.include_usage, choices)
 
     def logprobs(self, c: Choice, ids: list[int], lps: list[dict | None], offsets: list[int]) -> dict | None:

@@ -116,6 +116,19 @@ def test_chat_default_max_tokens_is_what_the_kv_pages_hold():
         assert "KV pages" in r.json()["error"]["message"]
 
 
+def test_completion_max_tokens_null_is_the_rest_of_the_context_per_prompt():
+    """An explicit `max_tokens: null` is the rest of what each prompt's request can hold (vLLM's); absent, it is
+    OpenAI's 16 (it was 16 both ways)."""
+    engine = MockEngine(max_model_len=64)
+    with TestClient(build_app(engine, served_model_name="m")) as client:
+        r = client.post("/v1/completions", json={"prompt": ["ab", "abcdef"], "max_tokens": None})
+        assert r.status_code == 200, r.text
+        (ids1, p1), (ids2, p2) = engine.requests
+        assert len(ids2) == len(ids1) + 4 and (p1.max_tokens, p2.max_tokens) == (64 - len(ids1), 64 - len(ids2))
+        assert client.post("/v1/completions", json={"prompt": "ab"}).status_code == 200
+        assert engine.requests[-1][1].max_tokens == 16
+
+
 def test_chat_whole_and_streamed(served):
     _, client = served
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 1}
