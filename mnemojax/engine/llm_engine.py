@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -307,8 +308,43 @@ class LLMEngine:
 
         A step that fails (an exception, a KeyboardInterrupt during a compile) raises after `_recover`: every
         running request is then preempted by recompute, so the engine goes on serving and no page is lost."""
+        with self._recovering():
+            plan = self.scheduler.schedule()
+            launch = None
+            if not plan.is_empty or self.executor.has_in_flight():
+                launch = self._launch(plan, fetch=not self.async_scheduling)
+            if not self.async_scheduling:
+                return [] if launch is None else self._collect(launch)
+            previous, self._launched = self._launched, launch
+            return [] if previous is None else self._collect(previous)
+
+    def drain(self) -> list[RequestOutput]:
+        """Collects the step launched and not yet collected (async scheduling), then runs empty steps until the
+        pipeline's stages hold nothing (spp > 1), scheduling nothing new; returns their outputs. `LLM.generate`
+        calls it when its requests are done, so nothing is left running and every page is back."""
+        with self._recovering():
+            previous, self._launched = self._launched, None
+            outputs = [] if previous is None else self._collect(previous)
+            while self.executor.has_in_flight():
+                outputs += self._collect(self._launch(StepPlan([], []), fetch=True))
+            return outputs
+
+    def _launch(self, plan: StepPlan, fetch: bool) -> _Launch:
+        """Launches `plan`'s step (`fetch`: its results fetched at once) with what calibration needs to time it."""
+        shapes = self._step_shapes(plan) if self.calibrator is not None else None
+        start = self.clock()
+        launched = self.executor.launch(plan, fetch=fetch)
+        if self.async_scheduling:
+            for ch in launched.leaving.plan.chunks:
+                ch.request.num_unfetched += ch.sample  # on the device until `_collect` takes it
+        return _Launch(launched, shapes, start, self.executor.last_step_first_of_shape,
+                       queued_behind=self._launched is not None)
+
+    @contextlib.contextmanager
+    def _recovering(self):
+        """Runs a step's work; on any failure, `_recover` and re-raise."""
         try:
-            return self._step()
+            yield
         except BaseException:
             self._recover()
             raise
@@ -328,44 +364,6 @@ class LLMEngine:
         self.executor.reset()
         self.scheduler.preempt_all()
         self.kv.reset_cache()
-
-    def _step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        launch = None
-        if not plan.is_empty or self.executor.has_in_flight():
-            shapes = self._step_shapes(plan) if self.calibrator is not None else None
-            start = self.clock()
-            launched = self.executor.launch(plan, fetch=not self.async_scheduling)
-            launch = _Launch(launched, shapes, start, self.executor.last_step_first_of_shape,
-                             queued_behind=self._launched is not None)
-        if not self.async_scheduling:
-            return [] if launch is None else self._collect(launch)
-        previous, self._launched = self._launched, launch
-        if launch is not None:
-            for ch in launch.launched.leaving.plan.chunks:
-                ch.request.num_unfetched += ch.sample  # on the device until the next call collects it
-        return [] if previous is None else self._collect(previous)
-
-    def drain(self) -> list[RequestOutput]:
-        """Collects the step launched and not yet collected (async scheduling), then runs empty steps until the
-        pipeline's stages hold nothing (spp > 1), scheduling nothing new; returns their outputs. `LLM.generate`
-        calls it when its requests are done, so nothing is left running and every page is back."""
-        previous, self._launched = self._launched, None
-        try:
-            outputs = [] if previous is None else self._collect(previous)
-            while self.executor.has_in_flight():
-                if self.calibrator is not None:
-                    self._in_flight_shapes.append([])
-                launched = self.executor.launch(StepPlan([], []), fetch=True)
-                if self.async_scheduling:  # `_collect` counts them fetched
-                    for ch in launched.leaving.plan.chunks:
-                        ch.request.num_unfetched += ch.sample
-                outputs += self._collect(_Launch(launched, None, self.clock(), self.executor.last_step_first_of_shape,
-                                                 queued_behind=False))
-            return outputs
-        except BaseException:
-            self._recover()
-            raise
 
     def _collect(self, launch: _Launch) -> list[RequestOutput]:
         """Waits for a launched step's results and applies them: the update half of a step."""

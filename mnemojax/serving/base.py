@@ -280,8 +280,8 @@ class OpenAIServing:
         if waiting + len(choices) > max_queue:
             raise APIError(429, f"too many requests waiting ({waiting}, the limit is max_queue = {max_queue}); retry "
                                 f"later")
+        state.num_admitted += len(choices)
         for c in choices:
-            state.num_admitted += 1
             c.unreserve = weakref.finalize(c, state.unreserve)
         return choices
 

@@ -8,6 +8,8 @@ not with `stream` (400). vLLM's `prompt_logprobs` adds each choice's `prompt_log
 """
 from __future__ import annotations
 
+import math
+
 from fastapi import Request
 
 from mnemojax.scheduling.outputs import CompletionOutput
@@ -71,12 +73,12 @@ class ServingCompletion(OpenAIServing):
         if c.params.logprobs is not None:
             if c.offsets is None:
                 c.offsets = self.text_offsets(c.params)
-            for t, d in zip(new.token_ids, new.logprobs or [None] * len(new.token_ids)):
-                c.last_offset = max(c.offsets.add(t), c.last_offset)
-                c.held.append((t, d, c.last_offset))
+            starts = self.offsets(c.offsets, new.token_ids, 0, c.last_offset, math.inf)  # not clamped to the text
+            c.last_offset = starts[-1] if starts else c.last_offset
+            c.held += zip(new.token_ids, new.logprobs or [None] * len(new.token_ids), starts)
             end = offset + len(new.text)  # the text streamed so far, this chunk's included
-            n = len(c.held) if new.finish_reason is not None else \
-                next((i for i, (_, _, at) in enumerate(c.held) if at > end), len(c.held))
+            # the starts never decrease: the settled ones are a prefix
+            n = len(c.held) if new.finish_reason is not None else sum(at <= end for _, _, at in c.held)
             ready, c.held = c.held[:n], c.held[n:]
             lps = self.logprobs(c, [t for t, _, _ in ready], [d for _, d, _ in ready],
                                 [min(at, end) for _, _, at in ready])
