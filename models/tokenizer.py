@@ -124,6 +124,18 @@ def special_ids(tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def is_byte_level(tokenizer) -> bool:
+    """Whether `tokenizer` decodes each token to bytes of its own, whatever tokens surround it: the built-in
+    `ByteTokenizer`, and Hugging Face tokenizers whose decoder is `ByteLevel` (Llama-3's). Then decoding a run of
+    tokens that starts after a whole character gives that run's own text. Not so for SentencePiece-style decoders
+    (Llama-2's `Metaspace`, or `Replace` + `Strip`): they drop the space that starts the first token decoded."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return True
+    # a slow tokenizer has no backend_tokenizer, and a fast one may have no decoder
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return decoder is not None and b'"type":"ByteLevel"' in decoder.__getstate__()
+
+
 def token_bytes_fn(tokenizer) -> Callable[[int], bytes]:
     """`token_bytes(id)` for `tokenizer`: the bytes a token adds to a decoded text (a token that is not whole UTF-8
     by itself, a piece of a character, has its own bytes, not U+FFFD's); a special token gives its text in UTF-8.
@@ -134,9 +146,7 @@ def token_bytes_fn(tokenizer) -> Callable[[int], bytes]:
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.token_bytes
     specials = special_ids(tokenizer)
-    # a slow tokenizer has no backend_tokenizer, and a fast one may have no decoder
-    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    byte_level = decoder is not None and b'"type":"ByteLevel"' in decoder.__getstate__()
+    byte_level = is_byte_level(tokenizer)
     table = {c: b for b, c in bytes_to_unicode().items()}
 
     def token_bytes(tid: int) -> bytes:

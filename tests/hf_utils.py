@@ -141,3 +141,28 @@ def make_hf_tokenizer(vocab_size: int = 320):
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
+
+
+SP_PIECES = ("\u2581", "\u2581\u2581", "\u2581hello", "\u2581world", "hello", "world", "\u2581a", "a", "b", ".", ",",
+             "\u00e9", "\u2581\u00e9t\u00e9")
+"""The word pieces of `make_sp_tokenizer`, after its specials and byte tokens."""
+
+
+def make_sp_tokenizer():
+    """A `PreTrainedTokenizerFast` built as Llama-2's SentencePiece tokenizer is: `<unk>` = 0, `<s>` = 1 (BOS),
+    `</s>` = 2 (EOS), byte-fallback tokens `<0x00>`..`<0xFF>` = 3..258, then `SP_PIECES` (U+2581 is a space). Its
+    decoder writes U+2581 as a space, turns byte tokens into bytes, and strips one space from the start of what it
+    decodes: a run of tokens decoded alone loses its first word's space."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    vocab.update({p: 259 + i for i, p in enumerate(SP_PIECES)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in ("<unk>", "<s>", "</s>")])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)

@@ -7,11 +7,14 @@ It stops at `max_tokens` ("length"), at a stop token id (its text left out unles
 the engine does), or at a stop string (the engine's own `Detokenizer`).
 Outputs are cumulative or deltas, as the request's `output_kind` asks. `token_delay_s` paces the tokens (a slow
 engine); `fail_after` makes `generate` raise `failure` after that many tokens (a failing engine); `kv_tokens` makes
-its KV pages hold fewer tokens of a request than `max_model_len` (prompt + max_tokens beyond it is a 400).
+its KV pages hold fewer tokens of a request than `max_model_len` (prompt + max_tokens beyond it is a 400);
+`tokenizer` and `tokens` (last prompt token, max_tokens -> the output's ids) replace the byte tokenizer and its
+tokens.
 """
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from mnemojax.engine.async_llm import EngineStats
 from mnemojax.engine.detokenizer import Detokenizer
@@ -29,8 +32,10 @@ class MockEngine:
     is_alive = True
 
     def __init__(self, max_model_len: int = 64, token_delay_s: float = 0.0, fail_after: int | None = None,
-                 failure: BaseException | None = None, kv_tokens: int | None = None):
-        self.tokenizer = ByteTokenizer()
+                 failure: BaseException | None = None, kv_tokens: int | None = None, tokenizer=None,
+                 tokens: Callable[[int, int], list[int]] = mock_tokens):
+        self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+        self.tokens = tokens  # (last prompt token, max_tokens) -> the output's tokens
         self.max_model_len = max_model_len
         self.max_request_tokens = max_model_len if kv_tokens is None else min(max_model_len, kv_tokens)
         self.token_delay_s = token_delay_s
@@ -58,7 +63,7 @@ class MockEngine:
         ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
         self.requests.append((ids, params))
         delta = params.output_kind is RequestOutputKind.DELTA
-        detok = Detokenizer(self.tokenizer, params)
+        detok = Detokenizer(self.tokenizer, params, ids)
         out_ids, lps = [], []
         reason = stop_reason = None
         sent_tokens = sent_text = 0
@@ -66,7 +71,7 @@ class MockEngine:
         self.num_waiting += 1  # as AsyncLLM: from the generator's first step to its first output
         waiting = True
         try:
-            for i, t in enumerate(mock_tokens(ids[-1], params.max_tokens)):
+            for i, t in enumerate(self.tokens(ids[-1], params.max_tokens)):
                 await asyncio.sleep(self.token_delay_s)
                 if self.fail_after is not None and i >= self.fail_after:
                     raise self.failure

@@ -15,12 +15,24 @@ while it runs: its text is decoded once, when it is flushed.
 For byte-level tokenizers (the built-in byte tokenizer, Llama-3's byte-level BPE) the text equals
 `tokenizer.decode(all output ids)`: the window is cut only after a complete character, where UTF-8 decoding
 starts afresh.
+
+Other tokenizers (SentencePiece-style decoders, Llama-2's) drop the space that starts the first token of any run
+they decode, so a window decoded alone would lose its words' spaces. As vLLM's incremental detokenizer does, each
+window is then decoded after the window before it (the prompt's last tokens before the first) and only what it
+adds is new text: the text is what the output adds to the prompt's text, `decode(prompt + output)` less
+`decode(prompt)`, so "The capital is" continues with " Paris" (a whole decode of the output alone drops that
+space).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
+from models.tokenizer import is_byte_level
 
 _REPLACEMENT = "\ufffd"
+_PROMPT_CONTEXT = 5
+"""How many of the prompt's last tokens a context-dependent tokenizer decodes the first window after (vLLM's)."""
 
 
 class _StopMatcher:
@@ -56,7 +68,7 @@ class _StopMatcher:
 class Detokenizer:
     """Turns one request's generated token ids into text and finds its stop strings."""
 
-    def __init__(self, tokenizer, params: SamplingParams):
+    def __init__(self, tokenizer, params: SamplingParams, prompt_ids: Sequence[int] = ()):
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         self._stops = [_StopMatcher(s) for s in params.stop]
@@ -64,12 +76,31 @@ class Detokenizer:
         # nobody reads the text before the end and no stop string needs it: decode it all at once then
         self._at_end = params.output_kind is RequestOutputKind.FINAL_ONLY and not self._stops
         self._ids: list[int] = []
-        self._start = 0  # the undecoded window starts at this token (a character boundary)
-        self.text = ""  # the decoded text of ids[:_start]
+        # A byte-level tokenizer decodes a window alone; any other decodes it after the window before it, whose
+        # text it then leaves out: ids[_prefix:_start] is that context (the prompt's last tokens at first, unless
+        # they end inside a character), ids[_start:] the undecoded window (it starts at a character boundary).
+        self._in_context = not is_byte_level(tokenizer)
+        if self._in_context:
+            context = [int(t) for t in prompt_ids[-_PROMPT_CONTEXT:]]
+            if not self._decode(context).endswith(_REPLACEMENT):
+                self._ids = context
+        self._prefix = 0
+        self._start = len(self._ids)
+        self.text = ""  # the text of the output's tokens in ids[:_start]
         self.finished = False
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _new_text(self) -> str:
+        """The text the window adds: decoded after its context, that context's own text left out. Where the
+        context decodes otherwise before the window (a byte-fallback run that the window makes invalid UTF-8 turns
+        all its bytes into U+FFFD, the shown character too), the window is decoded alone."""
+        window = self._decode(self._ids[self._prefix:])
+        if self._prefix == self._start:
+            return window
+        context = self._decode(self._ids[self._prefix:self._start])
+        return window[len(context):] if window.startswith(context) else self._decode(self._ids[self._start:])
 
     def add(self, token_ids: list[int]) -> str | None:
         """Appends generated tokens; returns the stop string they completed (the text is then cut at it and
@@ -79,23 +110,27 @@ class Detokenizer:
         self._ids.extend(token_ids)
         if self._at_end:
             return None
-        window = self._decode(self._ids[self._start:])
-        if window.endswith(_REPLACEMENT):
+        new = self._new_text()
+        if new.endswith(_REPLACEMENT):
             return None  # an incomplete character, or invalid bytes: decided when a complete character follows
-        return self._append(window, len(self._ids))
+        return self._append(new)
 
     def flush(self) -> None:
         """The request ended without a stop string: whatever is still undecoded becomes text as it is (invalid
         or incomplete bytes as U+FFFD, as a whole decode writes them)."""
         if not self.finished:
             if self._start < len(self._ids):
-                self._append(self._decode(self._ids[self._start:]), len(self._ids))
+                self._append(self._new_text())
             self.finished = True
 
-    def _append(self, new: str, upto: int) -> str | None:
+    def _append(self, new: str) -> str | None:
         before = len(self.text)
         self.text += new
-        self._start = upto
+        if not self._in_context:
+            self._prefix = len(self._ids)
+            self._start = len(self._ids)
+        elif new:  # the next window's context is this one (one that added no text stays in the window)
+            self._prefix, self._start = self._start, len(self._ids)
         for m in self._stops:  # the first stop string (in the request's order) that the new text completes
             end = m.feed(new)
             if end >= 0:

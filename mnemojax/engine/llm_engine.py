@@ -281,7 +281,7 @@ class LLMEngine:
         self.scheduler.add(req)
         self.requests[rid] = req
         if self.tokenizer is not None:
-            self._detokenizers[rid] = Detokenizer(self.tokenizer, params)
+            self._detokenizers[rid] = Detokenizer(self.tokenizer, params, prompt_ids)
         return rid
 
     def abort(self, request_id: str) -> None:

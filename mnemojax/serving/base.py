@@ -19,17 +19,18 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from mnemojax.engine.async_llm import EngineClient, EngineDeadError
+from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.scheduling.outputs import CompletionOutput, RequestOutput
 from mnemojax.scheduling.sampling_params import MAX_SEED, ParamError, RequestOutputKind, SamplingParams
 from mnemojax.serving.config import ServerConfig
 from mnemojax.serving.metrics import ServerMetrics
-from models.tokenizer import ByteTokenizer, special_ids, token_bytes_fn
+from models.tokenizer import ByteTokenizer, is_byte_level, special_ids, token_bytes_fn
 
 logger = logging.getLogger(__name__)
 
@@ -82,18 +83,29 @@ class TextOffsets:
     """Where each token's text starts in the text its tokens decode to, token by token, as the engine's
     `Detokenizer` makes that text (for byte-level tokenizers: the tokens' bytes decoded as UTF-8, what is not UTF-8
     as U+FFFD): the index of the character its first byte is in. A token that continues a character starts where
-    that character does; a special token is its text, or nothing when the text skips it. Offsets never decrease."""
+    that character does; a special token is its text, or nothing when the text skips it. Offsets never decrease.
 
-    def __init__(self, tokenizer, token_bytes, skip_special_tokens: bool, special: frozenset[int]):
+    Other tokenizers (SentencePiece-style) make the text window by window after `context` (the prompt's ids, for
+    generated tokens), as the `Detokenizer` does: a token starts where the text stood before its window."""
+
+    def __init__(self, tokenizer, token_bytes, skip_special_tokens: bool, special: frozenset[int],
+                 context: Sequence[int] = ()):
         self._tokenizer, self._token_bytes = tokenizer, token_bytes
         self._skip, self._special = skip_special_tokens, special
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.chars = 0  # characters made whole so far
+        self._windows = None  # the text as a context-dependent tokenizer's windows make it
+        if tokenizer is not None and not is_byte_level(tokenizer):
+            self._windows = Detokenizer(tokenizer, SamplingParams(skip_special_tokens=skip_special_tokens), context)
 
     def add(self, tid: int) -> int:
         """Token `tid`'s start; then its text counts."""
         if self._tokenizer is None:
             return 0  # no tokenizer: no text
+        if self._windows is not None:
+            start = len(self._windows.text)
+            self._windows.add([tid])
+            return start
         if tid in self._special:
             if self._skip:
                 return self.chars
@@ -218,9 +230,10 @@ class OpenAIServing:
         self.token_bytes = None if tok is None else token_bytes_fn(tok)
         self.special_ids = frozenset() if tok is None else special_ids(tok)
 
-    def text_offsets(self, params: SamplingParams) -> TextOffsets:
-        """A fresh `TextOffsets` for text decoded as `params` asks (special tokens skipped or written)."""
-        return TextOffsets(self.tokenizer, self.token_bytes, params.skip_special_tokens, self.special_ids)
+    def text_offsets(self, params: SamplingParams, context: Sequence[int] = ()) -> TextOffsets:
+        """A fresh `TextOffsets` for text decoded as `params` asks (special tokens skipped or written), after the
+        tokens `context` (a completion's prompt) for tokenizers whose text depends on it."""
+        return TextOffsets(self.tokenizer, self.token_bytes, params.skip_special_tokens, self.special_ids, context)
 
     # ------------------------------------------------------------ admission
     def check_model(self, model: str | None) -> None:

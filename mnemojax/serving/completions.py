@@ -72,7 +72,7 @@ class ServingCompletion(OpenAIServing):
         lps = None
         if c.params.logprobs is not None:
             if c.offsets is None:
-                c.offsets = self.text_offsets(c.params)
+                c.offsets = self.text_offsets(c.params, c.prompt_ids)
             starts = self.offsets(c.offsets, new.token_ids, 0, c.last_offset, math.inf)  # not clamped to the text
             c.last_offset = starts[-1] if starts else c.last_offset
             c.held += zip(new.token_ids, new.logprobs or [None] * len(new.token_ids), starts)
@@ -90,7 +90,8 @@ class ServingCompletion(OpenAIServing):
         text = prompt + whole.text
         lps = None
         if c.params.logprobs is not None:
-            at = self.offsets(self.text_offsets(c.params), whole.token_ids, len(prompt), len(prompt), len(text))
+            at = self.offsets(self.text_offsets(c.params, c.prompt_ids), whole.token_ids, len(prompt), len(prompt),
+                             len(text))
             lps = self.logprobs(c, whole.token_ids, whole.logprobs or [], at)
             if c.echo:
                 # The engine may have computed more top entries for the prompt (`prompt_logprobs`) than `logprobs`

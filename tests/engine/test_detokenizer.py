@@ -6,14 +6,14 @@ import pytest
 from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
 from models.tokenizer import ByteTokenizer
-from tests.hf_utils import make_hf_tokenizer
+from tests.hf_utils import SP_PIECES, make_hf_tokenizer, make_sp_tokenizer
 
 BYTES = ByteTokenizer()
 
 
-def _run(tok, ids, **params):
+def _run(tok, ids, prompt=(), **params):
     """Feeds `ids` one at a time; returns the detokenizer, the stop string (or None) and every stable text seen."""
-    d = Detokenizer(tok, SamplingParams(**params))
+    d = Detokenizer(tok, SamplingParams(**params), prompt)
     stables, stop = [], None
     for t in ids:
         stop = d.add([t])
@@ -44,27 +44,25 @@ def test_text_equals_whole_decode_and_stable_text_only_grows(tok, skip_special_t
 
 
 @pytest.mark.parametrize("tok", [BYTES, make_hf_tokenizer()], ids=["byte", "hf-byte-level-bpe"])
-def test_final_only_decodes_once_at_the_end_unless_it_has_stop_strings(tok):
+def test_final_only_decodes_once_at_the_end_unless_it_has_stop_strings(tok, monkeypatch):
     """A FINAL_ONLY request shows nothing while it runs: without stop strings nothing is decoded before the flush
-    (the tokenizer is not called), and the text then equals the token-by-token one; with stop strings it is
+    (the tokenizer is called once), and the text then equals the token-by-token one; with stop strings it is
     decoded token by token, to find them."""
     rng = np.random.default_rng(1)
     ids = list("héllo wörld ✓ 😀".encode()) + [int(t) for t in rng.integers(0, 320, 40)]
-
-    class Counting:
-        calls = 0
-
-        def decode(self, ids, skip_special_tokens=True):
-            Counting.calls += 1
-            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    expected = _run(tok, ids)[0].text
+    assert expected == tok.decode(ids, skip_special_tokens=True)
+    calls = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: calls.append(1) or decode(ids, **kw))
 
     final = dict(output_kind=RequestOutputKind.FINAL_ONLY)
-    d, stop, stables = _run(Counting(), ids, **final)
-    assert stop is None and Counting.calls == 1 and set(stables[:-1]) == {""}
-    assert d.text == _run(tok, ids)[0].text == tok.decode(ids, skip_special_tokens=True)
-    Counting.calls = 0
-    d, stop, _ = _run(Counting(), ids, stop=["ö"], **final)
-    assert stop == "ö" and d.text == "héllo w" and Counting.calls > 1
+    d, stop, stables = _run(tok, ids, **final)
+    assert stop is None and len(calls) == 1 and set(stables[:-1]) == {""}
+    assert d.text == expected
+    calls.clear()
+    d, stop, _ = _run(tok, ids, stop=["ö"], **final)
+    assert stop == "ö" and d.text == "héllo w" and len(calls) > 1
 
 
 def test_incomplete_character_is_not_text_until_its_last_byte():
@@ -149,3 +147,61 @@ def test_stop_and_held_back_text_match_a_brute_force_reference(seed):
         assert stop is None
         held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         assert d.stable_text == text[:len(text) - held]
+
+
+def _sp_ids(tok, rng, n):
+    """`n` tokens of `make_sp_tokenizer`: word pieces, "é" and "✓" as byte-fallback tokens (split characters),
+    and its BOS / EOS; whole pieces only, so every run of byte tokens is valid UTF-8 (see the next tests)."""
+    pieces = [[tok.convert_tokens_to_ids(p)] for p in SP_PIECES]
+    pieces += [[3 + b for b in "é".encode()], [3 + b for b in "✓".encode()], [1], [2]]
+    out = []
+    while len(out) < n:
+        out += pieces[int(rng.integers(len(pieces)))]
+    return out
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_sentencepiece_text_is_what_the_output_adds_to_the_prompt(skip_special_tokens):
+    """A SentencePiece decoder drops the space that starts the first token it decodes, so windows decoded alone
+    lost every word's space ("helloworld"). The text is what the output adds to the prompt's text, as Hugging Face
+    decodes the two together (vLLM's convention: "The capital is" goes on with " Paris"); with no prompt, the whole
+    decode of the output. Nothing shown is taken back."""
+    tok = make_sp_tokenizer()
+    rng = np.random.default_rng(0)
+    words = [tok.convert_tokens_to_ids(p) for p in SP_PIECES if p.startswith("\u2581") and p.strip("\u2581")]
+    for trial in range(30):
+        prompt = [1] + [int(t) for t in rng.choice(words, int(rng.integers(1, 9)))]
+        ids = _sp_ids(tok, rng, 25)
+        d, stop, stables = _run(tok, ids, prompt, skip_special_tokens=skip_special_tokens)
+        whole = tok.decode(prompt + ids, skip_special_tokens=skip_special_tokens)
+        before = tok.decode(prompt, skip_special_tokens=skip_special_tokens)
+        assert whole.startswith(before) and d.text == whole[len(before):], (prompt, ids)
+        assert all(b.startswith(a) for a, b in zip(stables, stables[1:])) and stables[-1] == d.text
+        alone, _, _ = _run(tok, ids, skip_special_tokens=skip_special_tokens)
+        assert alone.text == tok.decode(ids, skip_special_tokens=skip_special_tokens), ids
+
+
+def test_sentencepiece_words_keep_their_spaces_and_stop_strings_span_them():
+    tok = make_sp_tokenizer()
+    ids = [tok.convert_tokens_to_ids(p) for p in ["\u2581hello", "\u2581world", ".", "\u2581a", "b"]]
+    prompt = [1, tok.convert_tokens_to_ids("\u2581a")]
+    d, stop, _ = _run(tok, ids, prompt)
+    assert stop is None and d.text == " hello world. ab"
+    d, stop, _ = _run(tok, ids, prompt, stop=["o w"])
+    assert stop == "o w" and d.text == " hell"
+    d, stop, _ = _run(tok, ids, prompt, output_kind=RequestOutputKind.FINAL_ONLY)
+    assert d.text == " hello world. ab"
+
+
+def test_sentencepiece_stray_byte_is_one_replacement_character():
+    """A byte token that continues no character is one U+FFFD, and the whole character before it stays as it was
+    shown (as UTF-8 decoding with replacement, and a byte-level tokenizer, write it). The tokenizers library's
+    `ByteFallback` decoder differs here: a run of byte tokens that is not all valid UTF-8 becomes one U+FFFD per
+    token, the complete "✓" too, which the stream has already shown."""
+    tok = make_sp_tokenizer()
+    ids = [tok.convert_tokens_to_ids("hello")] + [3 + b for b in "✓".encode()] + [3 + 0x80]
+    d, _, stables = _run(tok, ids, [1, tok.convert_tokens_to_ids("\u2581a")])
+    assert d.text == "hello✓\ufffd" and "hello✓" in stables
+    assert tok.decode(ids) == "hello" + "\ufffd" * 4
+    d, _, _ = _run(tok, ids[:-1] + [3 + 0xC3])  # it ends inside a character ("é" is C3 A9)
+    assert d.text == "hello✓\ufffd"

@@ -6,6 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from mnemojax.serving.app import build_app
+from tests.hf_utils import make_sp_tokenizer
 from tests.mock_engine import MockEngine
 
 
@@ -169,3 +170,25 @@ def test_prediction_error_gauge_only_with_calibration():
     text = ServerMetrics(lambda: EngineStats(step_time_prediction_error=0.07), "m").render().decode()
     assert "\nmnemojax_step_time_prediction_error 0.07\n" in text
     assert "mnemojax_step_time_prediction_error" not in ServerMetrics(EngineStats, "m").render().decode()
+
+
+def test_sentencepiece_completion_continues_the_prompt_with_its_offsets():
+    """A SentencePiece tokenizer (Llama-2's decoder drops the space that starts what it decodes): the completion's
+    text keeps its words' spaces and its first one (it continues the prompt, as vLLM's does), echo joins prompt
+    and completion with that space, and each token's text_offset is where its piece (U+2581 a space) starts, in
+    the whole response and in the stream."""
+    tok = make_sp_tokenizer()
+    pieces = ["\u2581hello", "\u2581world", ".", "\u2581a", "b", "\u2581\u2581", "\u00e9"]
+    out = [tok.convert_tokens_to_ids(p) for p in pieces]
+    engine = MockEngine(tokenizer=tok, tokens=lambda last, n: out[:n])
+    words = [p.replace("\u2581", " ") for p in pieces]
+    starts = [sum(len(w) for w in words[:i]) for i in range(len(words))]  # by hand: the pieces' lengths
+    with TestClient(build_app(engine, served_model_name="m")) as client:
+        a = tok.convert_tokens_to_ids("\u2581a")
+        body = {"model": "m", "prompt": [a, a], "max_tokens": len(out), "logprobs": 0}
+        text, _, offsets, streamed = _offsets(client, body)
+        assert text == "".join(words) == " hello world. ab  é"
+        assert offsets == streamed == starts
+        c = client.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]
+        assert c["text"] == "a a hello world. ab  é"  # the prompt's first space is dropped, as HF decodes it
+        assert c["logprobs"]["text_offset"] == [0, 1] + [len("a a") + s for s in starts]
