@@ -5,6 +5,7 @@ import pytest
 from mnemojax.bench import host
 
 
+@pytest.mark.slow  # a 65,536-position engine, sync and async: 19 s on 2 cores cold
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_measure_times_every_part_of_a_decode_step(async_scheduling):
     m = host.measure(requests=8, steps=3, max_model_len=65536, async_scheduling=async_scheduling)
@@ -18,6 +19,7 @@ def test_measure_times_every_part_of_a_decode_step(async_scheduling):
     assert "65,536 tokens" in text and "8 requests decoding" in text and " async " in text
 
 
+@pytest.mark.slow  # 19 s on 2 cores cold
 @pytest.mark.parametrize("kind", ["cumulative", "final_only"])
 def test_the_output_kind_reaches_the_requests_and_outputs_are_timed(kind, monkeypatch):
     from mnemojax.engine.llm_engine import LLMEngine

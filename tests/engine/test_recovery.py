@@ -25,7 +25,8 @@ def _flaky_run(monkeypatch, fail_at: int, error: BaseException):
     monkeypatch.setattr(Executor, "run", run)
 
 
-@pytest.mark.parametrize("async_scheduling, spp", [(False, 1), (True, 1), (True, 2)], ids=["sync", "async", "spp2"])
+@pytest.mark.parametrize("async_scheduling, spp", [(False, 1), (True, 1), pytest.param(True, 2, marks=pytest.mark.slow)],
+                         ids=["sync", "async", "spp2"])  # spp 2: 21 s on 2 cores cold
 def test_a_failed_step_preempts_everyone_and_the_results_stay_exact(monkeypatch, async_scheduling, spp):
     llm = LLM(model="tiny", page_size=4, max_model_len=96, chunk_size=16, max_num_batched_tokens=32,
               enable_prefix_caching=True, async_scheduling=async_scheduling, spp=spp)

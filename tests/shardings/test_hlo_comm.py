@@ -33,6 +33,7 @@ def steps():
     return out
 
 
+@pytest.mark.slow  # the module's engines (two context lengths on a 2x1x2 mesh) took 55 s on 2 cores cold
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_kvp_collectives_are_the_same_at_very_different_context_lengths(steps, kind):
     (short_llm, short_plan, short), (long_llm, long_plan, long) = steps[(LENS[0], kind)], steps[(LENS[1], kind)]
@@ -53,6 +54,7 @@ def test_kvp_collectives_are_the_same_at_very_different_context_lengths(steps, k
     assert all(c.count is not None for c in short + long)
 
 
+@pytest.mark.slow  # the engines above
 def test_kvp_bytes_follow_the_query_rows_not_the_context(steps):
     for n in LENS:
         llm, _, decode = steps[(n, "decode")]
