@@ -43,6 +43,8 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
+from models.config import json_object
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -82,10 +84,9 @@ class SafetensorsReader:
         if os.path.exists(single):
             files = {SINGLE_FILE: None}
         elif os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no 'weight_map' object (tensor name -> file)")
+            weight_map = json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError(f"{index} has no 'weight_map' object (tensor name -> file name)")
             files = {name: None for name in sorted(set(weight_map.values()))}
         else:
             found = sorted(os.listdir(self.path))
@@ -159,6 +160,8 @@ class _SafetensorsFile:
                 header = json.loads(f.read(int(header_len)))
             except ValueError as e:
                 raise ValueError(f"{file} is not a safetensors file (its header is not JSON: {e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{file} is not a safetensors file (its header is not a JSON object)")
         data_start = 8 + int(header_len)
         self.headers: dict[str, _TensorHeader] = {}
         for name, h in header.items():
@@ -166,16 +169,30 @@ class _SafetensorsFile:
                 continue
             try:
                 begin, end = h["data_offsets"]
-                t = _TensorHeader(h["dtype"], tuple(h["shape"]), data_start + begin, data_start + end)
+                shape = tuple(h["shape"])
+                if (not all(type(v) is int and v >= 0 for v in (begin, end, *shape)) or begin > end
+                        or not isinstance(h["dtype"], str)):
+                    raise TypeError
+                t = _TensorHeader(h["dtype"], shape, data_start + begin, data_start + end)
             except (KeyError, TypeError, ValueError):
                 raise ValueError(f"tensor {name} in {file}: its header needs dtype, shape and data_offsets [begin, "
-                                 f"end], got {h!r}") from None
+                                 f"end] (integers >= 0), got {h!r}") from None
             itemsize = SAFETENSORS_DTYPES[t.dtype].itemsize if t.dtype in SAFETENSORS_DTYPES else None
             if itemsize is not None and t.end - t.begin != math.prod(t.shape) * itemsize:
                 raise ValueError(f"tensor {name} in {file}: {t.end - t.begin} bytes for shape {t.shape} {t.dtype}")
             if t.end > size:
                 raise ValueError(f"tensor {name} in {file} runs past the end of the file (truncated?)")
             self.headers[name] = t
+        # As the safetensors library checks: the tensors tile the data, each where the one before ends, so none
+        # reads another's bytes or the header's.
+        at = data_start
+        for name, t in sorted(self.headers.items(), key=lambda item: (item[1].begin, item[1].end)):
+            if t.begin != at:
+                raise ValueError(f"tensor {name} in {file} starts at data byte {t.begin - data_start}, not where the "
+                                 f"tensors before it end ({at - data_start}): overlapping or a gap")
+            at = t.end
+        if at != size:
+            raise ValueError(f"{file} has {size - at} bytes after its last tensor's data")
         self._mmap = np.memmap(file, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
 
     def array(self, name: str) -> np.ndarray:

@@ -143,6 +143,9 @@ class LlamaConfig:
                 raise ValueError(f"config is missing required key {key!r}")
             return d[key]
 
+        for key in ("rms_norm_eps", "rope_theta", "tie_word_embeddings"):  # HF's default only when it is absent
+            if key in d and d[key] is None:
+                raise ValueError(f"{key} is null: give a value, or leave the key out for its default")
         hidden, num_heads = required("hidden_size"), required("num_attention_heads")
         head_dim = d.get("head_dim")
         if head_dim is None:
@@ -189,12 +192,10 @@ class LlamaConfig:
                                     "local checkpoint directory (hub ids are not downloaded)")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"no config.json in {path!r}")
-        with open(config_file, encoding="utf-8") as f:
-            config = cls.from_hf_config(json.load(f))
+        config = cls.from_hf_config(json_object(config_file))
         gen_file = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_file):
-            with open(gen_file, encoding="utf-8") as f:
-                gen = json.load(f)
+            gen = json_object(gen_file)
             extra = _eos_ids("generation_config.json eos_token_id", gen.get("eos_token_id"))
             for t in extra:
                 _check_token_id(f"{gen_file} eos_token_id", t, config.vocab_size)
@@ -255,6 +256,18 @@ class LlamaConfig:
             "attention_bias": False,
             "mlp_bias": False,
         }
+
+
+def json_object(file: str) -> dict:
+    """The JSON object in `file`; a file that is not JSON, or holds no object, raises ValueError naming it."""
+    with open(file, encoding="utf-8") as f:
+        try:
+            d = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{file} is not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(d).__name__}")
+    return d
 
 
 # ---------------------------------------------------------------------- what from_hf_config accepts

@@ -324,6 +324,55 @@ def test_malformed_index_or_header_names_the_file(checkpoints, tmp_path):
     assert "header is not JSON" in _error(single)
 
 
+def _rewrite_header(file, edit) -> None:
+    """Rewrites a safetensors file's JSON header in place as `edit(header)` returns it (the same length, padded
+    with spaces, so the data stays where it was)."""
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    new = json.dumps(edit(json.loads(raw[8:8 + n])), separators=(",", ":")).encode()
+    assert len(new) <= n
+    file.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n:])
+
+
+def test_data_offsets_must_tile_the_data(checkpoints, tmp_path):
+    """Offsets that read the header (negative), another tensor's bytes (overlapping), or leave bytes unread are
+    refused as the safetensors library refuses them; they loaded garbage weights before."""
+    single = tmp_path / "single"
+    shutil.copytree(checkpoints["f32-gqa"], single)
+    file = single / "model.safetensors"
+    raw = file.read_bytes()
+    norm = "model.norm.weight"
+
+    def moved(to):
+        def edit(header):
+            begin, end = header[norm]["data_offsets"]
+            header[norm]["data_offsets"] = [to(begin), to(begin) + end - begin]
+            return header
+        return edit
+
+    _rewrite_header(file, moved(lambda begin: -64))  # 64 bytes before the data: the header's end
+    msg = _error(single)
+    assert f"tensor {norm} in" in msg and "integers >= 0" in msg
+    file.write_bytes(raw)
+    _rewrite_header(file, moved(lambda begin: begin - 4))  # reads 4 bytes of the tensor before it
+    msg = _error(single)
+    assert "overlapping or a gap" in msg
+    file.write_bytes(raw + b"\0" * 8)
+    assert "8 bytes after its last tensor" in _error(single)
+    file.write_bytes(raw)
+    _rewrite_header(file, lambda header: list(header))
+    assert "header is not a JSON object" in _error(single)
+
+
+@pytest.mark.parametrize("index", ["[]", "{", '{"weight_map": {"model.norm.weight": 3}}'])
+def test_malformed_index_json_names_the_file(checkpoints, tmp_path, index):
+    path = tmp_path / "shards"
+    shutil.copytree(checkpoints["bf16-mha-shards"], path)
+    (path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match="model.safetensors.index.json"):
+        load_hf_params(path, LlamaConfig.from_pretrained(path), jnp.float32, progress=False)
+
+
 def test_truncated_file(editable):
     path, _ = editable
     file = os.path.join(path, "model.safetensors")

@@ -328,6 +328,23 @@ def test_from_pretrained_names_generation_configs_bad_eos(tmp_path):
         LlamaConfig.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("key", ["rms_norm_eps", "rope_theta", "tie_word_embeddings"])
+def test_an_explicit_null_is_not_the_default(key):
+    """HF's default applies to a key left out; a null was taken for it silently (transformers 5.23 refuses
+    `rms_norm_eps` and `tie_word_embeddings` null, and a null `rope_theta` fails when its model is built)."""
+    with pytest.raises(ValueError, match=f"{key} is null"):
+        LlamaConfig.from_hf_config(dict(LLAMA_32_1B, **{key: None}))
+
+
+@pytest.mark.parametrize("file", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("text, error", [("{", "is not JSON"), ("[1]", "must hold a JSON object, got list")])
+def test_config_files_that_are_no_json_object_are_named(tmp_path, file, text, error):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_32_1B))
+    (tmp_path / file).write_text(text)
+    with pytest.raises(ValueError, match=f"{file} {error}"):
+        LlamaConfig.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize("key, value", [("num_hidden_layers", 0), ("num_key_value_heads", 3),
                                         ("num_attention_heads", 5), ("eos_token_id", [128001, -1])])
 def test_from_hf_config_errors_name_the_config_json_key(key, value):
