@@ -33,9 +33,10 @@ class MockEngine:
 
     def __init__(self, max_model_len: int = 64, token_delay_s: float = 0.0, fail_after: int | None = None,
                  failure: BaseException | None = None, kv_tokens: int | None = None, tokenizer=None,
-                 tokens: Callable[[int, int], list[int]] = mock_tokens):
+                 tokens: Callable[[int, int], list[int]] = mock_tokens, default_sampling: dict | None = None):
         self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
         self.tokens = tokens  # (last prompt token, max_tokens) -> the output's tokens
+        self.default_sampling = default_sampling or {}  # the model's generation_config.json defaults
         self.max_model_len = max_model_len
         self.max_request_tokens = max_model_len if kv_tokens is None else min(max_model_len, kv_tokens)
         self.token_delay_s = token_delay_s

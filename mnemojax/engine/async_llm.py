@@ -102,6 +102,7 @@ class EngineClient(Protocol):
     model: str  # the model it runs (a preset name or a checkpoint path)
     max_model_len: int
     max_request_tokens: int  # the most tokens (prompt + output) one request can hold: max_model_len or the KV pages
+    default_sampling: dict  # SamplingParams fields the model's generation_config.json sets for requests that don't
     is_alive: bool
     num_waiting: int  # callers' requests with no output yet
     num_active: int  # requests whose callers are still listening
@@ -164,6 +165,10 @@ class AsyncLLM:
         return self.engine.max_model_len
 
     @property
+    def default_sampling(self) -> dict:
+        return self.engine.default_sampling
+
+    @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + max_tokens) one request can hold: `max_model_len`, or fewer when the KV pages
         (a request's rank, or kvp x max_tokens_per_kvp_rank) hold fewer."""
@@ -209,7 +214,7 @@ class AsyncLLM:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
-        params = params or SamplingParams()
+        params = params or self.engine.default_sampling_params()
         stream = _Stream(params.output_kind is RequestOutputKind.DELTA)
         self._streams[rid] = (asyncio.get_running_loop(), stream)
         try:

@@ -32,6 +32,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no `sampling_params` (vLLM's): the model's generation_config.json
+        defaults (`generation_config`, default auto) over `SamplingParams()`'s."""
+        return self.engine.default_sampling_params()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in prompt order.
@@ -44,7 +49,7 @@ class LLM:
             prompts = [prompts]  # one prompt (token ids: Python or numpy integers, or a 1-D array)
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else \
             [sampling_params] * len(prompts)
         if len(params) != len(prompts):

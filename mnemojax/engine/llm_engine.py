@@ -27,7 +27,7 @@ from mnemojax.scheduling.config import ParallelConfig, SchedulerConfig
 from mnemojax.scheduling.calibration import Calibrator
 from mnemojax.scheduling.predictor import HARDWARE, default_profile, make_predictor
 from mnemojax.scheduling.scheduler import Scheduler, StepPlan
-from models.config import LlamaConfig
+from models.config import PRESETS, LlamaConfig, generation_defaults
 from models.kernels import ATTENTION_IMPLS, AUTO, MOSAIC, PALLAS, REFERENCE, check_attention_impl
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,11 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
     and launched while step N runs, and a token step N samples enters step N+1 on the device; results are the
     same. A request that stops on a token (EOS, a stop token or string) has one more token computed and thrown
     away. Default (None): on, except in multi-host serving, which does not support it (true there raises)."""
+    generation_config: str = "auto"
+    """Where requests' sampling defaults come from (vLLM's --generation-config): auto (the model directory's
+    generation_config.json: the temperature, top_p, top_k and max_new_tokens its creator chose, for a request that
+    does not set them; the server also caps every request's max_tokens at max_new_tokens, as vLLM's does), vllm
+    (none: SamplingParams' and the OpenAI API's own defaults), or a directory holding a generation_config.json."""
     compilation_cache_dir: str = "~/.cache/mnemojax/jax"
     """JAX's persistent compilation cache, so a restart loads compiled steps instead of compiling them again;
     empty: none. A cache directory already set in jax's config wins."""
@@ -157,6 +162,7 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.mesh = loaded.mesh
         self.tokenizer = loaded.tokenizer
+        self.default_sampling = self._generation_defaults(config)
         pages_per_seq = _pages_per_seq(config, self.max_model_len)
         self.kv = KVCacheManager(config.kvp, loaded.num_pages, config.page_size, config.max_tokens_per_kvp_rank,
                                  prefix_caching=config.enable_prefix_caching)
@@ -200,6 +206,31 @@ class LLMEngine:
         logger.info("compiled %d step shapes in %.1f s (token rows %s)", len(shapes), took,
                     sorted({T for T, *_ in shapes}))
         return took
+
+    @staticmethod
+    def _generation_defaults(config: EngineConfig) -> dict:
+        """`SamplingParams` fields the model's generation_config.json sets (`EngineConfig.generation_config`)."""
+        source = config.generation_config
+        if source == "vllm" or (source == "auto" and config.model in PRESETS):
+            return {}
+        path = config.model if source == "auto" else source
+        if not os.path.isdir(path):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding a "
+                             f"generation_config.json, got {source!r}")
+        defaults = generation_defaults(path)
+        try:
+            SamplingParams(**defaults)
+        except ValueError as e:
+            raise ValueError(f"{os.path.join(path, 'generation_config.json')}: {e}") from None
+        if defaults:
+            logger.warning("requests' sampling defaults from %s: %s (generation_config='vllm' ignores them)",
+                           os.path.join(path, "generation_config.json"), defaults)
+        return defaults
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of a request that gives none: the model's generation defaults
+        (`generation_config`) over `SamplingParams()`'s."""
+        return SamplingParams(**self.default_sampling)
 
     @staticmethod
     def _make_predictor(config: EngineConfig, mc: LlamaConfig, runs: str | None = None):
@@ -265,7 +296,7 @@ class LLMEngine:
         """Queues a request; `prompt_token_ids`, when given, are `prompt` already tokenized. `arrival_time` (on the
         engine's clock, at most now; default now), as vLLM's: when the request arrived, which its TTFT and its ILRS
         deadline count from (a server or a trace replay that hands requests over late)."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         prompt_ids = self.tokenize(prompt) if prompt_token_ids is None else \
             self._token_ids(prompt_token_ids, "prompt_token_ids")
         self.validate(prompt_ids, params)

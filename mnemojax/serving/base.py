@@ -279,6 +279,7 @@ class OpenAIServing:
                 if rest_of_context:
                     ids = self.llm.validate(prompt, dataclasses.replace(params[0], max_tokens=1))
                     room = max(self.llm.max_request_tokens - len(ids), 1)
+                    room = min(room, self.llm.default_sampling.get("max_tokens", room))  # the model's cap
                     mine = [dataclasses.replace(p, max_tokens=room) for p in params]
                 ids = self.llm.validate(prompt, mine[0])
             except ValueError as e:

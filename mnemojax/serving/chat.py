@@ -25,7 +25,8 @@ class ServingChat(OpenAIServing):
         if max_tokens is None:  # the room left in what one request can hold (max_model_len, or the KV pages' tokens)
             max_tokens = max(self.llm.max_request_tokens - len(prompt_ids), 1)
         try:
-            params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+            params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                                          defaults=self.llm.default_sampling)
         except ValueError as e:
             raise bad_request(e) from None
         try:

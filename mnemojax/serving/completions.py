@@ -32,7 +32,8 @@ class ServingCompletion(OpenAIServing):
             # echo shows the prompt's log-probs with the request's `logprobs` top entries: the engine computes as
             # many as the larger of that and `prompt_logprobs` asks for.
             wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
-            params = body.sampling_params(max(max_tokens, 1), body.logprobs, max(wanted) if wanted else None)
+            params = body.sampling_params(max(max_tokens, 1), body.logprobs, max(wanted) if wanted else None,
+                                          self.llm.default_sampling)
         except ValueError as e:
             raise bad_request(e) from None
         if body.echo and self.tokenizer is None:

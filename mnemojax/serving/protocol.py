@@ -95,15 +95,23 @@ class _SamplingRequest(_Strict):
             raise ParamError("response_format", f"response_format {self.response_format.get('type')!r} is not "
                                                 f"supported (no structured output; only 'text')")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: dict | None = None) -> SamplingParams:
         """The request's `SamplingParams` (ValueError names the bad field and its limit); `prompt_logprobs`: how
-        many top log-probs per prompt token the engine computes (None: the request's `prompt_logprobs`)."""
+        many top log-probs per prompt token the engine computes (None: the request's `prompt_logprobs`);
+        `defaults`: the model's sampling defaults (`EngineClient.default_sampling`) for what the request leaves
+        out, its `max_tokens` a cap (vLLM's)."""
         self._check_unsupported()
         prompt_logprobs = self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
+        defaults = defaults or {}
+
+        def given(name: str, default):
+            value = getattr(self, name)
+            return defaults.get(name, default) if value is None else value
+
         return SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
+            max_tokens=min(max_tokens, defaults.get("max_tokens", max_tokens)), temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0), top_k=given("top_k", -1),
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)

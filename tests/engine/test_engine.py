@@ -194,6 +194,38 @@ def test_eos_stops_unless_ignored(ckpt, tmp_path):
     assert out.token_ids == toks and out.finish_reason == "length"
 
 
+def test_generation_config_gives_the_default_sampling_params(ckpt, tmp_path):
+    """vLLM's --generation-config auto: a request given no sampling parameters samples as the model's
+    generation_config.json says (here greedily, 5 tokens); `vllm` ignores the file; what it sets that mnemojax
+    cannot do (repetition_penalty) is refused, naming it."""
+    import json
+    import shutil
+
+    from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
+    path = tmp_path / "gen"
+    shutil.copytree(ckpt, path)
+    gen = {"bos_token_id": 256, "eos_token_id": EOS_ID, "do_sample": False, "temperature": 0.0,
+           "top_k": 50, "max_new_tokens": 5}
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    prompts = _prompts((6, 9), seed=3)
+    llm = LLM(model=str(path), max_model_len=64)
+    default = llm.get_default_sampling_params()
+    assert (default.temperature, default.top_p, default.top_k, default.max_tokens) == (0.0, 1.0, 50, 5)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0))]
+    assert got == want and all(len(t) == 5 or t[-1] == EOS_ID for t in got)
+    assert LLMEngine._generation_defaults(EngineConfig(model=str(path), generation_config="vllm")) == {}
+    assert LLMEngine._generation_defaults(EngineConfig(model="tiny", generation_config=str(path)))["max_tokens"] == 5
+    (path / "generation_config.json").write_text(json.dumps(dict(gen, repetition_penalty=1.2)))
+    with pytest.raises(ValueError, match=r"repetition_penalty=1.2 is a sampling default .*--generation_config vllm"):
+        LLMEngine._generation_defaults(EngineConfig(model=str(path)))
+    (path / "generation_config.json").write_text(json.dumps(dict(gen, temperature=-1)))
+    with pytest.raises(ValueError, match=r"generation_config.json: temperature must be"):
+        LLMEngine._generation_defaults(EngineConfig(model=str(path)))
+    with pytest.raises(ValueError, match=r"generation_config must be 'auto', 'vllm' or a directory"):
+        LLMEngine._generation_defaults(EngineConfig(model=str(path), generation_config="nowhere"))
+
+
 @pytest.mark.parametrize("prompt,params,match", [
     ([], SamplingParams(), "prompt must not be empty"),
     ([1, 320, 2], SamplingParams(), r"token id 320 .* vocabulary \[0, 320\)"),

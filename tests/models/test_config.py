@@ -6,7 +6,7 @@ import json
 import pytest
 import transformers
 
-from models.config import PRESETS, LlamaConfig, RopeScaling, preset
+from models.config import PRESETS, LlamaConfig, RopeScaling, generation_defaults, preset
 
 LLAMA31_ROPE = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                            original_max_position_embeddings=8192)
@@ -357,3 +357,27 @@ def test_tp_must_divide_the_mlp_width():
     assert c.mesh_layout(tp=1, spp=1) == (c.num_layers, c.num_kv_heads)
     with pytest.raises(ValueError, match=r"tp \(2\) must divide the MLP width intermediate_size \(129\)"):
         c.mesh_layout(tp=2, spp=1)
+
+
+@pytest.mark.parametrize("gen", [
+    dict(do_sample=True, temperature=0.6, top_p=0.9),  # Llama-3.1-8B-Instruct's
+    dict(do_sample=True, temperature=1.0, top_p=0.5, top_k=50, max_new_tokens=64),  # values equal to HF's defaults
+    dict(do_sample=True, temperature=0.3, top_k=5, repetition_penalty=1.0, min_p=0.0),  # neutral ones pass
+    dict(),
+])
+def test_generation_defaults_are_what_the_file_changes_from_transformers(tmp_path, gen):
+    """The fields vLLM's --generation-config auto reads, as transformers' `to_diff_dict` sees the file (the oracle;
+    in transformers 5 a value equal to its old default, top_k 50, is still the file's choice)."""
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], **gen).save_pretrained(tmp_path)
+    diff = transformers.GenerationConfig.from_pretrained(tmp_path).to_diff_dict()
+    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
+    want = {names[k]: v for k, v in diff.items() if k in names}
+    assert generation_defaults(tmp_path) == want
+
+
+def test_generation_defaults_refuse_what_mnemojax_cannot_sample(tmp_path):
+    assert generation_defaults(tmp_path) == {}  # no file
+    for key, value in (("repetition_penalty", 1.1), ("min_p", 0.05)):
+        (tmp_path / "generation_config.json").write_text(json.dumps({key: value}))
+        with pytest.raises(ValueError, match=f"{key}={value} is a sampling default mnemojax does not implement"):
+            generation_defaults(tmp_path)

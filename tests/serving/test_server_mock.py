@@ -192,3 +192,19 @@ def test_sentencepiece_completion_continues_the_prompt_with_its_offsets():
         c = client.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]
         assert c["text"] == "a a hello world. ab  é"  # the prompt's first space is dropped, as HF decodes it
         assert c["logprobs"]["text_offset"] == [0, 1] + [len("a a") + s for s in starts]
+
+
+def test_the_models_generation_defaults_fill_what_a_request_leaves_out():
+    """vLLM's --generation-config auto: the model's defaults (here temperature 0.5, top_p 0.8, top_k 7 and
+    max_new_tokens 3) for what a request leaves out, and max_new_tokens caps every request's max_tokens."""
+    engine = MockEngine(default_sampling={"temperature": 0.5, "top_p": 0.8, "top_k": 7, "max_tokens": 3})
+    with TestClient(build_app(engine, served_model_name="m")) as client:
+        bodies = [("/v1/completions", {"prompt": "ab", "max_tokens": 10}),
+                  ("/v1/completions", {"prompt": "ab", "temperature": 0, "top_p": 1.0, "top_k": -1}),
+                  ("/v1/completions", {"prompt": "ab", "max_tokens": None}),
+                  ("/v1/completions", {"prompt": "ab", "max_tokens": 2}),
+                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]
+        for path, body in bodies:
+            assert client.post(path, json=body).status_code == 200
+    got = [(p.temperature, p.top_p, p.top_k, p.max_tokens) for _, p in engine.requests]
+    assert got == [(0.5, 0.8, 7, 3), (0.0, 1.0, -1, 3), (0.5, 0.8, 7, 3), (0.5, 0.8, 7, 2), (0.5, 0.8, 7, 3)]
