@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from models.checkpoint import SKIPPED_TENSORS, SafetensorsReader, load_hf_params  # noqa: E402
+from models.checkpoint import load_hf_params, stored_dtype  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
 from models.orbax_io import copy_tokenizer_files, save_params  # noqa: E402
 from models.params import param_shapes  # noqa: E402
@@ -35,7 +35,6 @@ from shardings.specs import ShardingTable  # noqa: E402
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
           "float16": np.dtype(np.float16)}
-_STORED = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,14 +48,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="mesh degree along tp while converting")
     p.add_argument("--overwrite", action="store_true", help="replace an existing mnemojax checkpoint at output_dir")
     return p.parse_args(argv)
-
-
-def stored_dtype(hf_dir: str) -> str:
-    """The dtype name shared by every weight of the checkpoint, or float32 when they differ."""
-    reader = SafetensorsReader(hf_dir)
-    found = {_STORED.get(reader.dtype(name), "float32") for name in reader.names()
-             if not SKIPPED_TENSORS.fullmatch(name)}
-    return found.pop() if len(found) == 1 else "float32"
 
 
 def even_spec(spec: P, shape: tuple[int, ...], mesh) -> P:

@@ -53,8 +53,10 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
     model: str = "tiny"
     """Model: a preset (tiny, llama3-8b, llama3-70b, llama3.2-1b, llama3.2-3b), a Hugging Face Llama directory, or
     an Orbax checkpoint directory written by scripts/convert_checkpoint.py."""
-    dtype: str = dataclasses.field(default="float32", metadata={"choices": DTYPES})
-    """Parameters, activations and KV cache."""
+    dtype: str = dataclasses.field(default=AUTO, metadata={"choices": (AUTO, *DTYPES)})
+    """Parameters, activations and KV cache: auto (vLLM's and transformers 5's default) computes in the dtype the
+    checkpoint's weights are stored in (bfloat16 for Llama 3's; float32 where they differ, for float16 ones, which
+    float32 holds exactly, and for presets); the engine's config holds the resolved name."""
     max_model_len: int | None = None
     """Longest prompt + output of one request (default: min(the model's limit, 8192))."""
     page_size: int = 16
@@ -104,8 +106,8 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
     def __post_init__(self):
         SchedulerConfig.__post_init__(self)
         ParallelConfig.__post_init__(self)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in (AUTO, *DTYPES):
+            raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
         for name in ("page_size", "block_pages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -155,9 +157,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, channel=None,
                  clock: Callable[[], float] = time.perf_counter):
-        self.config = config
         self.clock = clock
         loaded = loaded if loaded is not None else load(config)
+        if config.dtype == AUTO:
+            config = dataclasses.replace(config, dtype=loaded.spec.dtype)
+        self.config = config
         self.model_config: LlamaConfig = loaded.model_config
         self.max_model_len = loaded.max_model_len
         self.mesh = loaded.mesh

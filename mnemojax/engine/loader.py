@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from models import checkpoint, orbax_io
 from models.attention import resolve_for_model
 from models.config import PRESETS, LlamaConfig, preset
+from models.kernels import AUTO
 from models.llama import ModelSpec
 from models.params import init_params, mesh_layout, split_layers, to_mesh_layout
 from models.tokenizer import load_tokenizer
@@ -58,6 +59,8 @@ def load(config) -> LoadedModel:
     use_compilation_cache(config.compilation_cache_dir)
     is_preset = config.model in PRESETS
     mc = preset(config.model) if is_preset else LlamaConfig.from_pretrained(config.model)
+    if config.dtype == AUTO:
+        config = dataclasses.replace(config, dtype=model_dtype(config.model))
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
@@ -91,6 +94,20 @@ def load(config) -> LoadedModel:
     logger.info("attention: %s%s", attention, " (auto)" if attention != config.attention else "")
     spec = ModelSpec(mc, config.dtype, config.block_pages, attention)
     return LoadedModel(mc, max_model_len, mesh, table, spec, params, tokenizer, num_pages)
+
+
+def model_dtype(model: str) -> str:
+    """What dtype `auto` computes a model in: the dtype its weights are stored in (an Orbax checkpoint's marker, a
+    safetensors checkpoint's tensors; float32 where they differ), float32 for a float16 one (mnemojax computes in
+    float32 or bfloat16, and float32 holds every float16 value exactly) and for presets (random weights)."""
+    if model in PRESETS:
+        return "float32"
+    stored = orbax_io.read_marker(model)["dtype"] if orbax_io.is_orbax_checkpoint(model) else \
+        checkpoint.stored_dtype(model)
+    if stored == "float16":
+        logger.info("dtype auto: %s is stored in float16, computed in float32 (which holds it exactly)", model)
+        return "float32"
+    return stored
 
 
 def engine_attention(config, mc: LlamaConfig) -> str:

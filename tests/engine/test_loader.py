@@ -73,3 +73,31 @@ def test_multi_host_channel_is_a_constructor_argument():
     _run(engine, [1, 2, 3])
     assert len(channel.steps) == 5  # one broadcast per step: a prefill that samples, then 4 decodes
     assert channel.tables  # and the page-table updates before the steps that change the table
+
+
+def test_dtype_auto_is_the_checkpoints_stored_dtype(tmp_path):
+    """dtype auto (the default, vLLM's and transformers 5's): a bf16 checkpoint runs in bfloat16, a float32 one in
+    float32, a float16 one in float32 (which holds it exactly: mnemojax computes in float32 or bfloat16), as does
+    an Orbax conversion of the bf16 one in bfloat16 (its marker's dtype) and a preset (random weights)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mnemojax.engine.loader import model_dtype
+    from models.orbax_io import save_params
+    from models.checkpoint import load_hf_params
+    from models.config import LlamaConfig
+    from tests.hf_utils import make_hf_checkpoint
+
+    small = dict(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, tokenizer=False)
+    paths = {d: make_hf_checkpoint(tmp_path / d, dtype=d, **small) for d in ("float32", "bfloat16", "float16")}
+    assert [model_dtype(paths[d]) for d in ("float32", "bfloat16", "float16")] == ["float32", "bfloat16", "float32"]
+    assert model_dtype("tiny") == "float32"
+    config = LlamaConfig.from_pretrained(paths["bfloat16"])
+    orbax = save_params(load_hf_params(paths["bfloat16"], config, jnp.bfloat16, progress=False),
+                        tmp_path / "orbax", config)
+    assert model_dtype(orbax) == "bfloat16"
+    engine = LLMEngine(EngineConfig(model=paths["bfloat16"], max_model_len=32, page_size=4, precompile=False))
+    assert engine.config.dtype == "bfloat16"
+    assert {np.dtype(a.dtype) for a in jax.tree.leaves(engine.executor.params)} == {np.dtype(jnp.bfloat16)}
+    assert EngineConfig().dtype == "auto"
