@@ -538,10 +538,12 @@ class Executor:
     def warm_up(self, progress: Callable[[], None] | None = None) -> int:
         """Compiles the step of every shape in `shape_buckets()` by running it on all-padding arrays (every row
         writes the reserved page 0 and reads nothing), so that serving never compiles; `progress` is called after
-        each. Runs on the followers too (multi-host). Returns the number of shapes."""
+        each. Runs on the followers too (multi-host): every process compiles and runs the same shapes in the same
+        order by itself, so nothing is broadcast (a follower is in its own warm-up, not listening). Returns the
+        number of shapes."""
         shapes = self.shape_buckets()
         for T, R, kind in shapes:
-            self._launch(T, self.host_template(T, R), fetch=True, kind=kind)
+            self._launch(T, self.host_template(T, R), fetch=True, kind=kind, broadcast=False)
             if progress is not None:
                 progress()
         for U in self.update_buckets():  # the page-table scatters, all dropped
@@ -581,13 +583,14 @@ class Executor:
         return (self.params, self.k_cache, self.v_cache, self.register, self.sampled, self.page_table,
                 self._to_mesh(buffer, self._packed_sharding), packing)
 
-    def _launch(self, T: int, host, fetch: bool, kind: str, logprobs: bool = True):
-        """Runs the step on `host` arrays (on every process: multi-host followers get them first, packed);
-        `logprobs`: whether its results include the log-probs (else only the tokens are fetched)."""
+    def _launch(self, T: int, host, fetch: bool, kind: str, logprobs: bool = True, broadcast: bool = True):
+        """Runs the step on `host` arrays (on every process: multi-host followers get them first, packed, unless
+        not `broadcast`); `logprobs`: whether its results include the log-probs (else only the tokens are
+        fetched)."""
         self._flush_table_updates()  # before the step, on every process (followers get them first too)
         R = host[1].shape[1]
         packed = Packing.pack(host)
-        if self.channel is not None:
+        if self.channel is not None and broadcast:
             self.channel.step(T, R, packed[0], fetch, kind)
         key = (T, R, kind)
         # What the engine's online calibration needs to trust a step's time: whether it ran a shape for the first

@@ -133,8 +133,11 @@ def test_two_processes_serve_the_same_tokens_as_one():
     one_port, two_port, coord = free_port(), free_port(), free_port()
     with tempfile.TemporaryFile() as log1, tempfile.TemporaryFile() as log2:
         one = start_serve(["--port", str(one_port), *MESH], num_cpu_devices=8, log=log1)
+        # precompile on (the command's default; the tests' environment turns it off): every process compiles its
+        # shapes alone, the leader broadcasting nothing (it did, and the follower's collectives did not match)
         multi = [start_serve(["--port", str(two_port), *MESH, "--coordinator_address", f"localhost:{coord}",
-                              "--num_processes", "2", "--process_id", str(i)], num_cpu_devices=4, log=log2)
+                              "--num_processes", "2", "--process_id", str(i), "--precompile"], num_cpu_devices=4,
+                             log=log2)
                  for i in range(2)]
         procs = [one, *multi]
         try:
