@@ -27,6 +27,32 @@ logger = logging.getLogger(__name__)
 STEP, NOOP, STOP, TABLE = 1, 2, 3, 4
 
 
+_PER_PROCESS = frozenset({"compilation_cache_dir", "save_predictor_profile"})
+"""EngineConfig fields that may differ between processes (each host's own paths)."""
+
+
+def check_same_config(config) -> None:
+    """Raises ValueError naming the fields (and each process's value) where this process's `EngineConfig` differs
+    from another's: every process must build the same engine, and one started with another seed or KV split would
+    compute other numbers without an error, or block in a collective. A collective: every process calls it."""
+    import dataclasses
+    import json
+
+    mine = {k: v for k, v in dataclasses.asdict(config).items() if k not in _PER_PROCESS}
+    text = np.frombuffer(json.dumps(mine, sort_keys=True, default=str).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.array([len(text)], np.int32))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:len(text)] = text
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    configs = [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths)]
+    differ = sorted(k for k in configs[0] if any(c.get(k) != configs[0][k] for c in configs[1:]))
+    if differ:
+        values = "; ".join(f"{k}: " + ", ".join(f"process {i} {c.get(k)!r}" for i, c in enumerate(configs))
+                           for k in differ)
+        raise ValueError(f"the processes were started with different engine settings ({values}); start every "
+                         f"process with the same flags")
+
+
 def _broadcast(tree):
     """`tree` from process 0 to all, dtypes kept (the broadcast sums, so bools travel as int32)."""
     sent = jax.tree.map(lambda a: a.astype(np.int32) if a.dtype == np.bool_ else a, tree)

@@ -118,6 +118,8 @@ def main(argv):
     if num_processes > 1:
         from mnemojax.engine import multihost
 
+        with usage_errors():  # every process, before building anything: the same settings everywhere
+            multihost.check_same_config(config)
         if mh.process_id != 0:
             with usage_errors():  # a setting only the model or the devices can refuse (the KV split, say)
                 follower = LLMEngine(config).executor

@@ -160,3 +160,24 @@ def test_two_processes_serve_the_same_tokens_as_one():
     for (text, toks, lps), (rtext, rtoks, rlps) in zip(got, ref):
         assert text == rtext and toks == rtoks
         np.testing.assert_allclose(lps, rlps, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_processes_started_with_different_settings_exit_naming_them():
+    """A follower started with another --seed served other numbers without a word (the leader's tokens, the
+    follower's random weights); now every process compares its engine settings before building anything, and all
+    exit 1 naming the field and each process's value."""
+    coord = free_port()
+    with tempfile.TemporaryFile() as log:
+        procs = [start_serve(["--port", str(free_port()), "--coordinator_address", f"localhost:{coord}",
+                              "--num_processes", "2", "--process_id", str(i), "--seed", str(i)], log=log)
+                 for i in range(2)]
+        try:
+            codes = [p.wait(120) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        output = _tail(log, None)
+    assert codes == [1, 1], output[-3000:]
+    assert "different engine settings (seed: process 0 0, process 1 1)" in output, output[-3000:]
