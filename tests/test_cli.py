@@ -91,6 +91,11 @@ def test_a_name_in_two_configs_is_refused():
     (["mnemojax.serve", "--page_size=0"], "page_size must be a positive integer, got 0"),
     (["mnemojax.serve", "--model=/nonexistent"], "'/nonexistent' is neither a preset"),  # found while loading
     (["mnemojax.engine", "--max_num_seqs=0"], "max_num_seqs"),
+    (["mnemojax.engine", "--noprecompile", "--max_tokens=9000"], "max_tokens (9000) = 9017 exceeds max_model_len"),
+    (["mnemojax.serve", "--coordinator_address=localhost", "--num_processes=2", "--process_id=1"],
+     "coordinator_address must be host:port with a port in 1..65535, got 'localhost'"),
+    (["mnemojax.serve", "--coordinator_address=localhost:99999", "--num_processes=2", "--process_id=1"],
+     "got 'localhost:99999'"),
     (["mnemojax.sim", "stray"], "unexpected arguments: ['stray']"),
     (["mnemojax.sim", "--num_pages=1"], "num_pages must be at least 2"),
     (["mnemojax.sim", "--trace=/nonexistent.jsonl"], "No such file or directory: '/nonexistent.jsonl'"),

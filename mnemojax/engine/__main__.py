@@ -42,7 +42,9 @@ def main(argv):
         params = SamplingParams(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                 seed=g.sampling_seed)
         llm = LLM(**dataclasses.asdict(config))
+        llm.engine.validate(llm.engine.tokenize(g.prompt), params)  # a prompt too long, say: named, no traceback
     llm.generate([g.prompt], SamplingParams(max_tokens=2, temperature=0))  # compile outside the timing
+    llm.engine.reset_prefix_cache()  # else the timed prompt's KV would be the warm-up's, and its TTFT a cache hit
     out = llm.generate([g.prompt], params)[0]
     c, m = out.outputs[0], out.metrics
     tbt = m.tbt

@@ -101,6 +101,11 @@ class MultiHostConfig:
             raise ValueError(f"process_id must be >= 0, got {self.process_id}")
         if None not in (self.process_id, self.num_processes) and self.process_id >= self.num_processes:
             raise ValueError(f"process_id must be < num_processes ({self.num_processes}), got {self.process_id}")
+        if self.coordinator_address is not None:
+            host, _, port = self.coordinator_address.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(f"coordinator_address must be host:port with a port in 1..65535, got "
+                                 f"{self.coordinator_address!r}")
 
     @property
     def enabled(self) -> bool:
