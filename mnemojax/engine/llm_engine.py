@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.engine.executor import Executor, Launched
 from mnemojax.scheduling.kv_manager import KVCacheManager
-from mnemojax.engine.loader import LoadedModel, engine_attention, load
+from mnemojax.engine.loader import LoadedModel, engine_attention, load, with_dtype
 from mnemojax.scheduling.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mnemojax.scheduling.request import Request
 from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
@@ -240,6 +240,7 @@ class LLMEngine:
     def _make_predictor(config: EngineConfig, mc: LlamaConfig, runs: str | None = None):
         """The runtime predictor for this engine; `runs`: the attention its executor runs (default: what `config`
         resolves to for `mc`), costed whatever the preset's profile says."""
+        config = with_dtype(config)
         hardware = config.hardware or detect_hardware()
         pages_per_seq = _pages_per_seq(config, config.max_model_len or mc.max_position_embeddings)
         runs = engine_attention(config, mc) if runs is None else runs

@@ -59,8 +59,7 @@ def load(config) -> LoadedModel:
     use_compilation_cache(config.compilation_cache_dir)
     is_preset = config.model in PRESETS
     mc = preset(config.model) if is_preset else LlamaConfig.from_pretrained(config.model)
-    if config.dtype == AUTO:
-        config = dataclasses.replace(config, dtype=model_dtype(config.model))
+    config = with_dtype(config)
     max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
@@ -110,12 +109,17 @@ def model_dtype(model: str) -> str:
     return stored
 
 
+def with_dtype(config):
+    """`config` with dtype `auto` resolved (`model_dtype`); itself otherwise."""
+    return dataclasses.replace(config, dtype=model_dtype(config.model)) if config.dtype == AUTO else config
+
+
 def engine_attention(config, mc: LlamaConfig) -> str:
     """The attention implementation the engine runs for `config.attention` and this model: `auto` resolved
     against the model (`models.attention.resolve_for_model`: on a Hopper GPU the Mosaic kernels when they support
     its dtype, heads, head dim and the page size; else the Pallas kernels on an NVIDIA GPU; else the reference).
     The loader's ModelSpec and the predictor's cost model both take it from here."""
-    return resolve_for_model(config.attention, mc, config.dtype, config.page_size)
+    return resolve_for_model(config.attention, mc, with_dtype(config).dtype, config.page_size)
 
 
 def _pages_from_memory(config, mc: LlamaConfig, mesh) -> int:
