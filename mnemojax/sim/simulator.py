@@ -57,7 +57,7 @@ import numpy as np
 from mnemojax.scheduling.kv_manager import KVCacheManager
 from mnemojax.scheduling.pipeline import Pipeline
 from mnemojax.scheduling.config import POLICIES, ParallelConfig, SchedulerConfig
-from mnemojax.scheduling.predictor import HARDWARE, Predictor
+from mnemojax.scheduling.predictor import HARDWARE, Predictor, default_profile
 from mnemojax.scheduling.predictor import make_predictor as deployment_predictor
 from mnemojax.scheduling.request import Request
 from mnemojax.scheduling.sampling_params import SamplingParams
@@ -317,10 +317,13 @@ class SimConfig(SchedulerConfig, ParallelConfig):
 
 
 def make_predictor(config: SimConfig, model: LlamaConfig | None = None) -> Predictor:
-    """The predictor of `config`'s deployment (also the scheduler's, as in the engine)."""
+    """The predictor of `config`'s deployment (also the scheduler's), as the engine builds its own: the hardware's
+    shipped profile unless `predictor_profile` names one, and the reference attention's blocks of the engine's 8
+    pages (requests here have no `max_model_len` to make them fewer)."""
     return deployment_predictor(config, model or preset(config.model), hardware=config.hardware,
-                          dtype_bytes=config.dtype_bytes, profile=config.predictor_profile,
-                          pipeline_padding=config.pipeline_padding)
+                                dtype_bytes=config.dtype_bytes,
+                                profile=config.predictor_profile or default_profile(config.hardware),
+                                pipeline_padding=config.pipeline_padding, block_tokens=8 * config.page_size)
 
 
 def kv_pages_per_rank(config: SimConfig, model: LlamaConfig | None = None) -> int:

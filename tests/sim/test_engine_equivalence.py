@@ -108,3 +108,19 @@ def test_simulator_prices_a_pipeline_as_the_engine_does_by_default():
     sim = Simulator(SimConfig(**kw, hardware="cpu", dtype_bytes=4), [TraceRequest(0.0, 10, 1)])
     assert engine_predictor.pipeline_tokens is not None
     assert sim.predictor.pipeline_tokens == engine_predictor.pipeline_tokens
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_simulator_prices_steps_with_the_engines_profile_and_blocks(page_size):
+    """The simulator's default predictor is the engine's: the hardware's shipped profile (cpu.json; it used no
+    profile, the GPU defaults) and the reference attention's blocks of 8 pages (it used 8 x 16 tokens whatever the
+    page size)."""
+    from mnemojax.scheduling.predictor import ChunkShape
+    from models.config import preset
+
+    kw = dict(settings("ilrs"), page_size=page_size)
+    engine_predictor = LLMEngine._make_predictor(EngineConfig(**kw, hardware="cpu"), preset("tiny"))
+    sim = Simulator(SimConfig(**kw, hardware="cpu", dtype_bytes=4), [TraceRequest(0.0, 10, 1)])
+    steps = [[ChunkShape(256, 2048)], [ChunkShape(1, 4096)] * 8, [ChunkShape(64, 700), ChunkShape(1, 300)]]
+    assert [sim.predictor.step_time(s) for s in steps] == [engine_predictor.step_time(s) for s in steps]
+    assert sim.predictor.profile == engine_predictor.profile
