@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import os
 import textwrap
 import types
 import typing
@@ -172,3 +173,18 @@ def usage_errors():
     except (ValueError, OSError) as e:
         logging.debug("the usage error's traceback", exc_info=True)
         raise app.UsageError(str(e)) from None
+
+
+def output_path(field: str, path: str | None, *, directory: bool = False) -> None:
+    """Checks, before a long run, that its output can be written: `path` (a file, or with `directory` a directory,
+    created here if missing) must lie in a writable directory. Raises ValueError naming the flag."""
+    if not path:
+        return
+    where = path if directory else (os.path.dirname(os.path.abspath(path)))
+    try:
+        if directory:
+            os.makedirs(where, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{field}: cannot create {path!r} ({e.strerror})") from None
+    if not os.path.isdir(where) or not os.access(where, os.W_OK):
+        raise ValueError(f"{field}: {where!r} is not a writable directory")

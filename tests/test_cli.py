@@ -99,6 +99,9 @@ def test_a_name_in_two_configs_is_refused():
     (["mnemojax.sim", "stray"], "unexpected arguments: ['stray']"),
     (["mnemojax.sim", "--num_pages=1"], "num_pages must be at least 2"),
     (["mnemojax.sim", "--trace=/nonexistent.jsonl"], "No such file or directory: '/nonexistent.jsonl'"),
+    (["mnemojax.sim", "--duration_s=inf"], "duration_s must be a finite number > 0, got inf"),
+    (["mnemojax.sim", "--output_json=/nonexistent/dir/x.json"], "output_json: '/nonexistent/dir' is not a writable"),
+    (["mnemojax.plan", "--output_dir=/proc/plan"], "output_dir: cannot create '/proc/plan'"),
     (["mnemojax.plan", "--model=nosuch"], "model 'nosuch' is neither a preset"),
 ])
 def test_a_bad_command_line_is_a_usage_error_naming_the_flag(argv, message):

@@ -10,7 +10,7 @@ import dataclasses
 from absl import app
 
 from mnemojax.sim import simulator
-from mnemojax.cli import define_flags, from_flags, no_arguments, usage_errors
+from mnemojax.cli import define_flags, from_flags, no_arguments, output_path, usage_errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +28,13 @@ class Outputs:
 def main(argv):
     no_arguments(argv)
     with usage_errors():
+        t = from_flags(Outputs)
+        output_path("save_trace", t.save_trace)  # before the run, not after it
+        output_path("output_json", t.output_json)
+        output_path("plot_dir", t.plot_dir, directory=True)
         trace = from_flags(simulator.Workload).requests()
         config = from_flags(simulator.SimConfig)
         sim = simulator.Simulator(config, trace)  # checks the pages and the KV split
-    t = from_flags(Outputs)
     if t.save_trace:
         simulator.save_trace(trace, t.save_trace)
     result = sim.run()
@@ -43,7 +46,8 @@ def main(argv):
           f"{m['kv_pages_per_rank']} KV pages per rank")
     print(simulator.summary_table({config.scheduler_policy: m}))
     print(f"simulated {m['simulated_s']:.1f} s in {m['steps']} steps, {m['cpu_s']:.1f} CPU s; "
-          f"stop: {m['stop_reason']}; preemptions {m['preemptions']}; TTFT/TBT in seconds/ms")
+          f"stop: {m['stop_reason']}; preemptions {m['preemptions']}; TTFT/TBT in seconds/ms"
+          + (f"; {m['not_arrived']} requests arrive after the horizon" if m["not_arrived"] else ""))
     if t.output_json:
         result.to_json(t.output_json)
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 from absl import app
 
 from mnemojax.sim import planner
-from mnemojax.cli import define_flags, from_flags, no_arguments, usage_errors
+from mnemojax.cli import define_flags, from_flags, no_arguments, output_path, usage_errors
 
 
 def main(argv):
     no_arguments(argv)
     with usage_errors():
         config = from_flags(planner.PlanConfig)
+        output_path("output_dir", config.output_dir, directory=True)  # before the search, not after it
         setup = planner.resolve(config)  # the model, the trace and the deadlines
     result = planner.plan(config, setup=setup)
     print(result.report(), end="")

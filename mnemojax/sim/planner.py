@@ -204,7 +204,8 @@ class PlanConfig:
     capacity_scales: str = "0.5,1,2,4"
     """Capacity plot: the workload's arrival rate times each of these, for the `top` best; empty: none."""
     max_simulated_s: float | None = None
-    """Stop each simulation at this simulated time; default: the last arrival + 2 x ttft_long_s + 60 s."""
+    """Stop each simulation this many simulated seconds after the first arrival; default: until the last arrival
+    + 2 x ttft_long_s + 60 s."""
     output_dir: str | None = None
     """Write plan.json, pareto.png and capacity.png here."""
     progress: bool = True
@@ -377,9 +378,10 @@ class Setup:
 
 
 def _horizon(config: PlanConfig, trace: Sequence[TraceRequest]) -> float:
+    """Simulated seconds from the first arrival (the simulator's `max_simulated_s`)."""
     if config.max_simulated_s is not None:
         return config.max_simulated_s
-    return trace[-1].arrival_time + 2 * config.slo.ttft_long_s + 60.0
+    return trace[-1].arrival_time - trace[0].arrival_time + 2 * config.slo.ttft_long_s + 60.0
 
 
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",

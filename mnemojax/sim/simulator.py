@@ -97,14 +97,15 @@ class TraceRequest:
     """How many of its prompt tokens are the shared prefix's."""
 
     def __post_init__(self):
-        if not (isinstance(self.arrival_time, (int, float)) and math.isfinite(self.arrival_time)
-                and self.arrival_time >= 0):
+        if not (isinstance(self.arrival_time, (int, float)) and not isinstance(self.arrival_time, bool)
+                and math.isfinite(self.arrival_time) and self.arrival_time >= 0):
             raise ValueError(f"arrival_time must be a finite number >= 0, got {self.arrival_time!r}")
         for name in ("prompt_tokens", "output_tokens"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.prefix_tokens, (int, np.integer)) or not 0 <= self.prefix_tokens <= self.prompt_tokens:
+        if (not isinstance(self.prefix_tokens, (int, np.integer)) or isinstance(self.prefix_tokens, bool)
+                or not 0 <= self.prefix_tokens <= self.prompt_tokens):
             raise ValueError(f"prefix_tokens must be an integer in [0, prompt_tokens], got {self.prefix_tokens!r}")
         if self.prefix_id is not None and (not isinstance(self.prefix_id, (int, np.integer))
                                            or isinstance(self.prefix_id, bool)):
@@ -240,6 +241,10 @@ class Workload:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.output_tokens < 0:
             raise ValueError(f"output_tokens must be >= 0, got {self.output_tokens}")
+        for name in ("qps", "duration_s"):  # an infinite one made the synthetic mix loop for ever
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
 
     def requests(self, trace: Sequence[TraceRequest] | None = None) -> list[TraceRequest]:
         """The requests in arrival order: `trace` when given, else the trace file, else the synthetic mix; with
@@ -292,8 +297,9 @@ class SimConfig(SchedulerConfig, ParallelConfig):
     long_threshold_tokens: int = SHORT_MAX_TOKENS
     """Prompts longer than this are *long* in the metrics."""
     max_simulated_s: float | None = None
-    """Stop the simulation at this simulated time (requests left unfinished are reported); None: run until
-    every request is done or a KV deadlock."""
+    """Stop the simulation this many simulated seconds after the first arrival (requests left unfinished are
+    reported, and those arriving later counted as not_arrived); None: run until every request is done or a KV
+    deadlock."""
     async_scheduling: bool = True
     """Model the engine's async scheduling (its default on one host; multi-host serving runs synchronously): step
     N+1 is scheduled and launched before step N's results are known, so the device is never idle between steps
@@ -473,14 +479,15 @@ class Simulator:
         reqs: list[Request] = []
         kinds: list[str] = []
         rejected: list[tuple[TraceRequest, str]] = []
+        prefixes: dict[int, int] = {}  # a trace's prefix id -> its index, in order of first arrival
         first_token_step: dict[int, int] = {}
         timeline: list[tuple[float, int, int]] = []
         active = 0
         in_flight = None  # async scheduling: the step launched and not yet collected
-        horizon = cfg.max_simulated_s if cfg.max_simulated_s is not None else math.inf
         stop_reason = "done"
         self.now = self.trace[0].arrival_time if self.trace else 0.0
         start = self.now
+        horizon = start + cfg.max_simulated_s if cfg.max_simulated_s is not None else math.inf
 
         def note():
             timeline.append((self.now, active, len(sched.running)))
@@ -492,7 +499,9 @@ class Simulator:
                 if why is not None:
                     rejected.append((t, why))
                     continue
-                tokens = SimPrompt(len(reqs), t.prompt_tokens, t.prefix_id, t.prefix_tokens) \
+                # a trace's prefix ids may be any integers; the token ids need small ones
+                prefix = None if t.prefix_id is None else prefixes.setdefault(t.prefix_id, len(prefixes))
+                tokens = SimPrompt(len(reqs), t.prompt_tokens, prefix, t.prefix_tokens) \
                     if self.prefix_caching else range(t.prompt_tokens)
                 req = Request(str(len(reqs)), tokens,
                               SamplingParams(max_tokens=t.output_tokens, ignore_eos=True), t.arrival_time, seed=0)
@@ -544,7 +553,7 @@ class Simulator:
                             "output_tokens": t.output_tokens, "rejected": why})
         metrics = self._metrics(reqs, kinds, rejected, start, end)
         metrics.update(stop_reason=stop_reason, steps=self.steps, simulated_s=end - start, wall_s=wall, cpu_s=cpu,
-                       kv_pages_per_rank=self.num_pages)
+                       kv_pages_per_rank=self.num_pages, not_arrived=len(pending))
         return SimResult(metrics, records, timeline)
 
     def _record(self, r: Request, kind: str, step: int | None) -> dict[str, Any]:

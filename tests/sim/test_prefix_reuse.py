@@ -32,6 +32,18 @@ def test_shared_prefix_is_reused_and_cuts_ttft(tmp_path):
     assert simulator.load_trace(str(path)) == sorted(_trace(), key=lambda r: r.arrival_time)
 
 
+@pytest.mark.parametrize("prefix_id", [123_456_789, 2**62, -5])
+def test_any_integer_prefix_id_is_reused_as_a_small_one(prefix_id):
+    """A trace's prefix ids are any integers: 123456789 overflowed the 64-bit token ids the prefix hashing reads
+    (OverflowError). Each prefix id now stands for its index among the trace's prefixes."""
+    small = simulator.simulate(SimConfig(), _trace())
+    trace = [r if r.prefix_id is None else TraceRequest(r.arrival_time, r.prompt_tokens, r.output_tokens, prefix_id,
+                                                        r.prefix_tokens) for r in _trace()]
+    big = simulator.simulate(SimConfig(), trace)
+    assert [r["cached_tokens"] for r in big.requests] == [r["cached_tokens"] for r in small.requests]
+    assert sum(r["cached_tokens"] for r in big.requests) == 8 * 200_000
+
+
 def test_sim_prompt_tokens_and_trace_validation():
     a, b, c = SimPrompt(0, 10, 3, 6), SimPrompt(1, 8, 3, 6), SimPrompt(2, 8)
     assert a[:6] == b[:6] and a[6] != b[6] and len(set(a[:] + b[6:] + c[:])) == 10 + 2 + 8

@@ -216,6 +216,37 @@ def test_horizon_reports_unfinished_with_ttft_lower_bound():
     assert m["long"]["ttft_p50"] == pytest.approx(m["simulated_s"]) and m["simulated_s"] >= 1.0
 
 
+def test_horizon_counts_from_the_first_arrival():
+    """max_simulated_s is simulated seconds from the first arrival (the clock starts there): a trace starting at
+    t = 100 with a horizon of 50 was cut before its first step (TTFT 0 reported, its second request missing).
+    Shifted by 100 s, the same trace gives the same metrics; a request arriving after the horizon is counted."""
+    cfg = SimConfig(target_batch_time_ms=None, chunk_size=1024, max_num_batched_tokens=1024, max_simulated_s=1.0)
+
+    def run(t0):
+        trace = [TraceRequest(t0, 200_000, 4), TraceRequest(t0 + 0.5, 300, 4), TraceRequest(t0 + 5.0, 300, 4)]
+        return simulator.simulate(cfg, trace).metrics
+
+    late, early = run(100.0), run(0.0)
+    assert late["stop_reason"] == "horizon" and late["steps"] > 0 and late["not_arrived"] == 1
+    keys = ("steps", "completed", "unfinished", "not_arrived", "simulated_s")
+    assert {k: late[k] for k in keys} == pytest.approx({k: early[k] for k in keys})
+    assert late["long"]["ttft_p50"] == pytest.approx(early["long"]["ttft_p50"]) and late["long"]["ttft_p50"] > 0.9
+
+
+@pytest.mark.parametrize("field", ["qps", "duration_s"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0])
+def test_workload_rates_and_durations_are_finite(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a finite number > 0"):
+        simulator.Workload(**{field: value})  # an infinite one made the synthetic mix loop for ever
+
+
+def test_trace_times_and_lengths_are_no_booleans():
+    with pytest.raises(ValueError, match="arrival_time"):
+        TraceRequest(True, 5, 5)
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        TraceRequest(0.0, 5, 5, 3, True)
+
+
 def _mixed_trace():
     """A 256K-token prompt at t = 0, then 24 short requests (1000-token prompts) every 0.25 s."""
     return [TraceRequest(0.0, 256 * 1024, 8)] + [TraceRequest(0.5 + 0.25 * i, 1000, 16) for i in range(24)]
