@@ -116,6 +116,11 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
         check_attention_impl(self.attention)
+        if not self.uses_predictor:  # nothing would read them: refused rather than ignored
+            for name in ("hardware", "predictor_profile", "save_predictor_profile"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is set, but no runtime predictor is built: it serves "
+                                     f"target_batch_time_ms and ttft_slo_prefill_factor, and both are off")
         if self.kv_memory_fraction is not None:
             if self.num_pages is not None:
                 raise ValueError("give num_pages or kv_memory_fraction, not both")
@@ -181,10 +186,11 @@ class LLMEngine:
             and jax.process_count() == 1
         self._launched: _Launch | None = None  # async scheduling: the step launched and not yet collected
         self._last_wait_end = 0.0  # when the last collect's wait ended
-        if config.precompile:
-            self.precompile()
+        # before the precompile (minutes on a GPU): a bad profile or hardware is refused first
         self.predictor = self._make_predictor(config, self.model_config, runs=loaded.spec.attention) \
             if config.uses_predictor else None
+        if config.precompile:
+            self.precompile()
         self.scheduler = Scheduler(config, self.kv, self.predictor, clock=clock,
                                    eos_token_ids=self.model_config.eos_token_ids, spp=config.spp,
                                    max_model_len=self.max_model_len)
@@ -242,14 +248,19 @@ class LLMEngine:
         resolves to for `mc`), costed whatever the preset's profile says."""
         config = with_dtype(config)
         hardware = config.hardware or detect_hardware()
+        profile = config.predictor_profile or default_profile(hardware)
         pages_per_seq = _pages_per_seq(config, config.max_model_len or mc.max_position_embeddings)
         runs = engine_attention(config, mc) if runs is None else runs
         # the executor runs every micro-batch at the pipeline register's size when spp > 1
-        return make_predictor(config, mc, hardware=hardware, dtype_bytes=jnp.dtype(config.dtype).itemsize,
-                              profile=config.predictor_profile or default_profile(hardware),
-                              pipeline_padding=config.spp > 1,
-                              block_tokens=min(config.block_pages, pages_per_seq) * config.page_size,
-                              attention=runs if runs in (PALLAS, MOSAIC, REFERENCE) else None)
+        try:
+            return make_predictor(config, mc, hardware=hardware, dtype_bytes=jnp.dtype(config.dtype).itemsize,
+                                  profile=profile, pipeline_padding=config.spp > 1,
+                                  block_tokens=min(config.block_pages, pages_per_seq) * config.page_size,
+                                  attention=runs if runs in (PALLAS, MOSAIC, REFERENCE) else None)
+        except (OSError, ValueError) as e:  # the profile cannot be read, or is not for this hardware
+            if profile is None:
+                raise
+            raise ValueError(f"predictor_profile {profile!r} (hardware {hardware}): {e}") from None
 
     # ---------------------------------------------------------------- requests in
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:

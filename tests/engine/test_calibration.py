@@ -139,7 +139,7 @@ def test_predictor_costs_the_attention_block_the_kernel_runs_with_a_kvp_split():
     from models.config import preset
 
     config = EngineConfig(model="tiny", kvp=2, max_tokens_per_kvp_rank=64, page_size=16, block_pages=8,
-                          max_model_len=256, hardware="cpu", attention="reference")
+                          max_model_len=256, hardware="cpu", attention="reference", target_batch_time_ms=5.0)
     assert LLMEngine._make_predictor(config, preset("tiny")).profile.block_tokens == 64
     whole = dataclasses.replace(config, kvp=1, max_tokens_per_kvp_rank=None)
     assert LLMEngine._make_predictor(whole, preset("tiny")).profile.block_tokens == 128
