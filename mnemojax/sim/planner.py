@@ -450,7 +450,7 @@ def candidates(setup: Setup) -> list[Candidate]:
         for spp in spps:
             for kvp in kvps:
                 per_replica = tp * spp * kvp
-                most = cl.num_gpus // per_replica
+                most = replicas_that_fit(per_replica, cl)
                 if sp.replicas == "max":
                     reps = [max(most, 1)]
                 elif sp.replicas == "all":
@@ -509,6 +509,16 @@ def predictor(c: Candidate, setup: Setup, sim: SimConfig) -> Predictor:
                           block_tokens=min(8, -(-setup.max_model_len // page)) * page)
 
 
+def replicas_that_fit(per_replica: int, cl: Cluster) -> int:
+    """How many replicas of `per_replica` devices the cluster's hosts hold: a replica within a host takes its share
+    of one host (several share a host, none spans two); a larger one takes whole hosts (its processes each use all
+    their host's devices)."""
+    hosts, rest = divmod(cl.num_gpus, cl.gpus_per_host)
+    if per_replica <= cl.gpus_per_host:
+        return hosts * (cl.gpus_per_host // per_replica) + rest // per_replica
+    return hosts // -(-per_replica // cl.gpus_per_host)
+
+
 def infeasibility(c: Candidate, setup: Setup) -> str | None:
     """Why `c` cannot serve the workload, or None."""
     cl, mc = setup.config.cluster, setup.model
@@ -522,6 +532,11 @@ def infeasibility(c: Candidate, setup: Setup) -> str | None:
     if c.gpus > cl.num_gpus:
         return (f"needs {c.gpus} devices (tp x spp x kvp = {c.gpus_per_replica}, x {c.replicas} replicas); the "
                 f"cluster has {cl.num_gpus}")
+    fit = replicas_that_fit(c.gpus_per_replica, cl)
+    if c.replicas > fit:
+        return (f"{c.replicas} replicas of {c.gpus_per_replica} devices do not fit on hosts of {cl.gpus_per_host} "
+                f"({cl.num_gpus} devices): at most {fit} (a replica larger than a host takes whole hosts, each "
+                f"process all its host's devices; smaller ones share a host without splitting)")
     try:
         sim = sim_config(c, setup)
         pages = kv_pages_per_rank(sim, mc)

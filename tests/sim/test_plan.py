@@ -98,6 +98,30 @@ def test_tiny_model_rules_and_replicas():
     assert {c.max_tokens_per_kvp_rank for c in ok if c.kvp == 2} == {-(-3008 // 32) * 16}
 
 
+@pytest.mark.parametrize("num_gpus, per_host, per_replica, fit", [
+    (24, 8, 12, 1),  # a replica of 12 takes 2 whole hosts of 8: one fits on 3 hosts (it planned 2)
+    (24, 8, 3, 6),   # 2 of 3 devices per host, never one across two hosts (it planned 8)
+    (16, 8, 3, 4),   # the review's x5 on 2 hosts
+    (24, 8, 8, 3), (24, 8, 16, 1), (20, 8, 4, 5),  # a partial host of 4 holds one more
+])
+def test_replicas_fit_on_whole_hosts(num_gpus, per_host, per_replica, fit):
+    cl = Cluster(hardware="h100", num_gpus=num_gpus, gpus_per_host=per_host)
+    assert planner.replicas_that_fit(per_replica, cl) == fit
+
+
+def test_replicas_that_do_not_fit_the_hosts_are_infeasible():
+    cfg = PlanConfig(model="llama3-8b", cluster=Cluster(hardware="h100", num_gpus=24, gpus_per_host=8),
+                     space=SearchSpace(tp="4", spp="3", kvp="1", replicas="1,2", target_batch_time_ms="30"),
+                     workers=1, progress=False, capacity_scales="")
+    setup = planner.resolve(cfg, [TraceRequest(0.0, 1000, 4)])
+    reasons = {c.replicas: planner.infeasibility(c, setup) for c in planner.candidates(setup)}
+    assert reasons[1] is None
+    assert "2 replicas of 12 devices do not fit on hosts of 8 (24 devices): at most 1" in reasons[2]
+    maxed = planner.resolve(dataclasses.replace(cfg, space=dataclasses.replace(cfg.space, replicas="max")),
+                            [TraceRequest(0.0, 1000, 4)])
+    assert {c.replicas for c in planner.candidates(maxed)} == {1}
+
+
 # ------------------------------------------------------------------------------------------------ the search
 @pytest.fixture(scope="module")
 def searched():
