@@ -89,6 +89,7 @@ def test_a_name_in_two_configs_is_refused():
     (["mnemojax.serve", "/path/to/model"], "unexpected arguments: ['/path/to/model']"),  # vLLM's `serve MODEL`
     (["mnemojax.serve", "--port=70000"], "port must be in 0..65535, got 70000"),
     (["mnemojax.serve", "--page_size=0"], "page_size must be a positive integer, got 0"),
+    (["mnemojax.serve", "--shutdown_grace_s=nan"], "shutdown_grace_s must be >= 0, got nan"),
     (["mnemojax.serve", "--model=/nonexistent"], "'/nonexistent' is neither a preset"),  # found while loading
     (["mnemojax.engine", "--max_num_seqs=0"], "max_num_seqs"),
     (["mnemojax.engine", "--noprecompile", "--max_tokens=9000"], "max_tokens (9000) = 9017 exceeds max_model_len"),

@@ -53,7 +53,7 @@ class ServerConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids", "shutdown_grace_s"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:  # nan too: it compared as neither
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port!r}")
