@@ -229,6 +229,7 @@ class OpenAIServing:
         tok = self.tokenizer
         self.token_bytes = None if tok is None else token_bytes_fn(tok)
         self.special_ids = frozenset() if tok is None else special_ids(tok)
+        self.byte_level = tok is not None and is_byte_level(tok)
 
     def text_offsets(self, params: SamplingParams, context: Sequence[int] = ()) -> TextOffsets:
         """A fresh `TextOffsets` for text decoded as `params` asks (special tokens skipped or written), after the
@@ -453,11 +454,15 @@ class OpenAIServing:
 
     def token_text(self, tid: int) -> str:
         """A token as logprobs show it: its text; a token that is not whole UTF-8 by itself is written as its bytes,
-        `bytes:\\xNN` (OpenAI's convention), so distinct tokens stay distinct keys."""
+        `bytes:\\xNN` (OpenAI's convention), so distinct tokens stay distinct keys. A SentencePiece-style token is
+        its piece's text with its space (" hello", as in the output text; decoded alone it would lose it)."""
         tok = self.tokenizer
         if tok is None:
             return f"token_id:{tid}"
-        text = tok.decode([tid], skip_special_tokens=False)
+        if self.byte_level:
+            text = tok.decode([tid], skip_special_tokens=False)
+        else:
+            text = self.token_bytes(tid).decode("utf-8", errors="replace")
         if "\ufffd" not in text:
             return text
         if isinstance(tok, ByteTokenizer):

@@ -176,7 +176,7 @@ def test_sentencepiece_completion_continues_the_prompt_with_its_offsets():
     """A SentencePiece tokenizer (Llama-2's decoder drops the space that starts what it decodes): the completion's
     text keeps its words' spaces and its first one (it continues the prompt, as vLLM's does), echo joins prompt
     and completion with that space, and each token's text_offset is where its piece (U+2581 a space) starts, in
-    the whole response and in the stream."""
+    the whole response and in the stream; log-prob token strings are those pieces."""
     tok = make_sp_tokenizer()
     pieces = ["\u2581hello", "\u2581world", ".", "\u2581a", "b", "\u2581\u2581", "\u00e9"]
     out = [tok.convert_tokens_to_ids(p) for p in pieces]
@@ -186,9 +186,10 @@ def test_sentencepiece_completion_continues_the_prompt_with_its_offsets():
     with TestClient(build_app(engine, served_model_name="m")) as client:
         a = tok.convert_tokens_to_ids("\u2581a")
         body = {"model": "m", "prompt": [a, a], "max_tokens": len(out), "logprobs": 0}
-        text, _, offsets, streamed = _offsets(client, body)
+        text, tokens, offsets, streamed = _offsets(client, body)
         assert text == "".join(words) == " hello world. ab  é"
         assert offsets == streamed == starts
+        assert tokens == words  # each with its space, as the text has it ("hello" when decoded alone)
         c = client.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]
         assert c["text"] == "a a hello world. ab  é"  # the prompt's first space is dropped, as HF decodes it
         assert c["logprobs"]["text_offset"] == [0, 1] + [len("a a") + s for s in starts]
