@@ -356,7 +356,7 @@ class Setup:
     profile: str | None
     trace: tuple[TraceRequest, ...]
     window_s: float  # arrival window: goodput's denominator
-    horizon_s: float  # absolute simulated time at which simulations stop
+    horizon_s: float  # simulated seconds from the first arrival at which simulations stop
     longest: int  # prompt + output tokens of the longest request
     max_model_len: int  # the longest request's tokens (prompt and output)
     deadline_min_s: float  # the scheduler's TTFT deadlines (ttft_slo_min_s, ttft_slo_per_token_s)
@@ -1035,8 +1035,9 @@ def serve_command(outcome: Outcome, setup: Setup) -> ServeCommand:
     pages fill `memory_utilization` of it, activations the rest."""
     c, cfg = outcome.candidate, setup.config
     sp, cl = cfg.space, cfg.cluster
+    predicts = c.target_batch_time_ms is not None  # else the server builds no predictor, and refuses its flags
     flags: dict[str, Any] = {
-        "model": cfg.model, "dtype": cfg.dtype, "hardware": cl.hardware,
+        "model": cfg.model, "dtype": cfg.dtype, "hardware": cl.hardware if predicts else None,
         "tp": c.tp, "spp": c.spp, "kvp": c.kvp, "max_tokens_per_kvp_rank": c.max_tokens_per_kvp_rank,
         "max_model_len": setup.max_model_len, "page_size": sp.page_size,
         "num_pages": outcome.metrics["kv_pages_per_rank"], "chunk_size": c.chunk_size,
@@ -1045,7 +1046,8 @@ def serve_command(outcome: Outcome, setup: Setup) -> ServeCommand:
         # the server's default target is 50 ms: a candidate without one says so
         "target_batch_time_ms": "none" if c.target_batch_time_ms is None else c.target_batch_time_ms,
         "ppb_max_share": sp.ppb_max_share, "ttft_slo_min_s": setup.deadline_min_s,
-        "ttft_slo_per_token_s": setup.deadline_per_token_s, "predictor_profile": cfg.predictor_profile,
+        "ttft_slo_per_token_s": setup.deadline_per_token_s,
+        "predictor_profile": cfg.predictor_profile if predicts else None,
     }
     argv = tuple(f"--{k}={v!r}" if isinstance(v, float) else f"--{k}={v}"
                  for k, v in flags.items() if v is not None)

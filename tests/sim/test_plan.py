@@ -222,6 +222,19 @@ def test_serve_command_parses_with_the_servers_flags(searched):
         assert "python -m mnemojax.serve" in cmd.shell()
 
 
+def test_a_candidate_without_a_target_serves_without_predictor_flags():
+    """Fixed chunks (target none): the server builds no predictor and refuses --hardware / --predictor_profile,
+    so the command leaves them out (it wrote them, and the server then refused to start)."""
+    from mnemojax.cli import from_flags
+    from mnemojax.engine.llm_engine import EngineConfig
+
+    setup = planner.resolve(tiny_config(tp="1", kvp="1", target_batch_time_ms="none", replicas="1"), tiny_trace())
+    [c] = planner.candidates(setup)
+    cmd = planner.serve_command(planner.simulate(c, setup), setup)
+    engine = from_flags(EngineConfig, _serve_flags(cmd.argv))  # its checks pass
+    assert engine.target_batch_time_ms is None and engine.hardware is None and engine.predictor_profile is None
+
+
 def test_multi_host_and_gpu_commands_parse():
     trace = [TraceRequest(0.0, 200_000, 4), TraceRequest(0.5, 1000, 4)]
     cfg = PlanConfig(model="llama3-8b", cluster=Cluster(num_gpus=16), space=SearchSpace(
