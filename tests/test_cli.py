@@ -95,7 +95,7 @@ def test_a_name_in_two_configs_is_refused():
     (["mnemojax.engine", "--noprecompile", "--max_tokens=9000"], "max_tokens (9000) = 9017 exceeds max_model_len"),
     (["mnemojax.engine", "--predictor_profile=/nonexistent.json"], "predictor_profile is set, but no runtime predictor"),
     (["mnemojax.serve", "--predictor_profile=/nonexistent.json"],  # refused before the precompile
-     "predictor_profile '/nonexistent.json' (hardware cpu): [Errno 2] No such file"),
+     "predictor_profile '/nonexistent.json': [Errno 2] No such file"),
     (["mnemojax.serve", "--coordinator_address=localhost", "--num_processes=2", "--process_id=1"],
      "coordinator_address must be host:port with a port in 1..65535, got 'localhost'"),
     (["mnemojax.serve", "--coordinator_address=localhost:99999", "--num_processes=2", "--process_id=1"],

@@ -214,8 +214,8 @@ class AsyncLLM:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
-        params = params or self.engine.default_sampling_params()
-        stream = _Stream(params.output_kind is RequestOutputKind.DELTA)
+        # None: the engine's defaults for this prompt (`LLMEngine.default_sampling_params`), CUMULATIVE outputs
+        stream = _Stream(params is not None and params.output_kind is RequestOutputKind.DELTA)
         self._streams[rid] = (asyncio.get_running_loop(), stream)
         try:
             self._queue((_ADD, rid, prompt, params, prompt_token_ids))

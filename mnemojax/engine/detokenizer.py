@@ -78,12 +78,14 @@ class Detokenizer:
         self._ids: list[int] = []
         # A byte-level tokenizer decodes a window alone; any other decodes it after the window before it, whose
         # text it then leaves out: ids[_prefix:_start] is that context (the prompt's last tokens at first, unless
-        # they end inside a character), ids[_start:] the undecoded window (it starts at a character boundary).
+        # they end inside a character: without those last tokens), ids[_start:] the undecoded window (it starts
+        # at a character boundary).
         self._in_context = not is_byte_level(tokenizer)
         if self._in_context:
             context = [int(t) for t in prompt_ids[-_PROMPT_CONTEXT:]]
-            if not self._decode(context).endswith(_REPLACEMENT):
-                self._ids = context
+            while context and self._decode(context).endswith(_REPLACEMENT):
+                context.pop()
+            self._ids = context
         self._prefix = 0
         self._start = len(self._ids)
         self.text = ""  # the text of the output's tokens in ids[:_start]

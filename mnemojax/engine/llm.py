@@ -48,10 +48,9 @@ class LLM:
                 isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # one prompt (token ids: Python or numpy integers, or a 1-D array)
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        params = list(sampling_params) if isinstance(sampling_params, Sequence) else \
-            [sampling_params] * len(prompts)
+        default = sampling_params is None  # then each prompt's own (`LLMEngine.default_sampling_params`)
+        params = [None] * len(prompts) if default else list(sampling_params) \
+            if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         engine = self.engine
@@ -59,6 +58,8 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 token_ids.append(engine.tokenize(prompt))
+                if default:
+                    p = params[i] = engine.default_sampling_params(len(token_ids[-1]))
                 engine.validate(token_ids[-1], p)
             except ValueError as e:
                 raise ParamError(getattr(e, "param", None), f"prompts[{i}]: {e}") from None

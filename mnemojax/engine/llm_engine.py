@@ -25,7 +25,7 @@ from mnemojax.scheduling.request import Request
 from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
 from mnemojax.scheduling.config import ParallelConfig, SchedulerConfig
 from mnemojax.scheduling.calibration import Calibrator
-from mnemojax.scheduling.predictor import HARDWARE, default_profile, make_predictor
+from mnemojax.scheduling.predictor import HARDWARE, Predictor, default_profile, make_predictor
 from mnemojax.scheduling.scheduler import Scheduler, StepPlan
 from models.config import PRESETS, LlamaConfig, generation_defaults
 from models.kernels import ATTENTION_IMPLS, AUTO, MOSAIC, PALLAS, REFERENCE, check_attention_impl
@@ -54,9 +54,10 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
     """Model: a preset (tiny, llama3-8b, llama3-70b, llama3.2-1b, llama3.2-3b), a Hugging Face Llama directory, or
     an Orbax checkpoint directory written by scripts/convert_checkpoint.py."""
     dtype: str = dataclasses.field(default=AUTO, metadata={"choices": (AUTO, *DTYPES)})
-    """Parameters, activations and KV cache: auto (vLLM's and transformers 5's default) computes in the dtype the
-    checkpoint's weights are stored in (bfloat16 for Llama 3's; float32 where they differ, for float16 ones, which
-    float32 holds exactly, and for presets); the engine's config holds the resolved name."""
+    """Parameters, activations and KV cache: auto (the default, as in vLLM and transformers 5) computes in the
+    dtype the checkpoint's weights are stored in (bfloat16 for Llama 3's; float32 for float32 ones, for float16
+    ones, which float32 holds exactly, where they differ, and for presets); the engine's config holds the resolved
+    name."""
     max_model_len: int | None = None
     """Longest prompt + output of one request (default: min(the model's limit, 8192))."""
     page_size: int = 16
@@ -163,6 +164,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, channel=None,
                  clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
+        self.default_sampling = self._generation_defaults(config)  # before loading: a bad one is refused at once
         loaded = loaded if loaded is not None else load(config)
         if config.dtype == AUTO:
             config = dataclasses.replace(config, dtype=loaded.spec.dtype)
@@ -171,7 +173,6 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.mesh = loaded.mesh
         self.tokenizer = loaded.tokenizer
-        self.default_sampling = self._generation_defaults(config)
         pages_per_seq = _pages_per_seq(config, self.max_model_len)
         self.kv = KVCacheManager(config.kvp, loaded.num_pages, config.page_size, config.max_tokens_per_kvp_rank,
                                  prefix_caching=config.enable_prefix_caching)
@@ -221,8 +222,8 @@ class LLMEngine:
     def _generation_defaults(config: EngineConfig) -> dict:
         """`SamplingParams` fields the model's generation_config.json sets (`EngineConfig.generation_config`)."""
         source = config.generation_config
-        if source == "vllm" or (source == "auto" and config.model in PRESETS):
-            return {}
+        if source == "vllm" or (source == "auto" and (config.model in PRESETS or not os.path.isdir(config.model))):
+            return {}  # a preset (or no such directory, which loading names)
         path = config.model if source == "auto" else source
         if not os.path.isdir(path):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding a "
@@ -230,17 +231,23 @@ class LLMEngine:
         defaults = generation_defaults(path)
         try:
             SamplingParams(**defaults)
-        except ValueError as e:
-            raise ValueError(f"{os.path.join(path, 'generation_config.json')}: {e}") from None
+        except ParamError as e:  # named as the file spells it
+            key = "max_new_tokens: " if e.param == "max_tokens" else ""
+            raise ValueError(f"{os.path.join(path, 'generation_config.json')}: {key}{e}") from None
         if defaults:
             logger.warning("requests' sampling defaults from %s: %s (generation_config='vllm' ignores them)",
                            os.path.join(path, "generation_config.json"), defaults)
         return defaults
 
-    def default_sampling_params(self) -> SamplingParams:
+    def default_sampling_params(self, num_prompt_tokens: int | None = None) -> SamplingParams:
         """The sampling parameters of a request that gives none: the model's generation defaults
-        (`generation_config`) over `SamplingParams()`'s."""
-        return SamplingParams(**self.default_sampling)
+        (`generation_config`) over `SamplingParams()`'s; for a prompt of `num_prompt_tokens`, the model's
+        max_new_tokens capped at the room the prompt leaves (the user asked for none: as the server's cap)."""
+        defaults = dict(self.default_sampling)
+        if "max_tokens" in defaults and num_prompt_tokens is not None:
+            room = min(self.max_model_len, self.kv.max_request_tokens()) - num_prompt_tokens
+            defaults["max_tokens"] = max(min(defaults["max_tokens"], room), 1)
+        return SamplingParams(**defaults)
 
     @staticmethod
     def _make_predictor(config: EngineConfig, mc: LlamaConfig, runs: str | None = None):
@@ -252,15 +259,15 @@ class LLMEngine:
         pages_per_seq = _pages_per_seq(config, config.max_model_len or mc.max_position_embeddings)
         runs = engine_attention(config, mc) if runs is None else runs
         # the executor runs every micro-batch at the pipeline register's size when spp > 1
-        try:
-            return make_predictor(config, mc, hardware=hardware, dtype_bytes=jnp.dtype(config.dtype).itemsize,
-                                  profile=profile, pipeline_padding=config.spp > 1,
-                                  block_tokens=min(config.block_pages, pages_per_seq) * config.page_size,
-                                  attention=runs if runs in (PALLAS, MOSAIC, REFERENCE) else None)
-        except (OSError, ValueError) as e:  # the profile cannot be read, or is not for this hardware
-            if profile is None:
-                raise
-            raise ValueError(f"predictor_profile {profile!r} (hardware {hardware}): {e}") from None
+        if profile is not None:
+            try:  # read once here to name the flag; an unreadable or malformed profile says so
+                profile = Predictor.load_profile(profile)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"predictor_profile {profile!r}: {e}") from None
+        return make_predictor(config, mc, hardware=hardware, dtype_bytes=jnp.dtype(config.dtype).itemsize,
+                              profile=profile, pipeline_padding=config.spp > 1,
+                              block_tokens=min(config.block_pages, pages_per_seq) * config.page_size,
+                              attention=runs if runs in (PALLAS, MOSAIC, REFERENCE) else None)
 
     # ---------------------------------------------------------------- requests in
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -312,9 +319,9 @@ class LLMEngine:
         """Queues a request; `prompt_token_ids`, when given, are `prompt` already tokenized. `arrival_time` (on the
         engine's clock, at most now; default now), as vLLM's: when the request arrived, which its TTFT and its ILRS
         deadline count from (a server or a trace replay that hands requests over late)."""
-        params = params or self.default_sampling_params()
         prompt_ids = self.tokenize(prompt) if prompt_token_ids is None else \
             self._token_ids(prompt_token_ids, "prompt_token_ids")
+        params = params or self.default_sampling_params(len(prompt_ids))
         self.validate(prompt_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:

@@ -203,5 +203,8 @@ def test_sentencepiece_stray_byte_is_one_replacement_character():
     d, _, stables = _run(tok, ids, [1, tok.convert_tokens_to_ids("\u2581a")])
     assert d.text == "hello✓\ufffd" and "hello✓" in stables
     assert tok.decode(ids) == "hello" + "\ufffd" * 4
+    # a prompt that ends inside a character: its words before still give the output's first word its space
+    d, _, _ = _run(tok, [tok.convert_tokens_to_ids("\u2581world")], [1, tok.convert_tokens_to_ids("\u2581a"), 3 + 0xE2])
+    assert d.text == " world"
     d, _, _ = _run(tok, ids[:-1] + [3 + 0xC3])  # it ends inside a character ("é" is C3 A9)
     assert d.text == "hello✓\ufffd"

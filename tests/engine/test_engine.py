@@ -194,7 +194,7 @@ def test_eos_stops_unless_ignored(ckpt, tmp_path):
     assert out.token_ids == toks and out.finish_reason == "length"
 
 
-def test_generation_config_gives_the_default_sampling_params(ckpt, tmp_path):
+def test_generation_config_gives_the_default_sampling_params(ckpt, tmp_path, monkeypatch):
     """vLLM's --generation-config auto: a request given no sampling parameters samples as the model's
     generation_config.json says (here greedily, 5 tokens); `vllm` ignores the file; what it sets that mnemojax
     cannot do (repetition_penalty) is refused, naming it."""
@@ -214,6 +214,11 @@ def test_generation_config_gives_the_default_sampling_params(ckpt, tmp_path):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts)]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0))]
     assert got == want and all(len(t) == 5 or t[-1] == EOS_ID for t in got)
+    # max_new_tokens is capped at the room a prompt leaves (the user asked for no number): 64 - 62 = 2 tokens
+    long = _prompts((62,), seed=4)[0]
+    assert llm.engine.default_sampling_params(len(long)).max_tokens == 2
+    out = llm.generate([long])[0].outputs[0]
+    assert len(out.token_ids) == 2 or out.token_ids[-1] == EOS_ID
     assert LLMEngine._generation_defaults(EngineConfig(model=str(path), generation_config="vllm")) == {}
     assert LLMEngine._generation_defaults(EngineConfig(model="tiny", generation_config=str(path)))["max_tokens"] == 5
     (path / "generation_config.json").write_text(json.dumps(dict(gen, repetition_penalty=1.2)))
@@ -222,8 +227,13 @@ def test_generation_config_gives_the_default_sampling_params(ckpt, tmp_path):
     (path / "generation_config.json").write_text(json.dumps(dict(gen, temperature=-1)))
     with pytest.raises(ValueError, match=r"generation_config.json: temperature must be"):
         LLMEngine._generation_defaults(EngineConfig(model=str(path)))
+    (path / "generation_config.json").write_text(json.dumps(dict(gen, max_new_tokens=0)))
+    with pytest.raises(ValueError, match=r"generation_config.json: max_new_tokens: "):  # the file's key
+        LLMEngine._generation_defaults(EngineConfig(model=str(path)))
+    # refused before the weights load (minutes for a large model)
+    monkeypatch.setattr("mnemojax.engine.llm_engine.load", lambda config: pytest.fail("loaded first"))
     with pytest.raises(ValueError, match=r"generation_config must be 'auto', 'vllm' or a directory"):
-        LLMEngine._generation_defaults(EngineConfig(model=str(path), generation_config="nowhere"))
+        LLMEngine(EngineConfig(model=str(path), generation_config="nowhere"))
 
 
 @pytest.mark.parametrize("prompt,params,match", [
