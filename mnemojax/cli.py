@@ -180,11 +180,11 @@ def output_path(field: str, path: str | None, *, directory: bool = False) -> Non
     created here if missing) must lie in a writable directory. Raises ValueError naming the flag."""
     if not path:
         return
-    where = path if directory else (os.path.dirname(os.path.abspath(path)))
-    try:
-        if directory:
+    where = path if directory else os.path.dirname(os.path.abspath(path))
+    if directory:
+        try:
             os.makedirs(where, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"{field}: cannot create {path!r} ({e.strerror})") from None
+        except OSError as e:
+            raise ValueError(f"{field}: cannot create {path!r} ({e.strerror})") from None
     if not os.path.isdir(where) or not os.access(where, os.W_OK):
         raise ValueError(f"{field}: {where!r} is not a writable directory")

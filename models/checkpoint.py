@@ -202,15 +202,12 @@ class _SafetensorsFile:
         return self._mmap[t.begin:t.end].view(SAFETENSORS_DTYPES[t.dtype]).reshape(t.shape)
 
 
-_STORED_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
 def stored_dtype(path: str | os.PathLike) -> str:
     """The dtype name ("float32", "bfloat16" or "float16") every weight of the checkpoint at `path` is stored in;
     float32 when they differ (or one is of another type, which loading refuses)."""
     reader = SafetensorsReader(path)
-    found = {_STORED_NAMES.get(reader.dtype(name), "float32") for name in reader.names()
-             if not SKIPPED_TENSORS.fullmatch(name)}
+    found = {SAFETENSORS_DTYPES[d].name if (d := reader.dtype(name)) in FLOAT_DTYPES else "float32"
+             for name in reader.names() if not SKIPPED_TENSORS.fullmatch(name)}
     return found.pop() if len(found) == 1 else "float32"
 
 

@@ -170,9 +170,8 @@ class AsyncLLM:
 
     @property
     def max_request_tokens(self) -> int:
-        """The most tokens (prompt + max_tokens) one request can hold: `max_model_len`, or fewer when the KV pages
-        (a request's rank, or kvp x max_tokens_per_kvp_rank) hold fewer."""
-        return min(self.max_model_len, self.engine.kv.max_request_tokens())
+        """`LLMEngine.max_request_tokens`."""
+        return self.engine.max_request_tokens
 
     @property
     def is_alive(self) -> bool:

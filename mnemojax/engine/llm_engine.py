@@ -245,9 +245,15 @@ class LLMEngine:
         max_new_tokens capped at the room the prompt leaves (the user asked for none: as the server's cap)."""
         defaults = dict(self.default_sampling)
         if "max_tokens" in defaults and num_prompt_tokens is not None:
-            room = min(self.max_model_len, self.kv.max_request_tokens()) - num_prompt_tokens
+            room = self.max_request_tokens - num_prompt_tokens
             defaults["max_tokens"] = max(min(defaults["max_tokens"], room), 1)
         return SamplingParams(**defaults)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + max_tokens) one request can hold: `max_model_len`, or fewer when the KV pages
+        (a request's rank, or kvp x max_tokens_per_kvp_rank) hold fewer."""
+        return min(self.max_model_len, self.kv.max_request_tokens())
 
     @staticmethod
     def _make_predictor(config: EngineConfig, mc: LlamaConfig, runs: str | None = None):
@@ -258,12 +264,12 @@ class LLMEngine:
         profile = config.predictor_profile or default_profile(hardware)
         pages_per_seq = _pages_per_seq(config, config.max_model_len or mc.max_position_embeddings)
         runs = engine_attention(config, mc) if runs is None else runs
-        # the executor runs every micro-batch at the pipeline register's size when spp > 1
         if profile is not None:
             try:  # read once here to name the flag; an unreadable or malformed profile says so
                 profile = Predictor.load_profile(profile)
             except (OSError, ValueError) as e:
                 raise ValueError(f"predictor_profile {profile!r}: {e}") from None
+        # the executor runs every micro-batch at the pipeline register's size when spp > 1
         return make_predictor(config, mc, hardware=hardware, dtype_bytes=jnp.dtype(config.dtype).itemsize,
                               profile=profile, pipeline_padding=config.spp > 1,
                               block_tokens=min(config.block_pages, pages_per_seq) * config.page_size,

@@ -13,6 +13,8 @@ about once a second so the followers' pending collective never waits indefinitel
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 
 import jax
@@ -35,9 +37,6 @@ def check_same_config(config) -> None:
     """Raises ValueError naming the fields (and each process's value) where this process's `EngineConfig` differs
     from another's: every process must build the same engine, and one started with another seed or KV split would
     compute other numbers without an error, or block in a collective. A collective: every process calls it."""
-    import dataclasses
-    import json
-
     mine = {k: v for k, v in dataclasses.asdict(config).items() if k not in _PER_PROCESS}
     text = np.frombuffer(json.dumps(mine, sort_keys=True, default=str).encode(), np.uint8)
     lengths = np.asarray(multihost_utils.process_allgather(np.array([len(text)], np.int32))).reshape(-1)

@@ -89,13 +89,13 @@ class TextOffsets:
     generated tokens), as the `Detokenizer` does: a token starts where the text stood before its window."""
 
     def __init__(self, tokenizer, token_bytes, skip_special_tokens: bool, special: frozenset[int],
-                 context: Sequence[int] = ()):
+                 byte_level: bool, context: Sequence[int] = ()):
         self._tokenizer, self._token_bytes = tokenizer, token_bytes
         self._skip, self._special = skip_special_tokens, special
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.chars = 0  # characters made whole so far
         self._windows = None  # the text as a context-dependent tokenizer's windows make it
-        if tokenizer is not None and not is_byte_level(tokenizer):
+        if tokenizer is not None and not byte_level:
             self._windows = Detokenizer(tokenizer, SamplingParams(skip_special_tokens=skip_special_tokens), context)
 
     def add(self, tid: int) -> int:
@@ -234,7 +234,8 @@ class OpenAIServing:
     def text_offsets(self, params: SamplingParams, context: Sequence[int] = ()) -> TextOffsets:
         """A fresh `TextOffsets` for text decoded as `params` asks (special tokens skipped or written), after the
         tokens `context` (a completion's prompt) for tokenizers whose text depends on it."""
-        return TextOffsets(self.tokenizer, self.token_bytes, params.skip_special_tokens, self.special_ids, context)
+        return TextOffsets(self.tokenizer, self.token_bytes, params.skip_special_tokens, self.special_ids,
+                           self.byte_level, context)
 
     # ------------------------------------------------------------ admission
     def check_model(self, model: str | None) -> None:

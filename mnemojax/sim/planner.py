@@ -1035,7 +1035,7 @@ def serve_command(outcome: Outcome, setup: Setup) -> ServeCommand:
     pages fill `memory_utilization` of it, activations the rest."""
     c, cfg = outcome.candidate, setup.config
     sp, cl = cfg.space, cfg.cluster
-    predicts = c.target_batch_time_ms is not None  # else the server builds no predictor, and refuses its flags
+    predicts = sim_config(c, setup).uses_predictor  # else the server builds no predictor, and refuses its flags
     flags: dict[str, Any] = {
         "model": cfg.model, "dtype": cfg.dtype, "hardware": cl.hardware if predicts else None,
         "tp": c.tp, "spp": c.spp, "kvp": c.kvp, "max_tokens_per_kvp_rank": c.max_tokens_per_kvp_rank,
