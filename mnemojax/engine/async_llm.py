@@ -28,6 +28,16 @@ logger = logging.getLogger(__name__)
 _ADD, _ABORT, _ABORT_ALL, _STOP, _RESET_CACHE = "add", "abort", "abort_all", "stop", "reset_prefix_cache"
 
 
+class EngineStepError(RuntimeError):
+    """A request was running in `failures` steps that failed (each failure is logged; the last is chained as
+    `__cause__`), so it was ended; the engine serves on."""
+
+    def __init__(self, request_id: str, failures: int):
+        super().__init__(f"request {request_id!r} was running in {failures} engine steps that failed, so it was "
+                         f"ended; the engine serves on (the server log has the failures)")
+        self.request_id, self.failures = request_id, failures
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped, failed (its failure is logged, and chained as `__cause__`) or shut down; no
     request can run."""
@@ -92,6 +102,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens of admitted requests that looked up the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
     step_time_prediction_error: float | None = None  # median |predicted / measured - 1| of recent steps
+    step_failures: int = 0  # steps that failed and were recovered from, since start
 
 
 class EngineClient(Protocol):
@@ -127,10 +138,21 @@ class AsyncLLM:
 
     `idle_tick`, when given, is called by the engine thread about every `idle_tick_s` seconds while it has no
     work (multi-host serving uses it to keep the other processes' collectives alive).
+
+    A step that fails (an exception) does not stop the engine: `LLMEngine` has preempted every running request by
+    recompute (exact), so they go on and their callers see nothing but the delay. A request that was running in
+    `step_failures_per_request` failed steps is ended with `EngineStepError` (it may be what makes them fail). A
+    failure the engine did not recover from stops it, and every caller gets `EngineDeadError`: one in the recovery
+    (a lost device fails its check there), one that is not an `Exception`, any in multi-host serving (the followers
+    cannot recover).
     """
 
     def __init__(self, model: str = "tiny", *, engine: LLMEngine | None = None,
-                 idle_tick: Callable[[], None] | None = None, idle_tick_s: float = 1.0, **kwargs):
+                 idle_tick: Callable[[], None] | None = None, idle_tick_s: float = 1.0,
+                 step_failures_per_request: int = 2, **kwargs):
+        if isinstance(step_failures_per_request, bool) or not isinstance(step_failures_per_request, int) \
+                or step_failures_per_request < 1:
+            raise ValueError(f"step_failures_per_request must be an integer >= 1, got {step_failures_per_request!r}")
         self.engine = engine if engine is not None else LLMEngine(EngineConfig(model=model, **kwargs))
         self._commands: queue.Queue = queue.Queue()
         # set (under the lock) when the engine thread ends: a command queued after that would wait for ever, so
@@ -144,6 +166,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._idle_tick, self._idle_tick_s = idle_tick, idle_tick_s
+        self._failures_per_request = step_failures_per_request
+        self._failures: dict[str, int] = {}  # failed steps each unfinished request was running in (engine thread)
+        self._step_failures = 0
         self._stats = EngineStats()
         self._publish()
         self.num_waiting = 0  # callers' requests with no output yet (touched by the callers' loop only)
@@ -304,15 +329,38 @@ class AsyncLLM:
                                   kv_pages_used=e.kv.num_used, kv_pages_total=e.kv.num_usable,
                                   preemptions=e.scheduler.num_preemptions, prefix_cache_queries=e.kv.prefix_queries,
                                   prefix_cache_hits=e.kv.prefix_hits,
-                                  step_time_prediction_error=e.prediction_error())
+                                  step_time_prediction_error=e.prediction_error(),
+                                  step_failures=self._step_failures)
 
     def _finish(self, rid: str, last: RequestOutput) -> None:
         """Forgets a finished request; sends its last output (a delta, for DELTA requests) to its caller, and its
         whole output to the finished listeners."""
         whole = self.engine.pop_finished(rid)
+        self._failures.pop(rid, None)
         self._send(rid, last)
         for fn in self._finished_listeners:
             fn(whole)
+
+    def _step_failed(self, error: Exception) -> None:
+        """After a failed step (from which `LLMEngine` recovered by preempting everyone running): ends each request
+        that has now run in `step_failures_per_request` failed steps with `EngineStepError`. Re-raises `error` (so
+        the engine stops) when the engine did not recover (multi-host serving, a failure in the recovery)."""
+        e = self.engine
+        if e.last_failure_preempted is None:
+            raise error
+        self._step_failures += 1
+        logger.error("a step failed; its running requests are computed again", exc_info=error)
+        for rid in e.last_failure_preempted:
+            n = self._failures[rid] = self._failures.get(rid, 0) + 1
+            if n >= self._failures_per_request and rid in e.requests:
+                e.abort(rid)
+                whole = e.pop_finished(rid)
+                del self._failures[rid]
+                failed = EngineStepError(rid, n)
+                failed.__cause__ = error
+                self._send(rid, failed)
+                for fn in self._finished_listeners:
+                    fn(whole)
 
     def _abort(self, rid: str) -> None:
         e = self.engine
@@ -376,20 +424,25 @@ class AsyncLLM:
                     if not self._handle(cmd):
                         return
                     self._in_hand = None
+                    self._publish()  # before the outputs: a caller never sees stats older than them
                     self._deliver()
-                    self._publish()
                     continue  # take every pending command before the next step
                 except queue.Empty:
                     pass
-                for out in e.step():
+                try:
+                    outputs = e.step()
+                except Exception as err:  # noqa: BLE001 - recovered from, or re-raised to stop the engine
+                    self._step_failed(err)
+                    outputs = []
+                for out in outputs:
                     if out.request_id not in e.requests:
                         continue  # aborted (and answered) while its chunk was in flight
                     if out.finished:
                         self._finish(out.request_id, out)
                     else:
                         self._send(out.request_id, out)
-                self._deliver()
                 self._publish()
+                self._deliver()
         except BaseException as err:  # the engine failed: tell every caller rather than leave them waiting
             logger.exception("the engine failed; every request in flight gets an error")
             self._error = err
@@ -397,5 +450,5 @@ class AsyncLLM:
                 self._send(rid, self._dead())
         finally:
             self._fail_pending()
-            self._deliver()  # what is queued (the final outputs of a stop's aborts, the errors of a failure)
             self._publish()
+            self._deliver()  # what is queued (the final outputs of a stop's aborts, the errors of a failure)

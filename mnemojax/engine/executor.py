@@ -243,7 +243,9 @@ class Executor:
     def reset(self) -> None:
         """Forgets every micro-batch in flight and every sequence slot, as after a step that failed (the engine then
         preempts every request: `LLMEngine._recover`), and re-creates the device buffers such a step consumed
-        (donated) without giving them back: the KV cache (zeros again) and the sampled tokens."""
+        (donated) without giving them back: the KV cache (zeros again) and the sampled tokens. Then checks that
+        every device of this process still answers (a small array sent to each and fetched back): a lost device (a
+        sticky GPU error) raises here, so the engine knows it cannot recover."""
         self.in_flight = Pipeline(self.spp)
         self._slots = [_Slots(self.max_num_seqs) for _ in range(self.kvp)]
         self._updates = [[] for _ in range(self.kvp)]
@@ -257,6 +259,9 @@ class Executor:
                 if not cache.is_deleted():
                     cache.delete()  # its memory first: two whole caches may not fit
             self.k_cache, self.v_cache = self._alloc_cache(), self._alloc_cache()
+        for d in self.mesh.devices.flat:
+            if d.process_index == jax.process_index() and np.asarray(jax.device_put(np.int32(7), d)) != 7:
+                raise RuntimeError(f"device {d} returned a wrong value after a failed step")
 
     # ---------------------------------------------------------------- device side
     def _step(self, kind: str):

@@ -187,6 +187,8 @@ class LLMEngine:
             and jax.process_count() == 1
         self._launched: _Launch | None = None  # async scheduling: the step launched and not yet collected
         self._last_wait_end = 0.0  # when the last collect's wait ended
+        # whom the last failed step's `_recover` preempted; None before it has recovered from one
+        self.last_failure_preempted: list[str] | None = None
         # before the precompile (minutes on a GPU): a bad profile or hardware is refused first
         self.predictor = self._make_predictor(config, self.model_config, runs=loaded.spec.attention) \
             if config.uses_predictor else None
@@ -413,7 +415,9 @@ class LLMEngine:
         """After a failed step what the device holds is unknown (the steps in flight are lost, and the KV cache with
         them when the step had taken it): the executor starts empty, every running request is preempted by
         recompute (exact: sampling is keyed by seed and token index), every finished one still in flight gives its
-        pages back, and the prefix cache is forgotten. Multi-host: nothing (the followers' state cannot follow)."""
+        pages back, and the prefix cache is forgotten. `last_failure_preempted` names the requests preempted once
+        all that is done (None until then). Multi-host: nothing (the followers' state cannot follow)."""
+        self.last_failure_preempted = None
         if self.executor.channel is not None:
             return
         logger.error("a step failed: every running request is preempted and computed again")
@@ -422,7 +426,7 @@ class LLMEngine:
         for req in self.requests.values():
             req.num_unfetched = 0
         self.executor.reset()
-        self.scheduler.preempt_all()
+        self.last_failure_preempted = [req.request_id for req in self.scheduler.preempt_all()]
         self.kv.reset_cache()
 
     def _collect(self, launch: _Launch) -> list[RequestOutput]:

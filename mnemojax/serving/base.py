@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from mnemojax.engine.async_llm import EngineClient, EngineDeadError
+from mnemojax.engine.async_llm import EngineClient, EngineDeadError, EngineStepError
 from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.scheduling.outputs import CompletionOutput, RequestOutput
 from mnemojax.scheduling.sampling_params import MAX_SEED, ParamError, RequestOutputKind, SamplingParams
@@ -64,9 +64,12 @@ def bad_request(err: ValueError, prefix: str = "") -> APIError:
 
 def _api_error(e: BaseException) -> BaseException:
     """A failure of the engine client as the client should see it: bad input is a 400 naming its field; a stopped
-    engine a 500 that says so (its exception is in the log); anything else stays itself (a 500 saying nothing)."""
+    engine a 500 that says so (its exception is in the log), as is a request ended because steps it ran in failed
+    (the engine serves on); anything else stays itself (a 500 saying nothing)."""
     if isinstance(e, ValueError):
         return bad_request(e)
+    if isinstance(e, EngineStepError):
+        return APIError(500, str(e))
     if isinstance(e, EngineDeadError):
         return APIError(500, ENGINE_STOPPED)
     return e

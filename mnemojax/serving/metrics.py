@@ -1,8 +1,8 @@
 """The server's Prometheus metrics (`GET /metrics`), named like vLLM's with a `mnemojax_` prefix.
 
 Latency histograms are observed when a request finishes, from the engine's own timestamps. Gauges (running and
-waiting requests, KV pages) and the preemption counter are read at scrape time from the engine thread's
-published snapshot (`AsyncLLM.stats()`), so a scrape never touches the engine.
+waiting requests, KV pages) and the preemption and step-failure counters are read at scrape time from the engine
+thread's published snapshot (`AsyncLLM.stats()`), so a scrape never touches the engine.
 """
 from __future__ import annotations
 
@@ -35,8 +35,10 @@ class _EngineCollector:
                 ("mnemojax_kv_pages_total", "KV-cache pages requests may hold, over all KVP ranks.",
                  s.kv_pages_total)):
             yield GaugeMetricFamily(name, doc, value=value)
-        yield CounterMetricFamily("mnemojax_num_preemptions", "Requests preempted by recompute (out of KV pages).",
-                                  value=s.preemptions)
+        yield CounterMetricFamily("mnemojax_num_preemptions", "Requests preempted by recompute (out of KV pages, "
+                                  "or after a failed step).", value=s.preemptions)
+        yield CounterMetricFamily("mnemojax_num_step_failures", "Engine steps that failed and were recovered from "
+                                  "(their running requests computed again).", value=s.step_failures)
         yield CounterMetricFamily("mnemojax_prefix_cache_queries", "Tokens of admitted requests that looked up the "
                                   "prefix cache.", value=s.prefix_cache_queries)
         yield CounterMetricFamily("mnemojax_prefix_cache_hits", "Tokens found in the prefix cache (not computed).",

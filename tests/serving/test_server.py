@@ -458,6 +458,42 @@ def test_engine_failure_is_answered_not_hung():
         s.stop()
 
 
+def test_a_request_whose_steps_fail_is_answered_and_the_server_serves_on(monkeypatch):
+    """Steps that fail whenever they hold one prompt's chunk: after two failures that request ends (a stream with an
+    error event naming it and [DONE], a whole response a 500 saying so, no exception text); /health stays 200,
+    /metrics counts the failed steps, and the next request is served."""
+    from mnemojax.engine.executor import Executor
+
+    real = Executor.launch
+
+    def launch(self, plan, *args, **kwargs):
+        if any(ch.request.prompt_token_ids == [7, 7, 7] for ch in plan.chunks):
+            raise RuntimeError("device lost")
+        return real(self, plan, *args, **kwargs)
+
+    monkeypatch.setattr(Executor, "launch", launch)
+    served = AsyncLLM("tiny", max_model_len=64, page_size=4, chunk_size=16, max_num_batched_tokens=32)
+    s = ThreadServer(build_app(served, served_model_name="tiny"))
+    try:
+        body = {"prompt": [7, 7, 7], "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]"
+        message = json.loads(lines[-2][6:])["error"]["message"]
+        assert "was running in 2 engine steps that failed" in message and "device lost" not in message
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [7, 7, 7], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 500 and "engine steps that failed" in r.json()["error"]["message"]
+        assert "device lost" not in r.text
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        assert metrics(s.url)["mnemojax_num_step_failures_total"] == 4
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        s.stop()
+
+
 def test_hugging_face_checkpoint_uses_its_tokenizer_chat_template(tmp_path):
     """A served HF directory applies its tokenizer's own (Jinja) chat template and detokenizes with it."""
     import transformers
