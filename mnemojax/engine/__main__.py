@@ -27,6 +27,8 @@ class GenerateConfig:
     """Nucleus sampling mass."""
     top_k: int = -1
     """Top-k sampling; -1 disables."""
+    min_p: float = 0.0
+    """Min-p sampling (keep tokens at least min_p times as likely as the top one); 0 disables."""
     sampling_seed: int | None = None
     """Sampling seed (default: the engine's seed)."""
 
@@ -40,7 +42,7 @@ def main(argv):
     with usage_errors():
         config, g = from_flags(EngineConfig), from_flags(GenerateConfig)
         params = SamplingParams(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                                seed=g.sampling_seed)
+                                min_p=g.min_p, seed=g.sampling_seed)
         llm = LLM(**dataclasses.asdict(config))
         llm.engine.validate(llm.engine.tokenize(g.prompt), params)  # a prompt too long, say: named, no traceback
     llm.generate([g.prompt], SamplingParams(max_tokens=2, temperature=0))  # compile outside the timing

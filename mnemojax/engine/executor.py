@@ -77,6 +77,7 @@ class RowSampling:
     steps: jax.Array  # i32[R] index of the generated token (keys the sampler's random stream)
     targets: jax.Array  # i32[R] prompt token scored by this row; -1 => score the sampled token
     want_top: jax.Array  # bool[R] its request asked for top log-probs (else the vocabulary top-k is skipped)
+    min_p: jax.Array  # f32[R] 0 => disabled
 
 
 class RowRef(NamedTuple):
@@ -293,7 +294,8 @@ class Executor:
             given = jnp.where(src >= 0, sampled.reshape(-1)[jnp.maximum(src, 0)], batch.token_ids)
             batch = dataclasses.replace(batch, token_ids=given)
             logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows, kind)
-            tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps)
+            tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps,
+                                    samp.min_p)
             lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS, jnp.any(samp.want_top))
             with jax.named_scope(SAMPLED_TOKENS):  # named, so a communication audit can tell it from the layers'
                 sampled = lax.dynamic_update_slice(sampled, from_every_rank(tokens), (0, 0))
@@ -441,7 +443,7 @@ class Executor:
             # it to the vocabulary), a temperature past float32's range is its largest (a flat distribution);
             # valid requests of either kind must not overflow the cast and fail the step.
             samp[rank].append((0.0 if p.greedy else min(p.temperature, _F32_MAX), min(p.top_k, _I32_MAX), p.top_p,
-                               (req.seed >> 32, req.seed & 0xFFFFFFFF), step, target, bool(num_top)))
+                               (req.seed >> 32, req.seed & 0xFFFFFFFF), step, target, bool(num_top), p.min_p))
 
         def place(chunk_i, ch, rank, span_i, t0, is_shared, logits):
             req, s, n = ch.request, ch.start, ch.num_tokens
@@ -505,7 +507,8 @@ class Executor:
         R = self.logits_rows(T, max(len(x) for x in rows))
         pad_rows = np.zeros((K, R), np.int32)
         cols = [np.zeros((K, R) + (2,) * (j == 3), d)  # seeds (column 3): (high, low) words
-                for j, d in enumerate((np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool))]
+                for j, d in enumerate((np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool,
+                                       np.float32))]
         cols[2][:] = 1.0  # top_p
         cols[5][:] = -1  # targets
         for r in range(K):

@@ -5,8 +5,8 @@ compiled step serves any mix of greedy and sampled requests.
 
 Semantics (vLLM's, stated exactly):
   * greedy rows (temperature < `GREEDY_TEMPERATURE`) take `argmax(logits)`, the first index on ties;
-  * other rows: logits / temperature, then top-k, then top-p on the renormalized top-k distribution,
-    then one draw `categorical(fold_in(key(seed), step), filtered, mode="high")`, where key(seed) is the
+  * other rows: logits / temperature, then min-p, then top-k, then top-p on the renormalized top-k
+    distribution, then one draw `categorical(fold_in(key(seed), step), filtered, mode="high")`, where key(seed) is the
     threefry key of the 64-bit seed, words [seed >> 32, seed & 0xFFFFFFFF] (what `jax.random.key(seed)` gives
     with 64-bit integers on; for a seed below 2**32, exactly `jax.random.key(seed)`);
   * top-k keeps every token whose logit is >= the k-th largest, so tokens tied with the k-th are all
@@ -14,6 +14,8 @@ Semantics (vLLM's, stated exactly):
     top_p (at least one), plus any token tied with the last one kept (vLLM cuts top-p by sorted
     position, so which of several tied boundary tokens it keeps depends on sort order; keeping them
     all makes the set a function of the values alone);
+  * min-p keeps a token when its probability is at least min_p times the most likely token's: when
+    exp(z - max(z)) >= min_p for the scaled logits z (vLLM compares the softmax's values, the same ratio);
   * equivalently, by values: top-k keeps a token when fewer than k tokens are strictly above it, top-p
     when the renormalized probability mass strictly above it is < top_p (or it is the maximum). That is
     how they are computed: thresholds found by bisection, no sort of the vocabulary (a sort was most of
@@ -94,6 +96,15 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.where(keys >= threshold[:, None], logits, -jnp.inf)
 
 
+def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Set the logits of tokens less than min_p times as likely as the most likely one to -inf.
+
+    logits f32[N, V] (already temperature-scaled); min_p f32[N] (0 => disabled: every finite logit is kept).
+    A token stays when exp(logit - max logit) >= min_p, its probability over the maximum's."""
+    ratio = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    return jnp.where(ratio >= min_p[:, None], logits, -jnp.inf)
+
+
 def seed_words(seeds: jax.Array) -> jax.Array:
     """u32[N, 2] threefry key words (high, low) of `seeds`: u32 or i32 [N] (32-bit seeds: the high word is 0; i32
     bits are read as u32, so -1 == 0xFFFFFFFF) or [N, 2] (the words of 64-bit seeds, as they are)."""
@@ -120,6 +131,7 @@ def sample(
     top_p: jax.Array,
     seeds: jax.Array,
     steps: jax.Array,
+    min_p: jax.Array | None = None,
 ) -> jax.Array:
     """Pick the next token of each row.
 
@@ -127,7 +139,8 @@ def sample(
     top_k i32[N] (<= 0 => disabled); top_p f32[N] (>= 1.0 => disabled); seeds: per-request seed, u32 or i32 [N]
     (32 bits, read as uint32, so i32 -1 == u32 0xFFFFFFFF) or u32[N, 2] (a 64-bit seed's high and low words,
     `seed_words`); steps i32[N] (index of the token
-    being generated, so the same (seed, step) gives the same token however requests are batched).
+    being generated, so the same (seed, step) gives the same token however requests are batched);
+    min_p f32[N] (0 => disabled; None: every row's is 0).
     Returns i32[N] token ids.
     """
     logits = logits.astype(jnp.float32)
@@ -139,6 +152,9 @@ def sample(
         scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
         scaled = jnp.minimum(scaled, jnp.finfo(jnp.float32).max)  # a tiny temperature must not make +inf
         # Greedy rows' filters are off, so they never make a threshold search run.
+        if min_p is not None:
+            row_min_p = jnp.where(greedy, 0.0, min_p.astype(jnp.float32))
+            scaled = jax.lax.cond(jnp.any(row_min_p > 0), lambda: apply_min_p(scaled, row_min_p), lambda: scaled)
         row_k = jnp.where(greedy, -1, top_k)
         row_p = jnp.where(greedy, 1.0, top_p.astype(jnp.float32))
         filtered = jax.lax.cond(

@@ -59,6 +59,9 @@ class SamplingParams:
     """Nucleus sampling: keep the fewest most-likely tokens whose probability reaches top_p, in (0, 1]."""
     top_k: int = -1
     """Keep only the top_k most likely tokens (ties with the k-th kept); -1 or 0 disables it."""
+    min_p: float = 0.0
+    """Keep only tokens at least min_p times as likely as the most likely one, in [0, 1]; 0 disables it. Applied
+    (as in vLLM) after the temperature and before top-k / top-p."""
     seed: int | None = None
     """Seed for this request's draws, in [0, 2**63); None lets the engine pick one."""
     stop: str | list[str] | None = None
@@ -96,6 +99,7 @@ class SamplingParams:
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.top_k = int(self.top_k)
+        self.min_p = float(self.min_p)
         self.seed = None if self.seed is None else int(self.seed)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
@@ -119,6 +123,8 @@ class SamplingParams:
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ParamError("top_k", f"top_k must be -1 or 0 (disabled), or at least 1, got {self.top_k!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:  # also rejects nan
+            raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
 
         if self.seed is not None:
             if not _is_int(self.seed):

@@ -1,11 +1,11 @@
 """The OpenAI-compatible request bodies the server accepts (pydantic models; they also make its OpenAPI schema).
 
-Field names, types and defaults follow the OpenAI API, plus vLLM's extensions (`top_k`, `ignore_eos`,
+Field names, types and defaults follow the OpenAI API, plus vLLM's extensions (`top_k`, `min_p`, `ignore_eos`,
 `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`). Types are strict: a wrong type is a 400
 naming the field, never coerced ("2" is not 2, true is not 1; an int is a valid float). Strings must be Unicode
 (JSON's `\\ud800` escapes can spell a lone surrogate, which no tokenizer takes). Unknown fields are ignored, as
-OpenAI-compatible servers do; fields we cannot honour (penalties, vLLM's `min_p` and `min_tokens`, `suffix`, `best_of`, `echo` or `prompt_logprobs`
-with `stream`, a `response_format` other than text, `tools`, a `tool_choice` other than none or auto) are accepted in
+OpenAI-compatible servers do; fields we cannot honour (penalties, vLLM's `min_tokens`, `suffix`, `best_of`, `echo` or
+`prompt_logprobs` with `stream`, a `response_format` other than text, `tools`, a `tool_choice` other than none or auto) are accepted in
 the schema and rejected with a 400 naming them when set, never silently dropped; so is `stream_options` without
 `stream`. Range checks live in
 `SamplingParams` and the engine, so the server and the library share one set of limits and messages.
@@ -79,8 +79,6 @@ class _SamplingRequest(_Strict):
                 raise ParamError(name, f"{name} is not supported (only 0)")
         if self.repetition_penalty not in (None, 1, 1.0):
             raise ParamError("repetition_penalty", "repetition_penalty is not supported (only 1)")
-        if self.min_p not in (None, 0, 0.0):  # vLLM's extensions: ignoring them would change what is sampled
-            raise ParamError("min_p", "min_p is not supported (only 0)")
         if self.min_tokens not in (None, 0):
             raise ParamError("min_tokens", "min_tokens is not supported (only 0)")
         if self.logit_bias:
@@ -111,7 +109,7 @@ class _SamplingRequest(_Strict):
 
         return SamplingParams(
             max_tokens=min(max_tokens, defaults.get("max_tokens", max_tokens)), temperature=given("temperature", 1.0),
-            top_p=given("top_p", 1.0), top_k=given("top_k", -1),
+            top_p=given("top_p", 1.0), top_k=given("top_k", -1), min_p=given("min_p", 0.0),
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)

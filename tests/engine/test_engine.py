@@ -101,6 +101,20 @@ def test_seed_gives_same_sample_regardless_of_batch(llm):
     assert other != a
 
 
+def test_min_p_reaches_each_requests_rows(llm):
+    """min_p 1 keeps only the most likely token, so a hot seeded request beside others decodes greedily; min_p 0
+    leaves its draws as they were."""
+    prompts = _prompts((9, 30, 4), seed=5)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    hot = dict(max_tokens=8, temperature=1.5, seed=99, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    mixed = [SamplingParams(**hot, min_p=1.0), SamplingParams(**hot), SamplingParams(**hot, min_p=1.0)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, mixed)]
+    assert got[0] == want[0] and got[2] == want[2]
+    free = llm.generate([prompts[1]], SamplingParams(**hot, min_p=0.0))[0].outputs[0].token_ids
+    assert got[1] == free != want[1]
+
+
 def test_logprobs_shapes(llm):
     prompt = _prompts((11,))[0]
     out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.8, seed=3, logprobs=3,
@@ -322,6 +336,9 @@ def test_sampling_values_past_the_step_columns_range_serve(llm):
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),
+    (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+    (dict(min_p=float("nan")), r"min_p must be in \[0, 1\]"),
 ])
 def test_bad_sampling_params_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

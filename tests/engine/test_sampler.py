@@ -16,13 +16,15 @@ from mnemojax.scheduling.sampling_params import MAX_LOGPROBS
 
 _sample = jax.jit(sampler.sample)
 _filter = jax.jit(sampler.apply_top_k_top_p)
+_min_p = jax.jit(sampler.apply_min_p)
 _logprobs = jax.jit(sampler.logprobs, static_argnums=3)
 
 
-def run_sample(logits, temperature, top_k, top_p, seeds, steps, seed_dtype=np.uint32):
+def run_sample(logits, temperature, top_k, top_p, seeds, steps, seed_dtype=np.uint32, min_p=None):
     """Call the jitted sampler with every per-row parameter broadcast to the number of rows."""
     logits = np.asarray(logits, np.float32)
     n = logits.shape[0]
+    extra = () if min_p is None else (np.broadcast_to(np.asarray(min_p, np.float32), (n,)),)
     tokens = _sample(
         logits,
         np.broadcast_to(np.asarray(temperature, np.float32), (n,)),
@@ -30,6 +32,7 @@ def run_sample(logits, temperature, top_k, top_p, seeds, steps, seed_dtype=np.ui
         np.broadcast_to(np.asarray(top_p, np.float32), (n,)),
         np.broadcast_to(np.asarray(seeds, seed_dtype), (n,)),
         np.broadcast_to(np.asarray(steps, np.int32), (n,)),
+        *extra,
     )
     tokens = np.asarray(tokens)
     assert tokens.dtype == np.int32 and tokens.shape == (n,)
@@ -73,6 +76,16 @@ def np_filtered(logits_row, temperature, top_k, top_p, *, min_margin=1e-4):
         assert n == 1 or top_p - cum[n - 2] > min_margin, "ambiguous nucleus; pick another top_p"
         keep &= p >= p[order[n - 1]]
     return keep, np_softmax(np.where(keep, z, -np.inf))
+
+
+def np_min_p_keep(z, min_p, *, min_margin=1e-5):
+    """min-p's keep mask for one row of scaled logits `z`, by the definition in float64: probability >= min_p times
+    the largest. None when a token's ratio is within `min_margin` of min_p (float32 may decide it either way)."""
+    p = np_softmax(z)
+    ratio = p / p.max()
+    if min_p > 0 and np.any(np.abs(ratio - min_p) < min_margin):
+        return None
+    return ratio >= min_p
 
 
 def chi2_critical(df, z=4.753):
@@ -539,3 +552,75 @@ def test_logprobs_skip_the_top_k_when_no_row_wants_it():
     np.testing.assert_array_equal(np.asarray(off[1]), np.asarray(full[1]))
     assert not np.asarray(off[2]).any() and not np.asarray(off[3]).any()
     np.testing.assert_array_equal(np.asarray(full[2]), [[0, 1], [3, 2]])
+
+
+# ----------------------------------------------------------------------------------------------------
+# min-p
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top():
+    """`apply_min_p` keeps exactly numpy's set (float64 softmax ratios): min_p 0 keeps everything, 1 the maximum and
+    its ties; the kept logits are untouched, the others -inf."""
+    rng = np.random.default_rng(40)
+    logits = (rng.normal(size=(64, 300)) * rng.uniform(0.3, 4, size=(64, 1))).astype(np.float32)
+    logits[::5] = np.round(logits[::5])  # ties with the maximum
+    min_p = rng.choice([0.0, 1e-3, 0.05, 0.3, 0.9, 1.0], size=64).astype(np.float32)
+    min_p[::2] = rng.uniform(0, 1, size=32)
+    out = np.asarray(_min_p(logits, min_p))
+    checked = 0
+    for row in range(64):
+        keep = np_min_p_keep(logits[row], float(min_p[row]))
+        if keep is None:
+            continue
+        checked += 1
+        np.testing.assert_array_equal(out[row], np.where(keep, logits[row], -np.inf), err_msg=f"min_p {min_p[row]}")
+    assert checked >= 50
+    assert (np.asarray(_min_p(logits, np.zeros(64, np.float32))) == logits).all()
+    top = np.asarray(_min_p(logits, np.ones(64, np.float32)))
+    assert ((top > -np.inf) == (logits == logits.max(axis=1, keepdims=True))).all()
+
+
+def test_sample_applies_min_p_after_the_temperature_and_before_top_k_top_p():
+    """Each sampled row's token is `categorical(fold_in(key(seed), step), filtered, mode="high")` where `filtered`
+    is min-p on logits / t, then numpy's top-k / top-p set of what min-p kept; greedy rows ignore min-p; min_p 0
+    gives the same tokens as no min-p at all."""
+    rng = np.random.default_rng(41)
+    n, vocab = 32, 400
+    logits, top_k, top_p = random_batch(rng, n, vocab)
+    logits[1] = rng.normal(size=vocab)  # random_batch's -inf half: no maximum ratio to test on those
+    temperature = rng.choice([0.0, 0.5, 1.0, 1.7], size=n).astype(np.float32)
+    min_p = rng.choice([0.0, 0.02, 0.2, 0.6], size=n).astype(np.float32)
+    seeds, steps = rng.integers(0, 2**32, size=n).astype(np.uint32), rng.integers(0, 1000, size=n).astype(np.int32)
+    tokens = run_sample(logits, temperature, top_k, top_p, seeds, steps, min_p=min_p)
+    drawn = 0
+    for i in range(n):
+        if temperature[i] == 0:
+            assert tokens[i] == np.argmax(logits[i]), i
+            continue
+        scaled = logits[i] / temperature[i]
+        keep_p = np_min_p_keep(scaled, float(min_p[i]))
+        if keep_p is None:
+            continue
+        (keep,) = reference_keep(np.where(keep_p, scaled, -np.inf)[None], top_k[i : i + 1], top_p[i : i + 1])
+        if keep is None:
+            continue
+        keep = keep & keep_p
+        key = jax.random.fold_in(jax.random.key(int(seeds[i])), int(steps[i]))
+        expected = jax.random.categorical(key, jnp.where(jnp.asarray(keep), scaled, -jnp.inf), mode="high")
+        assert tokens[i] == int(expected), (i, min_p[i], top_k[i], top_p[i])
+        drawn += 1
+    assert drawn >= 14
+    np.testing.assert_array_equal(run_sample(logits, temperature, top_k, top_p, seeds, steps, min_p=0.0),
+                                  run_sample(logits, temperature, top_k, top_p, seeds, steps))
+
+
+@pytest.mark.parametrize("temperature, min_p", [(1.0, 0.1), (0.7, 0.06), (2.0, 0.3)])
+def test_min_p_frequencies_match_the_filtered_softmax(temperature, min_p):
+    scaled = _LOGITS / temperature
+    keep = np_min_p_keep(scaled, min_p)
+    assert keep is not None and 1 < keep.sum() < _V  # a real cut
+    tokens = run_sample(np.broadcast_to(_LOGITS, (N_SEEDS, _V)), temperature, -1, 1.0,
+                        np.arange(N_SEEDS) * 7919 + 11, 0, min_p=min_p)
+    counts = np.bincount(tokens, minlength=_V)
+    stat, df = chi2_stat(counts, np_softmax(np.where(keep, scaled, -np.inf)))
+    assert stat < chi2_critical(df), (stat, df, counts)

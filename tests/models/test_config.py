@@ -362,7 +362,8 @@ def test_tp_must_divide_the_mlp_width():
 @pytest.mark.parametrize("gen", [
     dict(do_sample=True, temperature=0.6, top_p=0.9),  # Llama-3.1-8B-Instruct's
     dict(do_sample=True, temperature=1.0, top_p=0.5, top_k=50, max_new_tokens=64),  # values equal to HF's defaults
-    dict(do_sample=True, temperature=0.3, top_k=5, repetition_penalty=1.0, min_p=0.0),  # neutral ones pass
+    dict(do_sample=True, temperature=0.3, top_k=5, repetition_penalty=1.0),  # a neutral one passes
+    dict(do_sample=True, temperature=0.7, min_p=0.05),
     dict(),
 ])
 def test_generation_defaults_are_what_the_file_changes_from_transformers(tmp_path, gen):
@@ -370,14 +371,15 @@ def test_generation_defaults_are_what_the_file_changes_from_transformers(tmp_pat
     in transformers 5 a value equal to its old default, top_k 50, is still the file's choice)."""
     transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], **gen).save_pretrained(tmp_path)
     diff = transformers.GenerationConfig.from_pretrained(tmp_path).to_diff_dict()
-    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
+    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+             "max_new_tokens": "max_tokens"}
     want = {names[k]: v for k, v in diff.items() if k in names}
     assert generation_defaults(tmp_path) == want
 
 
 def test_generation_defaults_refuse_what_mnemojax_cannot_sample(tmp_path):
     assert generation_defaults(tmp_path) == {}  # no file
-    for key, value in (("repetition_penalty", 1.1), ("min_p", 0.05)):
+    for key, value in (("repetition_penalty", 1.1),):
         (tmp_path / "generation_config.json").write_text(json.dumps({key: value}))
         with pytest.raises(ValueError, match=f"{key}={value} is a sampling default mnemojax does not implement"):
             generation_defaults(tmp_path)

@@ -94,6 +94,21 @@ def test_token_id_prompt_seed_and_stop(client, offline):
     assert got.choices[0].finish_reason == "stop"
 
 
+def test_min_p_and_top_k_reach_the_engine(client, offline):
+    """vLLM's extra sampling fields: the same tokens as the library with the same values (min_p 1 keeps only the
+    top token, so the hot request is the greedy one)."""
+    ids = [256, 72, 105, 33, 10, 40]
+    greedy = offline.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0]
+    got = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=1.5, seed=3,
+                                    extra_body={"min_p": 1.0, "ignore_eos": True})
+    assert got.choices[0].text == greedy.text
+    params = SamplingParams(max_tokens=8, temperature=1.2, seed=3, min_p=0.2, top_k=20, ignore_eos=True)
+    ref = offline.generate([ids], params)[0].outputs[0]
+    got = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=1.2, seed=3,
+                                    extra_body={"min_p": 0.2, "top_k": 20, "ignore_eos": True})
+    assert got.choices[0].text == ref.text
+
+
 def test_n_choices_with_seed(client):
     one = client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=1.0, seed=5)
     three = client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=1.0, seed=5, n=3)
@@ -157,9 +172,9 @@ def test_sse_wire_format_ends_with_done(url):
     (dict(prompt="a", max_tokens=0), "max_tokens", "at least 1"),
     (dict(prompt="a", n=100), "n", "between 1 and 8"),
     (dict(prompt=[5, 99999]), "prompt", "outside the vocabulary"),
+    (dict(prompt="a", extra_body={"min_p": 1.5}), "min_p", r"min_p must be in \[0, 1\], got 1.5"),
     (dict(prompt="a", presence_penalty=0.5), "presence_penalty", "not supported"),
     # vLLM's extensions that change what is sampled: refused, not silently ignored
-    (dict(prompt="a", extra_body={"min_p": 0.5}), "min_p", "not supported"),
     (dict(prompt="a", extra_body={"min_tokens": 10}), "min_tokens", "not supported"),
     (dict(prompt="a", logprobs=21), "logprobs", "between 0 and 20"),
     # choice j draws with seed + j, which must stay below 2**63 (not a 500 from the last choice's seed)
