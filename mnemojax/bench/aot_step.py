@@ -377,6 +377,7 @@ def abstract_executor(model: str, dtype: str, attention: str, *, kvp: int = 1, s
     from jax.sharding import NamedSharding
 
     from mnemojax.engine.executor import Executor
+    from mnemojax.engine.llm_engine import EngineConfig
     from models.config import preset
     from models.llama import ModelSpec
     from models.params import abstract_step_params
@@ -390,7 +391,8 @@ def abstract_executor(model: str, dtype: str, attention: str, *, kvp: int = 1, s
     spec = ModelSpec(mc, dtype, 8, attention)
     return Executor(spec, params, mesh, num_pages=2 * max_num_seqs + 2, page_size=page_size,
                     max_num_seqs=max_num_seqs, max_pages_per_seq=-(-max_model_len // page_size),
-                    max_num_batched_tokens=max_num_batched_tokens, max_tokens_per_rank=None, table=table)
+                    max_num_batched_tokens=max_num_batched_tokens, max_tokens_per_rank=None, table=table,
+                    max_logit_bias=EngineConfig.max_logit_bias)  # the engine's default step
 
 
 def step_shapes(executor, batch: int) -> list[tuple[int, int, str]]:

@@ -51,8 +51,9 @@ class _StopMatcher:
             self._fail[i] = k
         self.held = 0
 
-    def feed(self, text: str) -> int:
-        """Reads `text` on; returns where in it the first complete match ends, or -1."""
+    def feed(self, text: str, report: bool = True) -> int:
+        """Reads `text` on; returns where in it the first complete match ends, or -1. Not `report`: matches do not
+        count (read on past them; a later one that overlaps them still does)."""
         stop, fail, k = self.stop, self._fail, self.held
         for i, c in enumerate(text):
             while k and stop[k] != c:
@@ -60,7 +61,9 @@ class _StopMatcher:
             if stop[k] == c:
                 k += 1
                 if k == len(stop):
-                    return i + 1
+                    if report:
+                        return i + 1
+                    k = fail[k - 1]
         self.held = k
         return -1
 
@@ -73,6 +76,7 @@ class Detokenizer:
         self._skip_special = params.skip_special_tokens
         self._stops = [_StopMatcher(s) for s in params.stop]
         self._include_stop = params.include_stop_str_in_output
+        self._min_tokens, self._num_added = params.min_tokens, 0  # a stop string counts after min_tokens tokens
         # nobody reads the text before the end and no stop string needs it: decode it all at once then
         self._at_end = params.output_kind is RequestOutputKind.FINAL_ONLY and not self._stops
         self._ids: list[int] = []
@@ -110,6 +114,7 @@ class Detokenizer:
         if self.finished:
             raise RuntimeError("tokens added to a finished detokenizer")
         self._ids.extend(token_ids)
+        self._num_added += len(token_ids)
         if self._at_end:
             return None
         new = self._new_text()
@@ -133,8 +138,9 @@ class Detokenizer:
             self._start = len(self._ids)
         elif new:  # the next window's context is this one (one that added no text stays in the window)
             self._prefix, self._start = self._start, len(self._ids)
+        report = self._num_added > self._min_tokens  # vLLM's: not in the text of the first min_tokens tokens
         for m in self._stops:  # the first stop string (in the request's order) that the new text completes
-            end = m.feed(new)
+            end = m.feed(new, report)
             if end >= 0:
                 at = before + end - len(m.stop)
                 self.text = self.text[:at + len(m.stop) if self._include_stop else at]

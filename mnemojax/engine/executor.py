@@ -78,6 +78,8 @@ class RowSampling:
     targets: jax.Array  # i32[R] prompt token scored by this row; -1 => score the sampled token
     want_top: jax.Array  # bool[R] its request asked for top log-probs (else the vocabulary top-k is skipped)
     min_p: jax.Array  # f32[R] 0 => disabled
+    bias_ids: jax.Array  # i32[R, W] tokens whose logits get bias_values added (logit_bias, min_tokens' bans)
+    bias_values: jax.Array  # f32[R, W] (0 in the unused slots)
 
 
 class RowRef(NamedTuple):
@@ -192,7 +194,8 @@ class Executor:
 
     def __init__(self, spec: ModelSpec, params: dict, mesh, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_pages_per_seq: int, max_num_batched_tokens: int,
-                 max_tokens_per_rank: int | None, table: ShardingTable = ShardingTable(), channel=None):
+                 max_tokens_per_rank: int | None, table: ShardingTable = ShardingTable(), channel=None,
+                 max_logit_bias: int = 0):
         self.spec = spec
         self.params = params
         self.mesh = mesh
@@ -203,6 +206,8 @@ class Executor:
         self.max_pages_per_seq = max_pages_per_seq
         self.max_tokens_per_rank = max_tokens_per_rank
         self.max_num_batched_tokens = max_num_batched_tokens
+        # (token, bias) slots per logits row; one at least (unused: zeros), as a step's arrays cannot be empty
+        self.bias_slots = max(1, max_logit_bias)
         # Every micro-batch in flight must have the register's shape, so a pipeline fixes T.
         self.pipeline_tokens = bucket(max_num_batched_tokens, 16) if self.spp > 1 else None
         c = spec.config
@@ -295,7 +300,7 @@ class Executor:
             batch = dataclasses.replace(batch, token_ids=given)
             logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows, kind)
             tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps,
-                                    samp.min_p)
+                                    samp.min_p, samp.bias_ids, samp.bias_values)
             lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS, jnp.any(samp.want_top))
             with jax.named_scope(SAMPLED_TOKENS):  # named, so a communication audit can tell it from the layers'
                 sampled = lax.dynamic_update_slice(sampled, from_every_rank(tokens), (0, 0))
@@ -428,6 +433,7 @@ class Executor:
         rows: list[list[int]] = [[] for _ in range(K)]
         samp: list[list[tuple]] = [[] for _ in range(K)]
         refs: list[RowRef] = []
+        biases: list[tuple[int, int, list[tuple[int, float]]]] = []  # (rank, row, its (token, bias) entries)
         logprobs = False
 
         def add_row(rank, row, chunk_i, token_index, req, target, is_sample):
@@ -444,6 +450,11 @@ class Executor:
             # valid requests of either kind must not overflow the cast and fail the step.
             samp[rank].append((0.0 if p.greedy else min(p.temperature, _F32_MAX), min(p.top_k, _I32_MAX), p.top_p,
                                (req.seed >> 32, req.seed & 0xFFFFFFFF), step, target, bool(num_top), p.min_p))
+            if is_sample and req.biased:
+                entries = list((p.logit_bias or {}).items())
+                if step < p.min_tokens:  # its stop tokens cannot end it yet
+                    entries += [(t, -np.inf) for t in req.stop_ids]
+                biases.append((rank, len(rows[rank]) - 1, entries))
 
         def place(chunk_i, ch, rank, span_i, t0, is_shared, logits):
             req, s, n = ch.request, ch.start, ch.num_tokens
@@ -506,15 +517,19 @@ class Executor:
 
         R = self.logits_rows(T, max(len(x) for x in rows))
         pad_rows = np.zeros((K, R), np.int32)
-        cols = [np.zeros((K, R) + (2,) * (j == 3), d)  # seeds (column 3): (high, low) words
+        W = self.bias_slots
+        cols = [np.zeros((K, R) + {3: (2,), 8: (W,), 9: (W,)}.get(j, ()), d)  # seeds: (high, low) words
                 for j, d in enumerate((np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool,
-                                       np.float32))]
+                                       np.float32, np.int32, np.float32))]
         cols[2][:] = 1.0  # top_p
         cols[5][:] = -1  # targets
         for r in range(K):
             pad_rows[r, :len(rows[r])] = rows[r]
             for j, values in enumerate(zip(*samp[r])) if samp[r] else []:
                 cols[j][r, :len(values)] = values
+        for r, row, entries in biases:  # at most W entries: `LLMEngine.validate` refused more
+            for i, (token, value) in enumerate(entries):
+                cols[8][r, row, i], cols[9][r, row, i] = token, value
         batch = StepBatch(token_ids=tok, write_pages=wpage, write_slots=wslot, shared=shared,
                           attn=AttentionMetadata(seq_ids=seq, positions=pos, page_table=table, kv_lens=kv_lens,
                                                  kv_start=kv_start))

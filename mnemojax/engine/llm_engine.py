@@ -97,9 +97,13 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
     away. Default (None): on, except in multi-host serving, which does not support it (true there raises)."""
     generation_config: str = "auto"
     """Where requests' sampling defaults come from (vLLM's --generation-config): auto (the model directory's
-    generation_config.json: the temperature, top_p, top_k and max_new_tokens its creator chose, for a request that
+    generation_config.json: the temperature, top_p, top_k, min_p and max_new_tokens its creator chose, for a request that
     does not set them; the server also caps every request's max_tokens at max_new_tokens, as vLLM's does), vllm
     (none: SamplingParams' and the OpenAI API's own defaults), or a directory holding a generation_config.json."""
+    max_logit_bias: int = 16
+    """The most tokens one request's sampling may bias in a step: its logit_bias entries, plus, until min_tokens
+    tokens are generated, the stop tokens min_tokens bans (EOS and stop_token_ids). Every step carries this many
+    (token, bias) slots per logits row; a request needing more is refused, naming the field and this limit."""
     compilation_cache_dir: str = "~/.cache/mnemojax/jax"
     """JAX's persistent compilation cache, so a restart loads compiled steps instead of compiling them again;
     empty: none. A cache directory already set in jax's config wins."""
@@ -109,6 +113,9 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
         ParallelConfig.__post_init__(self)
         if self.dtype not in (AUTO, *DTYPES):
             raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
+        if isinstance(self.max_logit_bias, bool) or not isinstance(self.max_logit_bias, int) \
+                or self.max_logit_bias < 0:
+            raise ValueError(f"max_logit_bias must be an integer >= 0, got {self.max_logit_bias!r}")
         for name in ("page_size", "block_pages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -180,7 +187,7 @@ class LLMEngine:
                                  page_size=config.page_size, max_num_seqs=config.max_num_seqs,
                                  max_pages_per_seq=pages_per_seq, max_num_batched_tokens=config.max_num_batched_tokens,
                                  max_tokens_per_rank=config.max_tokens_per_kvp_rank, table=loaded.table,
-                                 channel=channel)
+                                 channel=channel, max_logit_bias=config.max_logit_bias)
         if config.async_scheduling and (channel is not None or jax.process_count() > 1):
             raise ValueError("async_scheduling is not supported in multi-host serving: leave it unset or false")
         self.async_scheduling = config.async_scheduling is not False and channel is None \
@@ -320,6 +327,18 @@ class LLMEngine:
         why = self.kv.capacity_error(total)
         if why is not None:
             raise ParamError("prompt", f"prompt + max_tokens: {why}")
+        biased = len(params.logit_bias or ())
+        banned = len(self._stop_ids(params)) if params.min_tokens else 0
+        if biased + banned > self.config.max_logit_bias:
+            field = "logit_bias" if biased else "min_tokens"
+            raise ParamError(field, f"logit_bias ({biased} tokens) and the stop tokens min_tokens bans ({banned}) "
+                                    f"bias {biased + banned} tokens, more than max_logit_bias "
+                                    f"({self.config.max_logit_bias}, an engine setting)")
+
+    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """The tokens that end a request on being sampled: EOS (unless `ignore_eos`) and its `stop_token_ids`."""
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        return tuple(sorted({*eos, *params.stop_token_ids}))
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
@@ -340,6 +359,8 @@ class LLMEngine:
             raise ParamError("arrival_time", f"arrival_time {arrival_time} is later than the engine's clock ({now})")
         req = Request(rid, prompt_ids, params, now if arrival_time is None else arrival_time, seed,
                       prompt=prompt if isinstance(prompt, str) else None)
+        if params.logit_bias or params.min_tokens:
+            req.biased, req.stop_ids = True, self._stop_ids(params)
         self.scheduler.add(req)
         self.requests[rid] = req
         if self.tokenizer is not None:

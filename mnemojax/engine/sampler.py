@@ -4,6 +4,7 @@ One row is one sequence's next-token distribution. Every per-row parameter is an
 compiled step serves any mix of greedy and sampled requests.
 
 Semantics (vLLM's, stated exactly):
+  * every row's logit biases are added first (`logit_bias`, and -inf for the stop tokens `min_tokens` bans);
   * greedy rows (temperature < `GREEDY_TEMPERATURE`) take `argmax(logits)`, the first index on ties;
   * other rows: logits / temperature, then min-p, then top-k, then top-p on the renormalized top-k
     distribution, then one draw `categorical(fold_in(key(seed), step), filtered, mode="high")`, where key(seed) is the
@@ -132,6 +133,8 @@ def sample(
     seeds: jax.Array,
     steps: jax.Array,
     min_p: jax.Array | None = None,
+    bias_ids: jax.Array | None = None,
+    bias_values: jax.Array | None = None,
 ) -> jax.Array:
     """Pick the next token of each row.
 
@@ -140,10 +143,16 @@ def sample(
     (32 bits, read as uint32, so i32 -1 == u32 0xFFFFFFFF) or u32[N, 2] (a 64-bit seed's high and low words,
     `seed_words`); steps i32[N] (index of the token
     being generated, so the same (seed, step) gives the same token however requests are batched);
-    min_p f32[N] (0 => disabled; None: every row's is 0).
+    min_p f32[N] (0 => disabled; None: every row's is 0); bias_ids i32[N, W], bias_values f32[N, W]: added to
+    those logits first, greedy rows' too (a -inf bans a token; None: no bias).
     Returns i32[N] token ids.
     """
     logits = logits.astype(jnp.float32)
+    if bias_ids is not None and bias_ids.shape[-1]:
+        # only when some row has a bias: the biased logits are a copy ([N, V], the log-probs read the raw ones)
+        rows = jnp.arange(logits.shape[0])[:, None]
+        logits = jax.lax.cond(jnp.any(bias_values != 0), lambda: logits.at[rows, bias_ids].add(bias_values),
+                              lambda: logits)
     temperature = temperature.astype(jnp.float32)
     greedy = temperature < GREEDY_TEMPERATURE
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -58,6 +58,10 @@ class Request:
     token_times: list[float] = dataclasses.field(default_factory=list)
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Sampling biases (`SamplingParams.logit_bias`, `min_tokens`): whether it has any, and the stop tokens (EOS
+    # unless ignored, stop_token_ids) that min_tokens bans until that many tokens are generated.
+    biased: bool = False
+    stop_ids: tuple[int, ...] = ()
     # TTFT deadline (same clock as arrival_time) and its duration; set by the scheduler when it is added.
     ttft_deadline: float | None = None
     deadline_duration: float | None = None

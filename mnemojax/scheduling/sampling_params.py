@@ -53,6 +53,10 @@ class SamplingParams:
 
     max_tokens: int = 16
     """Most tokens to generate; at least 1."""
+    min_tokens: int = 0
+    """Fewest tokens to generate before a stop token (EOS, `stop_token_ids`) or stop string may end the request,
+    0..max_tokens (vLLM's): until then the stop tokens' logits are -inf, and a stop string ending in those tokens'
+    text is not a stop."""
     temperature: float = 1.0
     """Softmax temperature, >= 0; below `GREEDY_TEMPERATURE` (e.g. 0) means greedy argmax."""
     top_p: float = 1.0
@@ -70,6 +74,9 @@ class SamplingParams:
     """Token ids that end generation (besides EOS); normalized to a list (empty when None)."""
     ignore_eos: bool = False
     """Keep generating past EOS (until max_tokens or a stop condition)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a finite number added to its logit before sampling (greedy too) and before the temperature, as
+    vLLM and OpenAI do; log-probs stay those of the raw model distribution. None: no bias."""
     logprobs: int | None = None
     """Number of top log-probs to return per generated token, 0..MAX_LOGPROBS (the sampled token's
     log-prob is always included); None returns none."""
@@ -96,6 +103,9 @@ class SamplingParams:
         self.validate()
         # Canonical Python types (numpy scalars pass the checks above).
         self.max_tokens = int(self.max_tokens)
+        self.min_tokens = int(self.min_tokens)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.top_k = int(self.top_k)
@@ -116,6 +126,9 @@ class SamplingParams:
             raise ParamError("max_tokens", f"max_tokens must be an int, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ParamError("min_tokens", f"min_tokens must be an int from 0 to max_tokens ({self.max_tokens}), got "
+                                           f"{self.min_tokens!r}")
 
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ParamError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
@@ -148,6 +161,16 @@ class SamplingParams:
             if bad:
                 raise ParamError("stop_token_ids",
                                  f"stop_token_ids must be in [0, {vocab_size}) (the vocabulary), got {bad}")
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t) and t >= 0 and _is_real(v) and math.isfinite(v) for t, v in self.logit_bias.items()):
+                raise ParamError("logit_bias", f"logit_bias must map token ids (ints >= 0) to finite numbers, got "
+                                               f"{self.logit_bias!r}")
+            if vocab_size is not None and any(t >= vocab_size for t in self.logit_bias):
+                bad = sorted(t for t in self.logit_bias if t >= vocab_size)
+                raise ParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}) (the vocabulary), "
+                                               f"got {bad}")
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)

@@ -1,13 +1,13 @@
 """The OpenAI-compatible request bodies the server accepts (pydantic models; they also make its OpenAPI schema).
 
-Field names, types and defaults follow the OpenAI API, plus vLLM's extensions (`top_k`, `min_p`, `ignore_eos`,
-`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`). Types are strict: a wrong type is a 400
-naming the field, never coerced ("2" is not 2, true is not 1; an int is a valid float). Strings must be Unicode
-(JSON's `\\ud800` escapes can spell a lone surrogate, which no tokenizer takes). Unknown fields are ignored, as
-OpenAI-compatible servers do; fields we cannot honour (penalties, vLLM's `min_tokens`, `suffix`, `best_of`, `echo` or
-`prompt_logprobs` with `stream`, a `response_format` other than text, `tools`, a `tool_choice` other than none or auto) are accepted in
-the schema and rejected with a 400 naming them when set, never silently dropped; so is `stream_options` without
-`stream`. Range checks live in
+Field names, types and defaults follow the OpenAI API (`logit_bias` included: token ids to biases in [-100, 100]),
+plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`). Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
+2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
+surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
+honour (penalties, `suffix`, `best_of`, `echo` or `prompt_logprobs` with `stream`, a `response_format` other than
+text, `tools`, a `tool_choice` other than none or auto) are accepted in the schema and rejected with a 400 naming
+them when set, never silently dropped; so is `stream_options` without `stream`. Range checks live in
 `SamplingParams` and the engine, so the server and the library share one set of limits and messages.
 """
 from __future__ import annotations
@@ -79,10 +79,6 @@ class _SamplingRequest(_Strict):
                 raise ParamError(name, f"{name} is not supported (only 0)")
         if self.repetition_penalty not in (None, 1, 1.0):
             raise ParamError("repetition_penalty", "repetition_penalty is not supported (only 1)")
-        if self.min_tokens not in (None, 0):
-            raise ParamError("min_tokens", "min_tokens is not supported (only 0)")
-        if self.logit_bias:
-            raise ParamError("logit_bias", "logit_bias is not supported")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise ParamError("n", f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.prompt_logprobs is not None and self.stream:
@@ -110,9 +106,24 @@ class _SamplingRequest(_Strict):
         return SamplingParams(
             max_tokens=min(max_tokens, defaults.get("max_tokens", max_tokens)), temperature=given("temperature", 1.0),
             top_p=given("top_p", 1.0), top_k=given("top_k", -1), min_p=given("min_p", 0.0),
+            min_tokens=self.min_tokens or 0, logit_bias=self._logit_bias(),
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's `logit_bias`: token ids (as strings) to biases in [-100, 100]."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise ParamError("logit_bias", f"logit_bias keys must be token ids (decimal integers), got {key!r}")
+            if not -100 <= value <= 100:  # also refuses nan
+                raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r} for token "
+                                               f"{key}")
+            out[int(key)] = value
+        return out
 
     @property
     def include_usage(self) -> bool:

@@ -208,3 +208,18 @@ def test_sentencepiece_stray_byte_is_one_replacement_character():
     assert d.text == " world"
     d, _, _ = _run(tok, ids[:-1] + [3 + 0xC3])  # it ends inside a character ("é" is C3 A9)
     assert d.text == "hello✓\ufffd"
+
+
+@pytest.mark.parametrize("stop, min_tokens, text, found", [
+    ("is", 0, " ", "is"),  # the first " is" stops at once
+    ("is", 5, " is Lee, th", "is"),  # " is" ends in token 3: not a stop; "this" ends in token 13
+    ("Le", 5, " is ", "Le"),  # starts in token 5, ends in token 6: a stop (vLLM's window reaches back)
+    ("ee", 6, " is L", "ee"),  # ends in token 7, after the first 6: a stop
+    ("ee", 7, " is Lee, this is", None),  # ends in token 7, one of the first 7: no stop, nor later
+])
+def test_stop_strings_in_the_first_min_tokens_tokens_do_not_count(stop, min_tokens, text, found):
+    """vLLM's min_tokens: a stop string ending in the text of the first min_tokens tokens is no stop; one ending
+    later is, even if it began inside them. One byte per token: token i (from 1) is character i."""
+    ids = list(b" is Lee, this is")
+    d, got, _ = _run(BYTES, ids, stop=[stop], min_tokens=min_tokens, max_tokens=len(ids))
+    assert (got, d.text) == (found, text)

@@ -115,6 +115,58 @@ def test_min_p_reaches_each_requests_rows(llm):
     assert got[1] == free != want[1]
 
 
+def test_min_tokens_and_logit_bias_match_hf_generate(llm, ckpt):
+    """Greedy with min_tokens equals HF's `min_new_tokens` (its stop tokens banned until then) and logit_bias equals
+    HF's `sequence_bias` on single tokens; a stop token the greedy run would pick at once is chosen, so the ban
+    matters. Log-probs stay the raw model's (HF's log_softmax of the unbiased logits)."""
+    hf = load_hf_model(ckpt)
+    prompt = _prompts((11,), seed=7)[0]
+    ids = torch.tensor([prompt])
+    plain = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].outputs[0]
+    stop = plain.token_ids[1]
+
+    def hf_generate(**kw):
+        with torch.no_grad():
+            return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                               pad_token_id=0, **kw)[0, len(prompt):].tolist()
+
+    early = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop]))[0].outputs[0]
+    assert early.token_ids == hf_generate(eos_token_id=[EOS_ID, stop]) == plain.token_ids[:2]
+    got = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop],
+                                                min_tokens=4))[0].outputs[0]
+    assert got.token_ids == hf_generate(eos_token_id=[EOS_ID, stop], min_new_tokens=4)
+    assert len(got.token_ids) > 4 and stop not in got.token_ids[:4]
+    bias = {plain.token_ids[0]: -4.0, 17: 6.5, 200: -100.0}
+    got = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logit_bias=bias,
+                                                logprobs=0))[0].outputs[0]
+    want = hf_generate(eos_token_id=None, sequence_bias=[[[t], b] for t, b in bias.items()])
+    assert got.token_ids == want != plain.token_ids
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([prompt + want])).logits[0].double(), -1)
+    raw = lp[torch.arange(len(prompt) - 1, len(prompt) + 9), torch.tensor(want)].numpy()
+    np.testing.assert_allclose([d[t] for d, t in zip(got.logprobs, got.token_ids)], raw, atol=1e-4, rtol=0)
+
+
+def test_logit_bias_and_min_tokens_beyond_the_slots_are_refused(ckpt):
+    llm = LLM(model=ckpt, page_size=4, max_model_len=64, max_logit_bias=3, precompile=False)
+    llm.engine.validate([1, 2], SamplingParams(logit_bias={1: 1.0, 2: 2.0}, min_tokens=1))  # + EOS: 3 slots
+    with pytest.raises(ParamError, match=r"logit_bias \(3 tokens\) and the stop tokens min_tokens bans \(1\) bias 4 "
+                                         r"tokens, more than max_logit_bias \(3, an engine setting\)") as e:
+        llm.engine.validate([1, 2], SamplingParams(logit_bias={1: 1.0, 2: 2.0, 3: 0.5}, min_tokens=1))
+    assert e.value.param == "logit_bias"
+    with pytest.raises(ParamError, match=r"min_tokens bans \(4\)") as e:
+        llm.engine.validate([1, 2], SamplingParams(stop_token_ids=[5, 6, 7], min_tokens=2))
+    assert e.value.param == "min_tokens"
+    llm.engine.validate([1, 2], SamplingParams(stop_token_ids=[5, 6, 7], min_tokens=2, ignore_eos=True))
+    with pytest.raises(ParamError, match=r"logit_bias token ids must be in \[0, 320\)"):
+        llm.engine.validate([1, 2], SamplingParams(logit_bias={320: 1.0}))
+    none = LLM(model=ckpt, page_size=4, max_model_len=64, max_logit_bias=0, precompile=False)
+    with pytest.raises(ParamError, match=r"bias 1 tokens, more than max_logit_bias \(0,"):
+        none.engine.validate([1, 2], SamplingParams(logit_bias={1: 1.0}))
+    with pytest.raises(ValueError, match="max_logit_bias must be an integer >= 0, got -1"):
+        LLM(model=ckpt, max_logit_bias=-1)
+
+
 def test_logprobs_shapes(llm):
     prompt = _prompts((11,))[0]
     out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.8, seed=3, logprobs=3,
@@ -339,6 +391,11 @@ def test_sampling_values_past_the_step_columns_range_serve(llm):
     (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
     (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
     (dict(min_p=float("nan")), r"min_p must be in \[0, 1\]"),
+    (dict(min_tokens=-1), r"min_tokens must be an int from 0 to max_tokens \(16\), got -1"),
+    (dict(min_tokens=17), r"min_tokens must be an int from 0 to max_tokens \(16\), got 17"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias must map token ids"),
+    (dict(logit_bias={1: float("inf")}), "logit_bias must map token ids"),
+    (dict(logit_bias=[(1, 2.0)]), "logit_bias must map token ids"),
 ])
 def test_bad_sampling_params_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

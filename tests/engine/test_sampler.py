@@ -624,3 +624,45 @@ def test_min_p_frequencies_match_the_filtered_softmax(temperature, min_p):
     counts = np.bincount(tokens, minlength=_V)
     stat, df = chi2_stat(counts, np_softmax(np.where(keep, scaled, -np.inf)))
     assert stat < chi2_critical(df), (stat, df, counts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# logit biases (logit_bias, min_tokens' bans)
+
+
+def test_biases_are_added_before_everything_and_bans_are_never_drawn():
+    """Each row's (token, bias) slots are added to its logits first: greedy rows take numpy's argmax of the biased
+    logits, sampled rows draw `categorical(fold_in(key(seed), step), biased / t)`; a -inf slot bans its token (never
+    drawn over 4000 seeds); unused slots (token 0, bias 0) change nothing."""
+    rng = np.random.default_rng(50)
+    n, vocab, w = 16, 64, 4
+    logits = rng.normal(size=(n, vocab)).astype(np.float32)
+    ids = rng.integers(0, vocab, size=(n, w)).astype(np.int32)
+    values = rng.choice([0.0, -3.0, 2.5, 8.0, -np.inf], size=(n, w)).astype(np.float32)
+    for i in range(n):  # distinct tokens per row (a request's logit_bias is a dict), padding as the engine's
+        ids[i] = rng.permutation(vocab)[:w]
+    ids[::3, 2:], values[::3, 2:] = 0, 0.0
+    temperature = np.where(np.arange(n) % 2 == 0, 0.0, 0.8).astype(np.float32)
+    seeds, steps = rng.integers(0, 2**32, size=n).astype(np.uint32), rng.integers(0, 100, size=n).astype(np.int32)
+    tokens = np.asarray(_sample(logits, temperature, np.full(n, -1, np.int32), np.ones(n, np.float32), seeds, steps,
+                                None, ids, values))
+    for i in range(n):
+        biased = logits[i].astype(np.float32).copy()
+        np.add.at(biased, ids[i], values[i])
+        if temperature[i] == 0:
+            assert tokens[i] == np.argmax(biased), i
+        else:
+            key = jax.random.fold_in(jax.random.key(int(seeds[i])), int(steps[i]))
+            assert tokens[i] == int(jax.random.categorical(key, biased / temperature[i], mode="high")), i
+    banned = np.array([[int(np.argmax(_LOGITS)), 3, 0, 0]], np.int32)
+    ban = np.array([[-np.inf, -np.inf, 0.0, 0.0]], np.float32)
+    many = run_sample(np.broadcast_to(_LOGITS, (N_SEEDS, _V)), 1.0, -1, 1.0, np.arange(N_SEEDS) * 7919 + 11, 0)
+    drawn = np.asarray(_sample(np.broadcast_to(_LOGITS, (N_SEEDS, _V)), np.ones(N_SEEDS, np.float32),
+                               np.full(N_SEEDS, -1, np.int32), np.ones(N_SEEDS, np.float32),
+                               (np.arange(N_SEEDS) * 7919 + 11).astype(np.uint32), np.zeros(N_SEEDS, np.int32), None,
+                               np.repeat(banned, N_SEEDS, 0), np.repeat(ban, N_SEEDS, 0)))
+    assert not np.isin(drawn, banned[0, :2]).any() and np.isin(many, banned[0, :2]).any()
+    keep = np.ones(_V, bool)
+    keep[banned[0, :2]] = False
+    stat, df = chi2_stat(np.bincount(drawn, minlength=_V), np_softmax(np.where(keep, _LOGITS, -np.inf)))
+    assert stat < chi2_critical(df)

@@ -94,9 +94,9 @@ def test_token_id_prompt_seed_and_stop(client, offline):
     assert got.choices[0].finish_reason == "stop"
 
 
-def test_min_p_and_top_k_reach_the_engine(client, offline):
-    """vLLM's extra sampling fields: the same tokens as the library with the same values (min_p 1 keeps only the
-    top token, so the hot request is the greedy one)."""
+def test_min_p_top_k_min_tokens_and_logit_bias_reach_the_engine(client, offline):
+    """vLLM's extra sampling fields and OpenAI's logit_bias: the same tokens as the library with the same values
+    (min_p 1 keeps only the top token, so the hot request is the greedy one)."""
     ids = [256, 72, 105, 33, 10, 40]
     greedy = offline.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0]
     got = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=1.5, seed=3,
@@ -107,6 +107,15 @@ def test_min_p_and_top_k_reach_the_engine(client, offline):
     got = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=1.2, seed=3,
                                     extra_body={"min_p": 0.2, "top_k": 20, "ignore_eos": True})
     assert got.choices[0].text == ref.text
+    # OpenAI's logit_bias (string keys) and vLLM's min_tokens: a stop token the greedy run would stop at first
+    stop = greedy.token_ids[0]
+    params = SamplingParams(max_tokens=8, temperature=0, logit_bias={72: 2.0, stop + 1: -1.5}, min_tokens=3,
+                            stop_token_ids=[stop])
+    ref = offline.generate([ids], params)[0].outputs[0]
+    got = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0,
+                                    logit_bias={"72": 2, str(stop + 1): -1.5},
+                                    extra_body={"min_tokens": 3, "stop_token_ids": [stop]})
+    assert got.choices[0].text == ref.text and len(ref.token_ids) > 3
 
 
 def test_n_choices_with_seed(client):
@@ -175,7 +184,10 @@ def test_sse_wire_format_ends_with_done(url):
     (dict(prompt="a", extra_body={"min_p": 1.5}), "min_p", r"min_p must be in \[0, 1\], got 1.5"),
     (dict(prompt="a", presence_penalty=0.5), "presence_penalty", "not supported"),
     # vLLM's extensions that change what is sampled: refused, not silently ignored
-    (dict(prompt="a", extra_body={"min_tokens": 10}), "min_tokens", "not supported"),
+    (dict(prompt="a", extra_body={"min_tokens": 10}), "min_tokens", r"from 0 to max_tokens \(4\), got 10"),
+    (dict(prompt="a", logit_bias={"x1": 1}), "logit_bias", "keys must be token ids"),
+    (dict(prompt="a", logit_bias={"5": 101}), "logit_bias", r"values must be in \[-100, 100\], got 101"),
+    (dict(prompt="a", logit_bias={"320": 1}), "logit_bias", r"token ids must be in \[0, 320\)"),
     (dict(prompt="a", logprobs=21), "logprobs", "between 0 and 20"),
     # choice j draws with seed + j, which must stay below 2**63 (not a 500 from the last choice's seed)
     (dict(prompt="a", n=2, seed=2**63 - 1), "seed", r"at most 2\*\*63 - 2"),
