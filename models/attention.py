@@ -1,6 +1,6 @@
 """Paged attention: the reference implementation of the attention contract (DESIGN.md), and the one switch.
 
-`paged_attention(q, cache, layer, meta) -> (out, lse)`: every query token attends to the keys of its own sequence
+`paged_attention(q, k_cache, v_cache, layer, meta, *, block_pages, ...) -> (out, lse)`: every query token attends to the keys of its own sequence
 that sit in the paged cache at absolute positions <= its own (bottom-right causal: a step's query tokens are the
 last tokens of their sequence), grouped-query, accumulated in float32, log-sum-exp in natural log. Where each
 query token's keys are travels as one `AttentionMetadata`, passed whole to every implementation.
@@ -223,8 +223,8 @@ def paged_attention(q, k_cache, v_cache, layer, meta: AttentionMetadata, *, bloc
         The blocks skipped are ones every row of the row block masks entirely, which change nothing.
 
     Returns:
-      out [T, N, H] float32 and lse [T, N] float32 (natural log). (The Mosaic kernels give out in q's dtype, see
-      `attention`; callers take either.)
+      out [T, N, H] float32 and lse [T, N] float32 (natural log). (The Pallas and Mosaic kernels give out in q's
+      dtype unless asked for float32, see `attention`; callers take either.)
     """
     T, N, H = q.shape
     _, _, S, K, _ = k_cache.shape

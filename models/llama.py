@@ -108,7 +108,7 @@ def _layer(spec: ModelSpec, batch: StepBatch, carry, layer, kind: str = MIXED, p
     k = rope.apply_rope(k, batch.attn.positions, inv_freq)
     k_cache = k_cache.at[idx, batch.write_pages, batch.write_slots].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[idx, batch.write_pages, batch.write_slots].set(v.astype(v_cache.dtype))
-    # A KVP rank's out is a partial: float32 into the merge (the Mosaic kernels' own bf16 would round it first).
+    # A KVP rank's out is a partial: float32 into the merge (the kernels' own bf16 would round it first).
     partial = lax.axis_size(KVP) > 1
     o, lse = attention(spec.attention, q, k_cache, v_cache, idx, batch.attn, block_pages=spec.block_pages,
                        precision=prec, kind=kind, out_dtype=jnp.float32 if partial else None, plan=plan,

@@ -3,7 +3,8 @@
 Layer weights are stacked over layers ([L, ...]: the module's, the checkpoints' and the sharding table's layout,
 `spp` splitting L into stages); the step reads them per layer, each a buffer of its own (`split_layers`), since a
 loop over stacked weights makes XLA copy every layer's slice each step.
-Letters: L layers, D hidden, H heads, K kv heads, Dh head dim, F MLP width, V vocab.
+Letters: L layers, D hidden, H heads, K kv heads, Dh head dim, F MLP width, V vocab (here; elsewhere N heads, H
+head dim).
 """
 from __future__ import annotations
 
@@ -110,16 +111,15 @@ def split_layers(params: dict, spp: int) -> dict:
     [spp, ...] (stage s's i-th layer at [s]) sharded over `spp` on its first axis, so that inside the step each
     layer's weights are a buffer of their own. From the stacked layout ([L, ...], split over `spp` on L): a layer
     loop over stacked weights slices them, and XLA copies every slice once a step (7 copies a layer, seen in the
-    compiled step and in GPU traces). Converts one weight name at a time, so the peak is the weights plus one name's.
+    compiled step and in GPU traces). Consumes `params["layers"]`: each stacked weight is deleted once split, one
+    name at a time, so the peak is the weights plus one name's (the caller must not use those arrays after).
     """
-    stacked = dict(params["layers"])
     per_name = {}
-    for name in sorted(stacked):
-        a = stacked.pop(name)
+    for name, a in sorted(params["layers"].items()):
         local = a.shape[0] // spp
         per_name[name] = jax.jit(lambda x: tuple(x.reshape(spp, local, *x.shape[1:])[:, i] for i in range(local)),
                                  out_shardings=(_layer_sharding(a.sharding),) * local)(a)
-        del a
+        a.delete()  # a reference kept by the caller's dict would hold it until the end
     num = len(next(iter(per_name.values())))
     return {**params, "layers": [{n: v[i] for n, v in per_name.items()} for i in range(num)]}
 
@@ -145,8 +145,9 @@ def abstract_step_params(config: LlamaConfig, *, dtype, tp: int, spp: int, shard
 
 
 def stack_layers(params: dict) -> dict:
-    """The stacked layout ([L, ...], split over `spp` on L) of step-layout parameters (`split_layers`), e.g. to
-    save a checkpoint."""
+    """The stacked layout ([L, ...], split over `spp` on L) of step-layout parameters (`split_layers`): the mesh
+    layout, not the checkpoint's where they differ (zero layers padding L to a multiple of spp, KV heads repeated
+    up to tp), which `save_params` refuses, naming the shape."""
     from jax.sharding import NamedSharding
 
     layers = params["layers"]

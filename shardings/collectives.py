@@ -15,15 +15,6 @@ from shardings.mesh import KVP, SPP
 NEG = -1e30
 
 
-def vary_over(x, axes: tuple[str, ...]):
-    """Marks `x` as holding different values on each device of `axes` (shard_map's varying-axes type).
-
-    Needed for a loop carry that starts the same everywhere but is updated with device-local weights, such as
-    the residual stream entering a pipeline stage's layers.
-    """
-    return lax.pcast(x, axes, to="varying")
-
-
 def kvp_merge(out, lse, shared):
     """Exact online-softmax merge of partial attention over the KVP ranks, for the rows marked `shared`.
 

@@ -161,6 +161,21 @@ class Packing:
         return jax.tree.unflatten(self.treedef, out)
 
 
+def _per_instance(method):
+    """Caches `method`'s results per executor and arguments, in the executor: a class-level `lru_cache` holds every
+    executor that ever ran a step, and its weights and KV cache with it, after its engine is gone."""
+    name = f"_cached_{method.__name__}"
+
+    @functools.wraps(method)
+    def cached(self, *args):
+        memo = self.__dict__.setdefault(name, {})
+        if args not in memo:
+            memo[args] = method(self, *args)
+        return memo[args]
+
+    return cached
+
+
 class _Slots:
     """One KVP rank's sequence slots of the device page table: who holds each, and how much of the holder's page
     list the device has (`sent` pages of list `key`, the last of them `last`, to catch a list that changed)."""
@@ -188,6 +203,10 @@ class _Slots:
 
 
 class Executor:
+    """The device side of the engine: the weights, the paged KV cache and page table on the mesh, and the compiled
+    step of each shape. `prepare` turns a `StepPlan` into a micro-batch's host arrays, `launch` / `collect` run it
+    (through the `spp` pipeline) and hand back each chunk's sampled token and log-probs."""
+
     _one_token_scalars = True
     """`prepare` lays out a one-token chunk (a decode) by scalar writes rather than the general path's array
     operations: the same arrays, about 5x less host time for a batch of decodes (tests compare the two)."""
@@ -368,7 +387,7 @@ class Executor:
         self._updates = [[] for _ in range(self.kvp)]
         self.apply_table_updates(updates)
 
-    @functools.lru_cache(maxsize=None)
+    @_per_instance
     def _no_updates(self, U: int) -> np.ndarray:
         """Updates [kvp, 2, U] that change nothing: every index past the table (dropped), pages 0 (read only:
         cached)."""
@@ -588,7 +607,7 @@ class Executor:
                               *(m.batch for m in self.in_flight))
         return T, (stages, leaving.rows, leaving.sampling, entering.src), leaving
 
-    @functools.lru_cache(maxsize=None)
+    @_per_instance
     def host_template(self, T: int, R: int):
         """Zero host arrays of the shapes and dtypes `_host_args` gives for T token rows and R logits rows (what
         a multi-host follower receives into; read only, so cached per shape)."""
@@ -640,7 +659,7 @@ class Executor:
 
         return multihost_utils.process_allgather(out, tiled=True)  # global arrays: their full value
 
-    @functools.lru_cache(maxsize=None)
+    @_per_instance
     def _register_alloc(self, T: int):
         """A jitted allocator of a zero register of T rows (cached: building one costs ~30 ms on a CPU)."""
         shape = (self.kvp, self.spp, T, self.spec.config.hidden_size)

@@ -167,6 +167,20 @@ def test_logit_bias_and_min_tokens_beyond_the_slots_are_refused(ckpt):
         LLM(model=ckpt, max_logit_bias=-1)
 
 
+def test_a_deleted_engine_gives_its_executor_back():
+    """Nothing keeps an engine's executor (its weights and KV cache) once the `LLM` is gone: a notebook that builds
+    another model gets the memory back. (Class-level caches of the executor's methods held every one.)"""
+    import gc
+    import weakref
+
+    llm = LLM(model="tiny", page_size=4, max_model_len=64, max_num_batched_tokens=32)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))
+    executor = weakref.ref(llm.engine.executor)
+    del llm
+    gc.collect()
+    assert executor() is None
+
+
 def test_logprobs_shapes(llm):
     prompt = _prompts((11,))[0]
     out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.8, seed=3, logprobs=3,

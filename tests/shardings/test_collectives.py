@@ -6,12 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.attention import dense_attention_reference
-from shardings.collectives import NEG, from_last_stage, kvp_merge, pipeline_shift, vary_over
+from shardings.collectives import NEG, from_last_stage, kvp_merge, pipeline_shift
 from shardings.mesh import KVP, SPP, TP, make_mesh
 
 N, K, H = 4, 2, 8  # query heads, kv heads (GQA), head dim
@@ -171,29 +170,6 @@ def test_from_last_stage_gives_every_stage_the_last_stages_value(mesh_shape):
     got = np.asarray(f(*_put(mesh, spec, x)))
     for s in range(spp):
         np.testing.assert_array_equal(got[:, s], x[:, -1])
-
-
-def test_vary_over_keeps_values_and_lets_a_replicated_carry_take_stage_local_updates():
-    """A residual stream that enters every stage equal and is updated by the stage's own weights in a scan."""
-    mesh = make_mesh(2, 2, 2)
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((6, 4)).astype(np.float32)
-    w = rng.standard_normal((2, 3, 4)).astype(np.float32)  # [spp, layers per stage, D]
-
-    def body(x, w):
-        y = vary_over(x, (SPP,))
-        same = y
-        y, _ = lax.scan(lambda c, wl: (c * 0.5 + wl, None), y, w[0])
-        return same[None], y[None]
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(SPP)), out_specs=(P(SPP), P(SPP))))
-    same, got = (np.asarray(a) for a in f(*_put(mesh, P(), x), *_put(mesh, P(SPP), w)))
-    for s in range(2):
-        np.testing.assert_array_equal(same[s], x)
-        want = x.astype(np.float64)
-        for layer in range(3):
-            want = want * 0.5 + w[s, layer]
-        np.testing.assert_allclose(got[s], want, rtol=1e-6, atol=1e-6)
 
 
 def test_kvp_merge_refuses_partials_rounded_to_16_bits():
