@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI), served by `python -m mnemojax.serve`.
 
 Endpoints: POST /v1/completions (`completions.py`), POST /v1/chat/completions (`chat.py`), GET /v1/models,
-vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info (`tokenization.py`), GET /health, GET /metrics, and
-the admin POST /reset_prefix_cache (forgets the engine's cached KV pages). Streaming responses are server-sent
+vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info (`tokenization.py`), GET /health (and vLLM's GET/POST
+/ping, the same answer), GET /version, GET /metrics, and the admin POST /reset_prefix_cache (forgets the engine's cached KV pages). Streaming responses are server-sent
 events (`data: {json}` lines) ending with `data: [DONE]`.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`:
@@ -11,7 +11,7 @@ Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`:
   of range, more stop strings, stop characters, stop token ids or choices than the server's limits, an unknown
   chat role, a field the server cannot honour (structured output, tools);
 - 401 a missing or wrong API key (only when the server has one, for /v1, the tokenizer endpoints and admin paths;
-  /health and /metrics stay open);
+  /health, /ping, /version and /metrics stay open);
 - 404 an unknown model name (OpenAI's and vLLM's status);
 - 408 the body did not arrive within the body timeout;
 - 413 a body larger than the limit;
@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import importlib.metadata
 import json
 import logging
 
@@ -189,6 +190,12 @@ def build_app(llm: EngineClient, config: ServerConfig | None = None, **overrides
         if st.draining:
             return error_response(503, "the server is shutting down")
         return {}
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's probe): /health's answer
+
+    @app.get("/version")
+    async def version():
+        return {"version": importlib.metadata.version("mnemojax")}
 
     @app.get("/metrics")
     async def metrics():

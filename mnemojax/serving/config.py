@@ -17,8 +17,8 @@ class ServerConfig:
     port: int = 8000
     """Port to listen on (0 to 65535; 0 lets the system pick a free one)."""
     api_key: str | None = None
-    """Require `Authorization: Bearer <key>` on /v1 endpoints (/health and /metrics stay open). The process list
-    shows it: prefer --api_key_file or the MNEMOJAX_API_KEY environment variable."""
+    """Require `Authorization: Bearer <key>` on /v1 endpoints (/health, /ping, /version and /metrics stay open). The
+    process list shows it: prefer --api_key_file or the MNEMOJAX_API_KEY environment variable."""
     api_key_file: str | None = None
     """Read the API key from this file (its first line)."""
     served_model_name: str | None = None

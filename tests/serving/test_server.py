@@ -6,6 +6,8 @@ with the offline `LLM` on the same engine configuration: the server must return 
 import asyncio
 import json
 import logging
+import pathlib
+import re
 import time
 
 import httpx
@@ -64,6 +66,10 @@ def _lps(out):
 def test_models_and_health(client, url):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(f"{url}/health").status_code == 200
+    # vLLM's /ping (GET and POST: /health's answer) and /version (the installed package's)
+    assert httpx.get(f"{url}/ping").status_code == httpx.post(f"{url}/ping").status_code == 200
+    pyproject = (pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert httpx.get(f"{url}/version").json() == {"version": re.search(r'^version = "(.+)"', pyproject, re.M)[1]}
 
 
 def test_completions_equal_offline(client, offline):
@@ -296,7 +302,8 @@ def test_api_key(llm):
         assert httpx.post(f"{s.url}/v1/completions", json={"prompt": "a"}).status_code == 401
         ok = openai.OpenAI(base_url=f"{s.url}/v1", api_key="s3cret", max_retries=0)
         assert ok.completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens == 2
-        assert httpx.get(f"{s.url}/health").status_code == 200  # health and metrics stay open
+        assert httpx.get(f"{s.url}/health").status_code == 200  # health, ping, version and metrics stay open
+        assert httpx.get(f"{s.url}/ping").status_code == httpx.get(f"{s.url}/version").status_code == 200
         assert httpx.get(f"{s.url}/metrics").status_code == 200
     finally:
         s.stop()
@@ -481,6 +488,7 @@ def test_engine_failure_is_answered_not_hung():
         r = httpx.post(f"{s.url}/reset_prefix_cache", timeout=10)
         assert r.status_code == 500 and "engine thread has stopped" in r.json()["error"]["message"]
         assert httpx.get(f"{s.url}/health").status_code == 503  # vLLM's: a probe takes the replica out
+        assert httpx.get(f"{s.url}/ping").status_code == httpx.post(f"{s.url}/ping").status_code == 503
     finally:
         s.stop()
 
