@@ -371,12 +371,14 @@ class OpenAIServing:
         return True
 
     # ------------------------------------------------------------ responses
-    async def respond(self, request: Request, stream: bool, include_usage: bool, choices: list[Choice]):
-        """The whole response, or a stream of chunks ending with [DONE]."""
+    async def respond(self, request: Request, stream: bool, include_usage: bool, choices: list[Choice],
+                      continuous_usage: bool = False):
+        """The whole response, or a stream of chunks ending with [DONE] (`continuous_usage`: each chunk with its
+        choice's usage so far, vLLM's `continuous_usage_stats`)."""
         rid, created = f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": self.state.served_model_name}
         if stream:
-            return StreamingResponse(self._guarded(self._events(rid, head, choices, include_usage)),
+            return StreamingResponse(self._guarded(self._events(rid, head, choices, include_usage, continuous_usage)),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         if not await self.run_to_end(request, rid, choices):
@@ -384,20 +386,28 @@ class OpenAIServing:
         return {**head, "object": self.object_name, "choices": [self.whole_choice(c, c.take()) for c in choices],
                 "usage": self.usage(choices), **self.response_fields(choices)}
 
-    async def _events(self, rid: str, head: dict, choices: list[Choice], include_usage: bool):
+    async def _events(self, rid: str, head: dict, choices: list[Choice], include_usage: bool,
+                      continuous_usage: bool = False):
         def chunk(choices_, **extra):
             return sse({**head, "object": self.stream_object, "choices": choices_, **extra})
 
+        def choice_chunk(c: Choice, data: dict):
+            if not continuous_usage:
+                return chunk([data])
+            n = len(c.prompt_ids)  # vLLM's: the choice's prompt and the tokens it has streamed so far
+            return chunk([data], usage={"prompt_tokens": n, "completion_tokens": c.num_tokens,
+                                        "total_tokens": n + c.num_tokens})
+
         for c in choices:
             for pre in self.preamble(c):
-                yield chunk([pre])
+                yield choice_chunk(c, pre)
         async for _ in self.run(rid, choices, paced=True):
             for c in choices:
                 offset = c.taken_chars
                 co = c.take()
                 if co is None or (not co.text and not co.token_ids and co.finish_reason is None):
                     continue
-                yield chunk([self.stream_choice(c, co, offset)])
+                yield choice_chunk(c, self.stream_choice(c, co, offset))
         if include_usage:
             yield chunk([], usage=self.usage(choices))
         yield DONE

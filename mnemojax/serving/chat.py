@@ -36,7 +36,7 @@ class ServingChat(OpenAIServing):
                 raise
             # the prompt is the messages through the chat template: name the field the client sent
             raise APIError(e.status, f"messages (through the chat template): {e.message}", "messages") from None
-        return await self.respond(request, body.stream, body.include_usage, choices)
+        return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage)
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         """The token ids of `messages` through the tokenizer's chat template (400 naming `messages` if it fails)."""

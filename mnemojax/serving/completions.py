@@ -41,7 +41,7 @@ class ServingCompletion(OpenAIServing):
                                 f"{self.state.served_model_name!r} has none", "echo")
         choices = self.admit(prompts, params, body.n, rest_of_context=rest, show_prompt_logprobs=body.prompt_logprobs,
                              echo=body.echo, discard_output=max_tokens == 0)
-        return await self.respond(request, body.stream, body.include_usage, choices)
+        return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage)
 
     def logprobs(self, c: Choice, ids: list[int], lps: list[dict | None], offsets: list[int]) -> dict | None:
         """OpenAI's completion logprobs of tokens `ids`, whose text starts at `offsets` of the choice's text; an entry

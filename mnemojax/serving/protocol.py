@@ -46,6 +46,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(default=False, description="vLLM's: with include_usage, every chunk "
+                                                                    "carries its choice's usage so far")
 
 
 class _SamplingRequest(_Strict):
@@ -128,6 +130,11 @@ class _SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`, which counts only with `include_usage`."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingRequest):

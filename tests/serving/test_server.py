@@ -166,6 +166,33 @@ def test_streamed_text_equals_whole_text(client):
     assert chunks[-1].usage.completion_tokens == 20
 
 
+def test_continuous_usage_stats_count_each_choices_tokens_so_far(client):
+    """vLLM's `continuous_usage_stats` (with `include_usage`): each chunk carries its choice's prompt tokens and the
+    tokens it has generated so far (never fewer than its chunks have shown: a token whose text is an incomplete
+    character is counted when generated, shown later; all 6 by its last chunk); without `include_usage` it adds
+    nothing, and `include_usage` alone puts usage in the last chunk only."""
+    kw = dict(model="tiny", prompt=[256, 72, 105], max_tokens=6, temperature=0.8, seed=5, logprobs=0, n=2,
+              stream=True, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(**kw, stream_options={"include_usage": True,
+                                                                   "continuous_usage_stats": True}))
+    shown, counted = {0: 0, 1: 0}, {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        shown[choice.index] += len(choice.logprobs.tokens) if choice.logprobs else 0
+        assert c.usage.prompt_tokens == 3 and c.usage.total_tokens == 3 + c.usage.completion_tokens
+        assert shown[choice.index] <= c.usage.completion_tokens and counted[choice.index] <= c.usage.completion_tokens
+        counted[choice.index] = c.usage.completion_tokens
+        if choice.finish_reason is not None:
+            assert c.usage.completion_tokens == 6
+    assert shown == counted == {0: 6, 1: 6} and not chunks[-1].choices
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, 12)
+    plain = list(client.completions.create(**kw, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 12
+    alone = list(client.completions.create(**kw, stream_options={"continuous_usage_stats": True,
+                                                                  "include_usage": False}))
+    assert all(c.usage is None for c in alone)
+
+
 def test_sse_wire_format_ends_with_done(url):
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
