@@ -5,14 +5,15 @@ plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_toke
 `include_stop_str_in_output`). Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
-honour (penalties, `suffix`, `best_of`, `echo` or `prompt_logprobs` with `stream`, a `response_format` other than
-text, `tools`, a `tool_choice` other than none or auto) are accepted in the schema and rejected with a 400 naming
-them when set, never silently dropped; so is `stream_options` without `stream`. Range checks live in
+honour (penalties, `suffix`, `best_of`, `echo` or `prompt_logprobs` with `stream`, vLLM's guided decoding, beam
+search and the other fields in `_UNHONOURED`, a `response_format` other than text, `tools`, a `tool_choice` other
+than none or auto) are accepted in the schema and rejected with a 400 naming them when set, never silently
+dropped; so is `stream_options` without `stream`. Range checks live in
 `SamplingParams` and the engine, so the server and the library share one set of limits and messages.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
@@ -42,6 +43,30 @@ Text = Annotated[str, AfterValidator(_unicode)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _refuse_unhonoured(body: BaseModel, fields: dict[str, tuple]) -> None:
+    """400 (a `ParamError` naming it) for the first of `fields` set to something other than its neutral values: a
+    field that would change the output is refused, never silently dropped."""
+    for name, neutral in fields.items():
+        value = getattr(body, name)
+        if not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
+            shown = ", ".join(repr(n) for n in neutral if n is not None) or "unset"
+            raise ParamError(name, f"{name} is not supported (only {shown})")
+
+
+_UNHONOURED = {  # vLLM's request fields mnemojax does not implement, and the values that change nothing
+    "allowed_token_ids": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0, 1), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "priority": (None, 0),
+    "truncate_prompt_tokens": (None,), "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False), "logits_processors": (None,),
+}
+_CHAT_UNHONOURED = {  # and those of chat requests
+    "echo": (None, False), "continue_final_message": (None, False), "add_special_tokens": (None, False),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
+}
+_COMPLETION_UNHONOURED = {"add_special_tokens": (None, True)}
 
 
 class StreamOptions(_Strict):
@@ -74,8 +99,24 @@ class _SamplingRequest(_Strict):
     prompt_logprobs: int | None = Field(default=None, description=f"vLLM's: top log-probs per prompt token, "
                                                                   f"0..{MAX_LOGPROBS}; not with stream")
     response_format: dict | None = Field(default=None, description='only {"type": "text"} (no structured output)')
+    # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    priority: Any = None
+    truncate_prompt_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    logits_processors: Any = None
 
     def _check_unsupported(self) -> None:
+        _refuse_unhonoured(self, _UNHONOURED)
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ParamError(name, f"{name} is not supported (only 0)")
@@ -146,6 +187,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: Any = None  # vLLM's: only true for text prompts (the default: the text gets BOS)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: strings or token-id lists."""
@@ -170,6 +212,9 @@ class CompletionRequest(_SamplingRequest):
             raise ParamError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", "best_of is not supported (only equal to n)")
+        texts = isinstance(self.prompt, str) or any(isinstance(p, str) for p in self.prompt)
+        if texts:  # token ids are taken as they are (vLLM's), whatever it says
+            _refuse_unhonoured(self, _COMPLETION_UNHONOURED)
 
 
 class ContentPart(_Strict):
@@ -202,10 +247,18 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     tools: list | None = None
     tool_choice: str | dict | None = None
+    # vLLM's chat fields mnemojax does not implement (refused unless neutral)
+    echo: Any = None
+    continue_final_message: Any = None
+    add_special_tokens: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
 
     def check(self) -> None:
         if not self.messages:
             raise ParamError("messages", "messages must not be empty")
+        _refuse_unhonoured(self, _CHAT_UNHONOURED)
         if self.tools:
             raise ParamError("tools", "tools are not supported (no tool calling)")
         if self.tool_choice not in (None, "none", "auto"):

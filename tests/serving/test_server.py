@@ -256,6 +256,36 @@ def test_bad_chat_input_is_400(client):
     assert e.value.body["param"] == "seed"
 
 
+@pytest.mark.parametrize("endpoint, field, value", [
+    ("completions", "guided_json", {"type": "object"}), ("completions", "guided_choice", ["yes", "no"]),
+    ("completions", "allowed_token_ids", [1, 2]), ("completions", "bad_words", ["x"]),
+    ("completions", "use_beam_search", True), ("completions", "structured_outputs", {"regex": "a+"}),
+    ("completions", "priority", 5), ("completions", "truncate_prompt_tokens", 3),
+    ("completions", "spaces_between_special_tokens", False), ("completions", "return_tokens_as_token_ids", True),
+    ("completions", "add_special_tokens", False),
+    ("chat", "echo", True), ("chat", "continue_final_message", True), ("chat", "add_special_tokens", True),
+    ("chat", "chat_template", "{{ messages }}"), ("chat", "chat_template_kwargs", {"enable_thinking": False}),
+    ("chat", "guided_regex", "a+"),
+])
+def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, field, value):
+    """vLLM's request fields mnemojax does not implement: a 400 naming the field when set to anything but its
+    neutral value (which passes), never silently ignored."""
+    kw = dict(model="tiny", max_tokens=2, temperature=0)
+    create = client.completions.create if endpoint == "completions" else client.chat.completions.create
+    kw.update(prompt="a") if endpoint == "completions" else kw.update(messages=[{"role": "user", "content": "a"}])
+    with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as e:
+        create(**kw, extra_body={field: value})
+    assert e.value.body["param"] == field
+    neutral = {"bad_words": [], "use_beam_search": False, "priority": 0, "spaces_between_special_tokens": True,
+               "return_tokens_as_token_ids": False, "add_special_tokens": endpoint == "completions",
+               "echo": False, "continue_final_message": False, "chat_template_kwargs": {}}
+    if field in neutral:
+        assert create(**kw, extra_body={field: neutral[field]}).usage.completion_tokens == 2
+    if field == "add_special_tokens" and endpoint == "completions":  # token ids are taken as they are
+        assert client.completions.create(model="tiny", prompt=[1, 2], max_tokens=2,
+                                         extra_body={field: False}).usage.completion_tokens == 2
+
+
 def test_chat_logprob_bytes_are_the_tokens_bytes(client):
     """A chat logprob's `bytes` are the token's own bytes (a token that is a piece of a UTF-8 character included,
     shown as `bytes:\\xNN`), so that joined they are the content's bytes."""
