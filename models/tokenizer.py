@@ -88,9 +88,10 @@ class ByteTokenizer:
         return "".join(parts)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False,
-                            return_dict: bool = False):
+                            return_dict: bool = False, **template_variables):
         """The conversation as text (`tokenize=False`), or as token ids; `return_dict=True` wraps the ids as
-        `{"input_ids": ids}` like a Hugging Face tokenizer. The text starts with BOS (see the class docstring)."""
+        `{"input_ids": ids}` like a Hugging Face tokenizer. The text starts with BOS (see the class docstring).
+        `template_variables` are accepted as a Jinja template's are, and unused: this template reads none."""
         text = self.bos_token + "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
         if add_generation_prompt:
             text += "<|assistant|>\n"

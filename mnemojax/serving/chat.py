@@ -8,6 +8,11 @@ from mnemojax.scheduling.sampling_params import ParamError
 from mnemojax.serving.base import APIError, Choice, OpenAIServing, bad_request
 from mnemojax.serving.protocol import ChatCompletionRequest, ChatMessage
 
+_RENDER_ARGUMENTS = frozenset({"conversation", "messages", "add_generation_prompt", "tokenize", "return_dict",
+                               "chat_template", "tools", "documents", "continue_final_message", "tokenizer_kwargs",
+                               "return_assistant_tokens_mask", "padding", "truncation", "max_length"})
+"""`apply_chat_template`'s own arguments: not template variables, so not for `chat_template_kwargs` to set."""
+
 
 class ServingChat(OpenAIServing):
     object_name = "chat.completion"
@@ -20,7 +25,7 @@ class ServingChat(OpenAIServing):
             body.check()
         except ParamError as e:
             raise bad_request(e) from None
-        prompt_ids = self.render(body.messages, body.add_generation_prompt)
+        prompt_ids = self.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         max_tokens = body.token_limit
         if max_tokens is None:  # the room left in what one request can hold (max_model_len, or the KV pages' tokens)
             max_tokens = max(self.llm.max_request_tokens - len(prompt_ids), 1)
@@ -38,14 +43,21 @@ class ServingChat(OpenAIServing):
             raise APIError(e.status, f"messages (through the chat template): {e.message}", "messages") from None
         return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage)
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """The token ids of `messages` through the tokenizer's chat template (400 naming `messages` if it fails)."""
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool,
+               template_kwargs: dict | None = None) -> list[int]:
+        """The token ids of `messages` through the tokenizer's chat template, `template_kwargs` (vLLM's
+        `chat_template_kwargs`) as more template variables (400 naming `messages` if it fails)."""
         if self.tokenizer is None:
             raise APIError(400, f"model {self.state.served_model_name!r} has no tokenizer, so no chat template; "
                                 "use /v1/completions with token ids", "messages")
+        reserved = sorted(set(template_kwargs or ()) & _RENDER_ARGUMENTS)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved}: the request's own fields do",
+                           "chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                                      add_generation_prompt=add_generation_prompt, tokenize=False)
+                                                      add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                      **(template_kwargs or {}))
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         except Exception as e:  # noqa: BLE001 - a template error is the caller's messages
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None

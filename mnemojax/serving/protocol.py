@@ -64,7 +64,7 @@ _UNHONOURED = {  # vLLM's request fields mnemojax does not implement, and the va
 }
 _CHAT_UNHONOURED = {  # and those of chat requests
     "echo": (None, False), "continue_final_message": (None, False), "add_special_tokens": (None, False),
-    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
+    "chat_template": (None,), "documents": (None,),
 }
 _COMPLETION_UNHONOURED = {"add_special_tokens": (None, True)}
 
@@ -252,8 +252,9 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: Any = None
     add_special_tokens: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     documents: Any = None
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="vLLM's: more variables for the "
+                                                                                   "chat template")
 
     def check(self) -> None:
         if not self.messages:
@@ -289,12 +290,15 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in a chat request
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ParamError("prompt", "give exactly one of prompt and messages")
         if self.messages is not None and not self.messages:
             raise ParamError("messages", "messages must not be empty")
+        if self.chat_template_kwargs and self.messages is None:
+            raise ParamError("chat_template_kwargs", "chat_template_kwargs needs messages (it feeds the chat template)")
 
 
 class DetokenizeRequest(_Strict):

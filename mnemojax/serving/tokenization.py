@@ -30,7 +30,7 @@ class ServingTokenization(OpenAIServing):
         except ParamError as e:
             raise bad_request(e) from None
         if body.messages is not None:
-            ids = self.chat.render(body.messages, body.add_generation_prompt)
+            ids = self.chat.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         else:
             ids = list(self._tokenizer("prompt").encode(body.prompt, add_special_tokens=body.add_special_tokens))
         return {"count": len(ids), "max_model_len": self.llm.max_model_len, "tokens": ids,

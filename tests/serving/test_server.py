@@ -264,7 +264,7 @@ def test_bad_chat_input_is_400(client):
     ("completions", "spaces_between_special_tokens", False), ("completions", "return_tokens_as_token_ids", True),
     ("completions", "add_special_tokens", False),
     ("chat", "echo", True), ("chat", "continue_final_message", True), ("chat", "add_special_tokens", True),
-    ("chat", "chat_template", "{{ messages }}"), ("chat", "chat_template_kwargs", {"enable_thinking": False}),
+    ("chat", "chat_template", "{{ messages }}"),
     ("chat", "guided_regex", "a+"),
 ])
 def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, field, value):
@@ -278,7 +278,7 @@ def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, 
     assert e.value.body["param"] == field
     neutral = {"bad_words": [], "use_beam_search": False, "priority": 0, "spaces_between_special_tokens": True,
                "return_tokens_as_token_ids": False, "add_special_tokens": endpoint == "completions",
-               "echo": False, "continue_final_message": False, "chat_template_kwargs": {}}
+               "echo": False, "continue_final_message": False}
     if field in neutral:
         assert create(**kw, extra_body={field: neutral[field]}).usage.completion_tokens == 2
     if field == "add_special_tokens" and endpoint == "completions":  # token ids are taken as they are
@@ -584,6 +584,42 @@ def test_a_request_whose_steps_fail_is_answered_and_the_server_serves_on(monkeyp
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     finally:
         s.stop()
+
+
+def test_chat_template_kwargs_are_the_templates_variables(tmp_path, url):
+    """vLLM's `chat_template_kwargs`: more variables for the chat template, in chat requests and /tokenize, the
+    same ids as transformers' `apply_chat_template(..., **kwargs)`; the call's own arguments may not be set that
+    way (a 400 naming the field); the built-in template reads none, so they change nothing there."""
+    import transformers
+
+    from tests.hf_utils import make_hf_checkpoint
+
+    path = make_hf_checkpoint(tmp_path / "ckpt", weight_scale=8.0)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok.chat_template = "{% if note is defined %}[{{ note }}]{% endif %}" + tok.chat_template
+    tok.save_pretrained(path)
+    messages = [{"role": "user", "content": "Hello"}]
+    want = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, note="be brief"),
+                      add_special_tokens=False)
+    assert want != tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                              add_special_tokens=False)
+    served = AsyncLLM(path, max_model_len=128, page_size=4, max_num_batched_tokens=32)
+    s = ThreadServer(build_app(served, served_model_name="llama"))
+    try:
+        body = {"messages": messages, "chat_template_kwargs": {"note": "be brief"}}
+        assert httpx.post(f"{s.url}/tokenize", json=body).json()["tokens"] == want
+        got = httpx.post(f"{s.url}/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60).json()
+        assert got["usage"]["prompt_tokens"] == len(want)
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={**body, "chat_template_kwargs": {"tokenize": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+        r = httpx.post(f"{s.url}/tokenize", json={"prompt": "a", "chat_template_kwargs": {"note": "x"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    finally:
+        s.stop()
+        served.shutdown()
+    plain = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert httpx.post(f"{url}/tokenize", json={"messages": messages,
+                                              "chat_template_kwargs": {"note": "x"}}).json()["tokens"] == plain
 
 
 def test_hugging_face_checkpoint_uses_its_tokenizer_chat_template(tmp_path):
