@@ -144,15 +144,17 @@ class AsyncLLM:
     `step_failures_per_request` failed steps is ended with `EngineStepError` (it may be what makes them fail). A
     failure the engine did not recover from stops it, and every caller gets `EngineDeadError`: one in the recovery
     (a lost device fails its check there), one that is not an `Exception`, any in multi-host serving (the followers
-    cannot recover).
+    cannot recover), and the `max_failed_steps_in_a_row`-th failure with no step succeeding since the first (an
+    engine that fails whatever it runs: /health then says so, rather than answer every request with a 500).
     """
 
     def __init__(self, model: str = "tiny", *, engine: LLMEngine | None = None,
                  idle_tick: Callable[[], None] | None = None, idle_tick_s: float = 1.0,
-                 step_failures_per_request: int = 2, **kwargs):
-        if isinstance(step_failures_per_request, bool) or not isinstance(step_failures_per_request, int) \
-                or step_failures_per_request < 1:
-            raise ValueError(f"step_failures_per_request must be an integer >= 1, got {step_failures_per_request!r}")
+                 step_failures_per_request: int = 2, max_failed_steps_in_a_row: int = 10, **kwargs):
+        for name, value in (("step_failures_per_request", step_failures_per_request),
+                            ("max_failed_steps_in_a_row", max_failed_steps_in_a_row)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.engine = engine if engine is not None else LLMEngine(EngineConfig(model=model, **kwargs))
         self._commands: queue.Queue = queue.Queue()
         # set (under the lock) when the engine thread ends: a command queued after that would wait for ever, so
@@ -166,9 +168,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._idle_tick, self._idle_tick_s = idle_tick, idle_tick_s
-        self._failures_per_request = step_failures_per_request
+        self._failures_per_request, self._max_in_a_row = step_failures_per_request, max_failed_steps_in_a_row
         self._failures: dict[str, int] = {}  # failed steps each unfinished request was running in (engine thread)
-        self._step_failures = 0
+        self._step_failures = self._failures_in_a_row = 0
         self._stats = EngineStats()
         self._publish()
         self.num_waiting = 0  # callers' requests with no output yet (touched by the callers' loop only)
@@ -332,9 +334,9 @@ class AsyncLLM:
                                   step_time_prediction_error=e.prediction_error(),
                                   step_failures=self._step_failures)
 
-    def _finish(self, rid: str, last: RequestOutput) -> None:
-        """Forgets a finished request; sends its last output (a delta, for DELTA requests) to its caller, and its
-        whole output to the finished listeners."""
+    def _finish(self, rid: str, last: RequestOutput | BaseException) -> None:
+        """Forgets a finished request; sends its last output (a delta, for DELTA requests; or the error that ended
+        it) to its caller, and its whole output to the finished listeners."""
         whole = self.engine.pop_finished(rid)
         self._failures.pop(rid, None)
         self._send(rid, last)
@@ -344,23 +346,22 @@ class AsyncLLM:
     def _step_failed(self, error: Exception) -> None:
         """After a failed step (from which `LLMEngine` recovered by preempting everyone running): ends each request
         that has now run in `step_failures_per_request` failed steps with `EngineStepError`. Re-raises `error` (so
-        the engine stops) when the engine did not recover (multi-host serving, a failure in the recovery)."""
+        the engine stops) when the engine did not recover (multi-host serving, a failure in the recovery), or at
+        the `max_failed_steps_in_a_row`-th failure in a row."""
         e = self.engine
-        if e.last_failure_preempted is None:
+        self._failures_in_a_row += 1
+        if e.last_failure_preempted is None or self._failures_in_a_row >= self._max_in_a_row:
             raise error
         self._step_failures += 1
-        logger.error("a step failed; its running requests are computed again", exc_info=error)
+        logger.error("a step failed (%d in a row); its running requests are computed again", self._failures_in_a_row,
+                     exc_info=error)
         for rid in e.last_failure_preempted:
             n = self._failures[rid] = self._failures.get(rid, 0) + 1
             if n >= self._failures_per_request and rid in e.requests:
                 e.abort(rid)
-                whole = e.pop_finished(rid)
-                del self._failures[rid]
                 failed = EngineStepError(rid, n)
                 failed.__cause__ = error
-                self._send(rid, failed)
-                for fn in self._finished_listeners:
-                    fn(whole)
+                self._finish(rid, failed)  # the caller gets the error; the finished listeners its final output
 
     def _abort(self, rid: str) -> None:
         e = self.engine
@@ -434,6 +435,8 @@ class AsyncLLM:
                 except Exception as err:  # noqa: BLE001 - recovered from, or re-raised to stop the engine
                     self._step_failed(err)
                     outputs = []
+                else:
+                    self._failures_in_a_row = 0
                 for out in outputs:
                     if out.request_id not in e.requests:
                         continue  # aborted (and answered) while its chunk was in flight
@@ -450,5 +453,7 @@ class AsyncLLM:
                 self._send(rid, self._dead())
         finally:
             self._fail_pending()
-            self._publish()
-            self._deliver()  # what is queued (the final outputs of a stop's aborts, the errors of a failure)
+            try:
+                self._publish()
+            finally:
+                self._deliver()  # what is queued (the final outputs of a stop's aborts, the errors of a failure)

@@ -452,7 +452,7 @@ class Executor:
         rows: list[list[int]] = [[] for _ in range(K)]
         samp: list[list[tuple]] = [[] for _ in range(K)]
         refs: list[RowRef] = []
-        biases: list[tuple[int, int, list[tuple[int, float]]]] = []  # (rank, row, its (token, bias) entries)
+        biases: list[tuple[int, int, tuple[list, list]]] = []  # (rank, row, its (token ids, biases))
         logprobs = False
 
         def add_row(rank, row, chunk_i, token_index, req, target, is_sample):
@@ -469,11 +469,10 @@ class Executor:
             # valid requests of either kind must not overflow the cast and fail the step.
             samp[rank].append((0.0 if p.greedy else min(p.temperature, _F32_MAX), min(p.top_k, _I32_MAX), p.top_p,
                                (req.seed >> 32, req.seed & 0xFFFFFFFF), step, target, bool(num_top), p.min_p))
-            if is_sample and req.biased:
-                entries = list((p.logit_bias or {}).items())
-                if step < p.min_tokens:  # its stop tokens cannot end it yet
-                    entries += [(t, -np.inf) for t in req.stop_ids]
-                biases.append((rank, len(rows[rank]) - 1, entries))
+            if is_sample and req.bias_early is not None:
+                bias = req.bias_early if step < p.min_tokens else req.bias  # its stop tokens cannot end it yet
+                if bias is not None:
+                    biases.append((rank, len(rows[rank]) - 1, bias))
 
         def place(chunk_i, ch, rank, span_i, t0, is_shared, logits):
             req, s, n = ch.request, ch.start, ch.num_tokens
@@ -546,9 +545,9 @@ class Executor:
             pad_rows[r, :len(rows[r])] = rows[r]
             for j, values in enumerate(zip(*samp[r])) if samp[r] else []:
                 cols[j][r, :len(values)] = values
-        for r, row, entries in biases:  # at most W entries: `LLMEngine.validate` refused more
-            for i, (token, value) in enumerate(entries):
-                cols[8][r, row, i], cols[9][r, row, i] = token, value
+        for r, row, (ids, values) in biases:  # at most W of each: `LLMEngine.validate` refused more
+            cols[8][r, row, :len(ids)] = ids
+            cols[9][r, row, :len(values)] = values
         batch = StepBatch(token_ids=tok, write_pages=wpage, write_slots=wslot, shared=shared,
                           attn=AttentionMetadata(seq_ids=seq, positions=pos, page_table=table, kv_lens=kv_lens,
                                                  kv_start=kv_start))

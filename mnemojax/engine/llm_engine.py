@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import math
 import numbers
 import os
 import random
@@ -327,18 +328,18 @@ class LLMEngine:
         why = self.kv.capacity_error(total)
         if why is not None:
             raise ParamError("prompt", f"prompt + max_tokens: {why}")
-        biased = len(params.logit_bias or ())
-        banned = len(self._stop_ids(params)) if params.min_tokens else 0
-        if biased + banned > self.config.max_logit_bias:
+        biased = set(params.logit_bias or ())
+        banned = set(self._stop_ids(params)) if params.min_tokens else set()
+        if len(biased | banned) > self.config.max_logit_bias:
             field = "logit_bias" if biased else "min_tokens"
-            raise ParamError(field, f"logit_bias ({biased} tokens) and the stop tokens min_tokens bans ({banned}) "
-                                    f"bias {biased + banned} tokens, more than max_logit_bias "
+            raise ParamError(field, f"logit_bias ({len(biased)} tokens) and the stop tokens min_tokens bans "
+                                    f"({len(banned)}) bias {len(biased | banned)} tokens, more than max_logit_bias "
                                     f"({self.config.max_logit_bias}, an engine setting)")
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
-        """The tokens that end a request on being sampled: EOS (unless `ignore_eos`) and its `stop_token_ids`."""
-        eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        return tuple(sorted({*eos, *params.stop_token_ids}))
+        """The tokens `min_tokens` bans: EOS and the request's `stop_token_ids` (EOS even with `ignore_eos`, as
+        vLLM's `all_stop_token_ids`)."""
+        return tuple(sorted({*self.model_config.eos_token_ids, *params.stop_token_ids}))
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
@@ -360,7 +361,10 @@ class LLMEngine:
         req = Request(rid, prompt_ids, params, now if arrival_time is None else arrival_time, seed,
                       prompt=prompt if isinstance(prompt, str) else None)
         if params.logit_bias or params.min_tokens:
-            req.biased, req.stop_ids = True, self._stop_ids(params)
+            bias = dict(params.logit_bias or {})
+            early = {**bias, **dict.fromkeys(self._stop_ids(params), -math.inf)} if params.min_tokens else bias
+            req.bias = (list(bias), list(bias.values())) if bias else None
+            req.bias_early = (list(early), list(early.values()))
         self.scheduler.add(req)
         self.requests[rid] = req
         if self.tokenizer is not None:

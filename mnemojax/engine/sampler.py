@@ -29,6 +29,8 @@ All arithmetic is float32.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -148,12 +150,19 @@ def sample(
     Returns i32[N] token ids.
     """
     logits = logits.astype(jnp.float32)
-    if bias_ids is not None and bias_ids.shape[-1]:
-        # only when some row has a bias: the biased logits are a copy ([N, V], the log-probs read the raw ones)
-        rows = jnp.arange(logits.shape[0])[:, None]
-        logits = jax.lax.cond(jnp.any(bias_values != 0), lambda: logits.at[rows, bias_ids].add(bias_values),
-                              lambda: logits)
-    temperature = temperature.astype(jnp.float32)
+    pick = functools.partial(_pick, temperature=temperature.astype(jnp.float32), top_k=top_k, top_p=top_p,
+                             seeds=seeds, steps=steps, min_p=min_p)
+    if bias_ids is None or not bias_ids.shape[-1]:
+        return pick(logits)
+    # Only when some row has a bias do the biased logits exist (a copy: the log-probs read the raw ones); the cond
+    # returns tokens, so neither branch passes an [N, V] array through (XLA copied it twice).
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return jax.lax.cond(jnp.any(bias_values != 0), lambda: pick(logits.at[rows, bias_ids].add(bias_values)),
+                        lambda: pick(logits))
+
+
+def _pick(logits, *, temperature, top_k, top_p, seeds, steps, min_p) -> jax.Array:
+    """`sample` of logits already biased."""
     greedy = temperature < GREEDY_TEMPERATURE
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

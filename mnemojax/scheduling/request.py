@@ -58,10 +58,11 @@ class Request:
     token_times: list[float] = dataclasses.field(default_factory=list)
     finished_time: float | None = None
     num_preemptions: int = 0
-    # Sampling biases (`SamplingParams.logit_bias`, `min_tokens`): whether it has any, and the stop tokens (EOS
-    # unless ignored, stop_token_ids) that min_tokens bans until that many tokens are generated.
-    biased: bool = False
-    stop_ids: tuple[int, ...] = ()
+    # Sampling biases (`SamplingParams.logit_bias`, and -inf for the stop tokens `min_tokens` bans: EOS, even if
+    # ignored, and stop_token_ids), as the (token ids, biases) a logits row carries: `bias` after min_tokens
+    # tokens, `bias_early` before; None: no bias.
+    bias: tuple[list[int], list[float]] | None = None
+    bias_early: tuple[list[int], list[float]] | None = None
     # TTFT deadline (same clock as arrival_time) and its duration; set by the scheduler when it is added.
     ttft_deadline: float | None = None
     deadline_duration: float | None = None

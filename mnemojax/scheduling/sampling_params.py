@@ -55,8 +55,8 @@ class SamplingParams:
     """Most tokens to generate; at least 1."""
     min_tokens: int = 0
     """Fewest tokens to generate before a stop token (EOS, `stop_token_ids`) or stop string may end the request,
-    0..max_tokens (vLLM's): until then the stop tokens' logits are -inf, and a stop string ending in those tokens'
-    text is not a stop."""
+    0..max_tokens (vLLM's): until then the stop tokens' logits are -inf (EOS's even with `ignore_eos`, as vLLM
+    bans it), and a stop string ending in those tokens' text is not a stop."""
     temperature: float = 1.0
     """Softmax temperature, >= 0; below `GREEDY_TEMPERATURE` (e.g. 0) means greedy argmax."""
     top_p: float = 1.0
@@ -75,8 +75,9 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating past EOS (until max_tokens or a stop condition)."""
     logit_bias: dict[int, float] | None = None
-    """Token id -> a finite number added to its logit before sampling (greedy too) and before the temperature, as
-    vLLM and OpenAI do; log-probs stay those of the raw model distribution. None: no bias."""
+    """Token id -> a number in [-100, 100] (OpenAI's range) added to its logit before sampling (greedy too) and
+    before the temperature, as vLLM and OpenAI do; log-probs stay those of the raw model distribution. None: no
+    bias."""
     logprobs: int | None = None
     """Number of top log-probs to return per generated token, 0..MAX_LOGPROBS (the sampled token's
     log-prob is always included); None returns none."""
@@ -164,9 +165,12 @@ class SamplingParams:
 
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                    _is_int(t) and t >= 0 and _is_real(v) and math.isfinite(v) for t, v in self.logit_bias.items()):
-                raise ParamError("logit_bias", f"logit_bias must map token ids (ints >= 0) to finite numbers, got "
+                    _is_int(t) and t >= 0 and _is_real(v) for t, v in self.logit_bias.items()):
+                raise ParamError("logit_bias", f"logit_bias must map token ids (ints >= 0) to numbers, got "
                                                f"{self.logit_bias!r}")
+            bad = {t: v for t, v in self.logit_bias.items() if not -100 <= v <= 100}  # also refuses nan
+            if bad:
+                raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {bad}")
             if vocab_size is not None and any(t >= vocab_size for t in self.logit_bias):
                 bad = sorted(t for t in self.logit_bias if t >= vocab_size)
                 raise ParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}) (the vocabulary), "

@@ -191,7 +191,8 @@ class Scheduler:
         First every chunk stops being in flight (a request aborted meanwhile gets its pages back). Then, for each
         request still running, in plan order: its prompt log-probs are appended; a sampling chunk appends its
         token (and log-probs), stamped `now` (default: the clock), and the request stops at the first of: an EOS
-        token (unless `ignore_eos`), a stop token id, `max_tokens` generated, `max_model_len` tokens in all.
+        token (unless `ignore_eos`), a stop token id (either only once `min_tokens` are generated), `max_tokens`
+        generated, `max_model_len` tokens in all.
 
         Returns the requests that got a token, in plan order (what the detokenizer reads next).
         """
@@ -232,9 +233,10 @@ class Scheduler:
         if req.logprobs is not None:
             req.logprobs.append(out.logprobs)
         max_len = self.max_model_len
-        if out.token in self.eos_token_ids and not p.ignore_eos:
+        stops = len(req.output_token_ids) >= p.min_tokens  # vLLM's: before, the sampler bans the stop tokens
+        if stops and out.token in self.eos_token_ids and not p.ignore_eos:
             self.finish(req, "stop", None, now)
-        elif out.token in p.stop_token_ids:
+        elif stops and out.token in p.stop_token_ids:
             self.finish(req, "stop", out.token, now)
         elif len(req.output_token_ids) >= p.max_tokens or (max_len is not None and req.num_tokens >= max_len):
             self.finish(req, "length", None, now)

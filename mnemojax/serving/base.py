@@ -282,7 +282,7 @@ class OpenAIServing:
                     raise ParamError("prompt", "prompt must be a string, a list of token ids, or a list of either")
                 mine = params
                 if rest_of_context:
-                    ids = self.llm.validate(prompt, dataclasses.replace(params[0], max_tokens=1))
+                    ids = self.llm.validate(prompt, dataclasses.replace(params[0], max_tokens=1, min_tokens=0))
                     room = max(self.llm.max_request_tokens - len(ids), 1)
                     room = min(room, self.llm.default_sampling.get("max_tokens", room))  # the model's cap
                     mine = [dataclasses.replace(p, max_tokens=room) for p in params]

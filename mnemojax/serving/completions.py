@@ -29,6 +29,8 @@ class ServingCompletion(OpenAIServing):
             # absent: OpenAI's 16; an explicit null: the rest of what the request can hold (vLLM's), per prompt
             rest = body.max_tokens is None and "max_tokens" in body.model_fields_set
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
+            if rest:  # a stand-in until each prompt's room is known (`admit`), which min_tokens is checked against
+                max_tokens = max(max_tokens, body.min_tokens or 0)
             # echo shows the prompt's log-probs with the request's `logprobs` top entries: the engine computes as
             # many as the larger of that and `prompt_logprobs` asks for.
             wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]

@@ -145,6 +145,12 @@ def test_min_tokens_and_logit_bias_match_hf_generate(llm, ckpt):
         lp = torch.log_softmax(hf(torch.tensor([prompt + want])).logits[0].double(), -1)
     raw = lp[torch.arange(len(prompt) - 1, len(prompt) + 9), torch.tensor(want)].numpy()
     np.testing.assert_allclose([d[t] for d, t in zip(got.logprobs, got.token_ids)], raw, atol=1e-4, rtol=0)
+    # min_tokens bans EOS even with ignore_eos (vLLM's): EOS, made the greedy choice by its bias, comes only after
+    # the first 3 tokens (HF stops there: its first 4 tokens are ours), and then goes on (ignored)
+    pushed = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, min_tokens=3, logit_bias={EOS_ID: 100})
+    got = llm.generate([prompt], pushed)[0].outputs[0].token_ids
+    want = hf_generate(eos_token_id=[EOS_ID], min_new_tokens=3, sequence_bias=[[[EOS_ID], 100.0]])
+    assert got[:4] == want and want[3] == EOS_ID and got[3:] == [EOS_ID] * 5 and EOS_ID not in got[:3]
 
 
 def test_logit_bias_and_min_tokens_beyond_the_slots_are_refused(ckpt):
@@ -157,7 +163,9 @@ def test_logit_bias_and_min_tokens_beyond_the_slots_are_refused(ckpt):
     with pytest.raises(ParamError, match=r"min_tokens bans \(4\)") as e:
         llm.engine.validate([1, 2], SamplingParams(stop_token_ids=[5, 6, 7], min_tokens=2))
     assert e.value.param == "min_tokens"
-    llm.engine.validate([1, 2], SamplingParams(stop_token_ids=[5, 6, 7], min_tokens=2, ignore_eos=True))
+    with pytest.raises(ParamError, match=r"min_tokens bans \(4\)"):  # EOS even with ignore_eos (vLLM's)
+        llm.engine.validate([1, 2], SamplingParams(stop_token_ids=[5, 6, 7], min_tokens=2, ignore_eos=True))
+    llm.engine.validate([1, 2], SamplingParams(stop_token_ids=[5, 6], min_tokens=2, logit_bias={5: 1.0}))  # 3
     with pytest.raises(ParamError, match=r"logit_bias token ids must be in \[0, 320\)"):
         llm.engine.validate([1, 2], SamplingParams(logit_bias={320: 1.0}))
     none = LLM(model=ckpt, page_size=4, max_model_len=64, max_logit_bias=0, precompile=False)
@@ -408,7 +416,9 @@ def test_sampling_values_past_the_step_columns_range_serve(llm):
     (dict(min_tokens=-1), r"min_tokens must be an int from 0 to max_tokens \(16\), got -1"),
     (dict(min_tokens=17), r"min_tokens must be an int from 0 to max_tokens \(16\), got 17"),
     (dict(logit_bias={-1: 1.0}), "logit_bias must map token ids"),
-    (dict(logit_bias={1: float("inf")}), "logit_bias must map token ids"),
+    (dict(logit_bias={1: float("inf")}), r"logit_bias values must be in \[-100, 100\], got \{1: inf\}"),
+    (dict(logit_bias={1: 1e39}), r"logit_bias values must be in \[-100, 100\]"),  # +inf in float32
+    (dict(logit_bias={1: float("nan")}), r"logit_bias values must be in \[-100, 100\]"),
     (dict(logit_bias=[(1, 2.0)]), "logit_bias must map token ids"),
 ])
 def test_bad_sampling_params_raise(kwargs, match):

@@ -127,7 +127,7 @@ def test_requests_running_in_two_failed_steps_are_ended_and_later_ones_served(mo
     and those that run beside it: all four here) are ended with `EngineStepError`, the failure as its cause, and the
     finished listeners hear of them as aborted; the engine serves on, exact, with every page back."""
     want = LLM(model="tiny", **ASYNC_KW).generate(PROMPTS[:1], STREAMED)[0].outputs[0].token_ids
-    llm = AsyncLLM("tiny", **ASYNC_KW)
+    llm = AsyncLLM("tiny", **ASYNC_KW, max_failed_steps_in_a_row=3)
     heard = []
     llm.add_finished_listener(lambda out: heard.append((out.request_id, out.outputs[0].finish_reason)))
     try:
@@ -141,6 +141,9 @@ def test_requests_running_in_two_failed_steps_are_ended_and_later_ones_served(mo
         assert llm.engine.kv.num_used == 0 and not llm.engine.requests
         assert _streams(llm, PROMPTS[:1], STREAMED, ["later"]) == [want]
         assert llm.engine.kv.num_used == 0 and not llm.engine.requests
+        # "later"'s steps succeeded: failures in a row count afresh, so two more (the limit is 3) stop nothing
+        (again,) = _streams(llm, [[9, 9, 9]], STREAMED, ["poison"])
+        assert isinstance(again, EngineStepError) and llm.is_alive and llm.stats().step_failures == 4
     finally:
         llm.shutdown()
 
@@ -174,6 +177,20 @@ def test_a_device_that_fails_its_check_after_a_failed_step_stops_the_async_engin
         llm.shutdown()
 
 
-def test_the_async_engines_failure_limit_is_checked():
-    with pytest.raises(ValueError, match="step_failures_per_request must be an integer >= 1, got 0"):
-        AsyncLLM("tiny", **ASYNC_KW, step_failures_per_request=0)
+def test_failed_steps_in_a_row_stop_the_async_engine(monkeypatch):
+    """`max_failed_steps_in_a_row` failures with no step succeeding between (an engine that fails whatever it runs)
+    stop it: every caller gets `EngineDeadError` with the last failure as its cause, and /health can say so."""
+    llm = AsyncLLM("tiny", **ASYNC_KW, step_failures_per_request=5, max_failed_steps_in_a_row=2, precompile=False)
+    try:
+        _poisoned_launch(monkeypatch, "poison")
+        got = _streams(llm, [[1, 2, 3]], STREAMED, ["poison"])
+        assert isinstance(got[0], EngineDeadError) and str(got[0].__cause__) == "poison breaks the step"
+        assert not llm.is_alive and llm.stats().step_failures == 1  # the second stopped it
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("field", ["step_failures_per_request", "max_failed_steps_in_a_row"])
+def test_the_async_engines_failure_limits_are_checked(field):
+    with pytest.raises(ValueError, match=f"{field} must be an integer >= 1, got 0"):
+        AsyncLLM("tiny", **ASYNC_KW, **{field: 0})

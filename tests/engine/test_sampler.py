@@ -666,3 +666,24 @@ def test_biases_are_added_before_everything_and_bans_are_never_drawn():
     keep[banned[0, :2]] = False
     stat, df = chi2_stat(np.bincount(drawn, minlength=_V), np_softmax(np.where(keep, _LOGITS, -np.inf)))
     assert stat < chi2_critical(df)
+
+
+def test_biases_cost_one_copy_of_the_logits_and_none_without_them():
+    """The compiled sampler, the raw logits alive beside it as in the step (the log-probs read them): no [N, V]
+    copy without bias slots, and one with them (the biased logits, made only in the branch where some row has a
+    bias). A cond passing the logits through copied them twice."""
+    import re
+
+    n, vocab = 64, 4096
+    shapes = [((n, vocab), jnp.float32), ((n,), jnp.float32), ((n,), jnp.int32), ((n,), jnp.float32),
+              ((n, 2), jnp.uint32), ((n,), jnp.int32), ((n,), jnp.float32)]
+    bias = [((n, 16), jnp.int32), ((n, 16), jnp.float32)]
+
+    def copies(args):
+        def step(*a):
+            return sampler.sample(*a), jax.nn.log_softmax(a[0], axis=-1)[:, 0]
+
+        hlo = jax.jit(step).lower(*(jax.ShapeDtypeStruct(s, d) for s, d in args)).compile().as_text()
+        return len(re.findall(rf"= f32\[{n},{vocab}\](?:\{{[^}}]*\}})? copy\(", hlo))
+
+    assert (copies(shapes), copies(shapes + bias)) == (0, 1)

@@ -100,7 +100,7 @@ def test_token_id_prompt_seed_and_stop(client, offline):
     assert got.choices[0].finish_reason == "stop"
 
 
-def test_min_p_top_k_min_tokens_and_logit_bias_reach_the_engine(client, offline):
+def test_min_p_top_k_min_tokens_and_logit_bias_reach_the_engine(client, offline, url):
     """vLLM's extra sampling fields and OpenAI's logit_bias: the same tokens as the library with the same values
     (min_p 1 keeps only the top token, so the hot request is the greedy one)."""
     ids = [256, 72, 105, 33, 10, 40]
@@ -122,6 +122,15 @@ def test_min_p_top_k_min_tokens_and_logit_bias_reach_the_engine(client, offline)
                                     logit_bias={"72": 2, str(stop + 1): -1.5},
                                     extra_body={"min_tokens": 3, "stop_token_ids": [stop]})
     assert got.choices[0].text == ref.text and len(ref.token_ids) > 3
+    # max_tokens null (the rest of the context, vLLM's): min_tokens is checked against that room, not a stand-in
+    r = httpx.post(f"{url}/v1/completions",
+                   json={"model": "tiny", "prompt": ids, "max_tokens": None, "min_tokens": 20, "temperature": 0,
+                         "stop_token_ids": [stop]}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 20
+    r = httpx.post(f"{url}/v1/completions",
+                   json={"model": "tiny", "prompt": ids, "max_tokens": None, "min_tokens": 500}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    assert "max_tokens (122)" in r.json()["error"]["message"]  # 128 - 6 prompt tokens
 
 
 def test_n_choices_with_seed(client):
@@ -219,7 +228,7 @@ def test_sse_wire_format_ends_with_done(url):
     # vLLM's extensions that change what is sampled: refused, not silently ignored
     (dict(prompt="a", extra_body={"min_tokens": 10}), "min_tokens", r"from 0 to max_tokens \(4\), got 10"),
     (dict(prompt="a", logit_bias={"x1": 1}), "logit_bias", "keys must be token ids"),
-    (dict(prompt="a", logit_bias={"5": 101}), "logit_bias", r"values must be in \[-100, 100\], got 101"),
+    (dict(prompt="a", logit_bias={"5": 101}), "logit_bias", r"values must be in \[-100, 100\], got \{5: 101"),
     (dict(prompt="a", logit_bias={"320": 1}), "logit_bias", r"token ids must be in \[0, 320\)"),
     (dict(prompt="a", logprobs=21), "logprobs", "between 0 and 20"),
     # choice j draws with seed + j, which must stay below 2**63 (not a 500 from the last choice's seed)
