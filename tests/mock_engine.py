@@ -51,6 +51,9 @@ class MockEngine:
     def validate(self, prompt, params: SamplingParams) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params.validate(vocab_size=self.tokenizer.vocab_size)
+        for name, off in (("min_p", 0.0), ("min_tokens", 0), ("logit_bias", None)):  # what the mock does not model
+            if getattr(params, name) != off:
+                raise AssertionError(f"the mock engine ignores {name}: test it against a real engine")
         if not ids:
             raise ParamError("prompt", "prompt must not be empty")
         if len(ids) + params.max_tokens > self.max_model_len:

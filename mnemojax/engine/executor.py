@@ -452,7 +452,7 @@ class Executor:
         rows: list[list[int]] = [[] for _ in range(K)]
         samp: list[list[tuple]] = [[] for _ in range(K)]
         refs: list[RowRef] = []
-        biases: list[tuple[int, int, tuple[list, list]]] = []  # (rank, row, its (token ids, biases))
+        biases: list[tuple[int, int, tuple[np.ndarray, np.ndarray]]] = []  # (rank, row, its slots' ids, biases)
         logprobs = False
 
         def add_row(rank, row, chunk_i, token_index, req, target, is_sample):
@@ -545,9 +545,8 @@ class Executor:
             pad_rows[r, :len(rows[r])] = rows[r]
             for j, values in enumerate(zip(*samp[r])) if samp[r] else []:
                 cols[j][r, :len(values)] = values
-        for r, row, (ids, values) in biases:  # at most W of each: `LLMEngine.validate` refused more
-            cols[8][r, row, :len(ids)] = ids
-            cols[9][r, row, :len(values)] = values
+        for r, row, (ids, values) in biases:  # every slot of the row: a request's are arrays of W
+            cols[8][r, row], cols[9][r, row] = ids, values
         batch = StepBatch(token_ids=tok, write_pages=wpage, write_slots=wslot, shared=shared,
                           attn=AttentionMetadata(seq_ids=seq, positions=pos, page_table=table, kv_lens=kv_lens,
                                                  kv_start=kv_start))

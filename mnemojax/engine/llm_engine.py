@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.engine.executor import Executor, Launched
@@ -336,6 +337,13 @@ class LLMEngine:
                                     f"({len(banned)}) bias {len(biased | banned)} tokens, more than max_logit_bias "
                                     f"({self.config.max_logit_bias}, an engine setting)")
 
+    def _bias_slots(self, bias: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
+        """`bias` as a logits row's (token ids, biases) slots, all of them: unused ones are token 0, bias 0."""
+        ids = np.zeros(self.executor.bias_slots, np.int32)
+        values = np.zeros(self.executor.bias_slots, np.float32)
+        ids[:len(bias)], values[:len(bias)] = list(bias), list(bias.values())
+        return ids, values
+
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         """The tokens `min_tokens` bans: EOS and the request's `stop_token_ids` (EOS even with `ignore_eos`, as
         vLLM's `all_stop_token_ids`)."""
@@ -363,8 +371,7 @@ class LLMEngine:
         if params.logit_bias or params.min_tokens:
             bias = dict(params.logit_bias or {})
             early = {**bias, **dict.fromkeys(self._stop_ids(params), -math.inf)} if params.min_tokens else bias
-            req.bias = (list(bias), list(bias.values())) if bias else None
-            req.bias_early = (list(early), list(early.values()))
+            req.bias, req.bias_early = (self._bias_slots(b) if b else None for b in (bias, early))
         self.scheduler.add(req)
         self.requests[rid] = req
         if self.tokenizer is not None:

@@ -191,7 +191,8 @@ def build_app(llm: EngineClient, config: ServerConfig | None = None, **overrides
             return error_response(503, "the server is shutting down")
         return {}
 
-    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's probe): /health's answer
+    for method in ("GET", "POST"):  # vLLM's /ping (SageMaker's probe): /health's answer; one route per method,
+        app.add_api_route("/ping", health, methods=[method], name=f"ping_{method.lower()}")  # so one operation id each
 
     @app.get("/version")
     async def version():
