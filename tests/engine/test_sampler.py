@@ -292,20 +292,31 @@ def test_sample_draws_from_the_sorted_definition_set_with_its_seed():
     temperature = rng.choice([0.0, 0.5, 1.0, 1.7], size=n).astype(np.float32)
     seeds, steps = rng.integers(0, 2**32, size=n).astype(np.uint32), rng.integers(0, 1000, size=n).astype(np.int32)
     tokens = run_sample(logits, temperature, top_k, top_p, seeds, steps)
+
+    def keep_of(i, scaled):
+        return reference_keep(scaled[None], top_k[i : i + 1], top_p[i : i + 1])[0]
+
+    assert check_draws(tokens, logits, temperature, seeds, steps, keep_of) >= 16
+
+
+def check_draws(tokens, logits, temperature, seeds, steps, keep_of) -> int:
+    """Asserts each greedy row's token is numpy's argmax and each sampled row's is the documented draw,
+    `categorical(fold_in(key(seed), step), where(keep, logits / t, -inf), mode="high")`, `keep_of(i, scaled)` its
+    keep set (None: too close to a cut to decide, not checked). Returns how many sampled rows were checked."""
     drawn = 0
-    for i in range(n):
+    for i in range(len(tokens)):
         if temperature[i] == 0:
             assert tokens[i] == np.argmax(logits[i]), i
             continue
         scaled = logits[i] / temperature[i]
-        (keep,) = reference_keep(scaled[None], top_k[i : i + 1], top_p[i : i + 1])
+        keep = keep_of(i, scaled)
         if keep is None:
             continue
         key = jax.random.fold_in(jax.random.key(int(seeds[i])), int(steps[i]))
         expected = jax.random.categorical(key, jnp.where(jnp.asarray(keep), scaled, -jnp.inf), mode="high")
         assert tokens[i] == int(expected), i
         drawn += 1
-    assert drawn >= 16
+    return drawn
 
 
 def test_compiled_sampler_never_sorts_the_vocabulary():
@@ -592,24 +603,15 @@ def test_sample_applies_min_p_after_the_temperature_and_before_top_k_top_p():
     min_p = rng.choice([0.0, 0.02, 0.2, 0.6], size=n).astype(np.float32)
     seeds, steps = rng.integers(0, 2**32, size=n).astype(np.uint32), rng.integers(0, 1000, size=n).astype(np.int32)
     tokens = run_sample(logits, temperature, top_k, top_p, seeds, steps, min_p=min_p)
-    drawn = 0
-    for i in range(n):
-        if temperature[i] == 0:
-            assert tokens[i] == np.argmax(logits[i]), i
-            continue
-        scaled = logits[i] / temperature[i]
+
+    def keep_of(i, scaled):  # min-p first, then numpy's top-k / top-p set of what it kept
         keep_p = np_min_p_keep(scaled, float(min_p[i]))
         if keep_p is None:
-            continue
+            return None
         (keep,) = reference_keep(np.where(keep_p, scaled, -np.inf)[None], top_k[i : i + 1], top_p[i : i + 1])
-        if keep is None:
-            continue
-        keep = keep & keep_p
-        key = jax.random.fold_in(jax.random.key(int(seeds[i])), int(steps[i]))
-        expected = jax.random.categorical(key, jnp.where(jnp.asarray(keep), scaled, -jnp.inf), mode="high")
-        assert tokens[i] == int(expected), (i, min_p[i], top_k[i], top_p[i])
-        drawn += 1
-    assert drawn >= 14
+        return None if keep is None else keep & keep_p
+
+    assert check_draws(tokens, logits, temperature, seeds, steps, keep_of) >= 14
     np.testing.assert_array_equal(run_sample(logits, temperature, top_k, top_p, seeds, steps, min_p=0.0),
                                   run_sample(logits, temperature, top_k, top_p, seeds, steps))
 

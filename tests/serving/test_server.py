@@ -522,6 +522,15 @@ def test_kv_memory_fraction_needs_a_device_that_reports_memory():
         LLMEngine(EngineConfig(kv_memory_fraction=0.5, max_model_len=64))
 
 
+def _stream_error(url: str, body: dict) -> str:
+    """A streamed completion that fails once started: 200, then an error event and [DONE]; the error's message."""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    return json.loads(lines[-2][6:])["error"]["message"]
+
+
 def test_engine_failure_is_answered_not_hung():
     """If the engine itself fails, every caller gets an answer: a stream ends with an error event and [DONE],
     a whole response is a 500, so is the admin /reset_prefix_cache (it hung: its command waited for an engine
@@ -540,13 +549,8 @@ def test_engine_failure_is_answered_not_hung():
     broken.engine.step = failing_step
     s = ThreadServer(build_app(broken, served_model_name="tiny"))
     try:
-        body = {"prompt": "a", "max_tokens": 40, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            lines = [ln for ln in r.iter_lines() if ln]
-        assert lines[-1] == "data: [DONE]"
+        message = _stream_error(s.url, {"prompt": "a", "max_tokens": 40, "ignore_eos": True, "stream": True})
         # the client learns that the engine stopped, not the exception's text (that goes to the server log)
-        message = json.loads(lines[-2][6:])["error"]["message"]
         assert "engine thread has stopped" in message and "device lost" not in message
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
         assert r.status_code == 500 and "engine thread has stopped" in r.json()["error"]["message"]
@@ -576,12 +580,7 @@ def test_a_request_whose_steps_fail_is_answered_and_the_server_serves_on(monkeyp
     served = AsyncLLM("tiny", max_model_len=64, page_size=4, chunk_size=16, max_num_batched_tokens=32)
     s = ThreadServer(build_app(served, served_model_name="tiny"))
     try:
-        body = {"prompt": [7, 7, 7], "max_tokens": 4, "stream": True}
-        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            lines = [ln for ln in r.iter_lines() if ln]
-        assert lines[-1] == "data: [DONE]"
-        message = json.loads(lines[-2][6:])["error"]["message"]
+        message = _stream_error(s.url, {"prompt": [7, 7, 7], "max_tokens": 4, "stream": True})
         assert "was running in 2 engine steps that failed" in message and "device lost" not in message
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [7, 7, 7], "max_tokens": 2}, timeout=60)
         assert r.status_code == 500 and "engine steps that failed" in r.json()["error"]["message"]
