@@ -128,7 +128,7 @@ def split_kernel_options(impl: str, options: dict) -> tuple[dict, dict]:
     if impl == REFERENCE:
         return {}, dict(options)
     planner = mosaic_attention.plan_step if impl in (MOSAIC, MOSAIC_INTERPRET) else pallas_attention.plan_step
-    tiling = inspect.signature(planner).parameters
+    tiling = set(inspect.signature(planner).parameters) - {"interpret"}  # the implementation's, never an option
     return ({k: v for k, v in options.items() if k in tiling}, {k: v for k, v in options.items() if k not in tiling})
 
 
@@ -148,7 +148,8 @@ def plan_attention(impl: str, meta: AttentionMetadata, *, num_heads: int, num_kv
         return None
     if impl in (MOSAIC, MOSAIC_INTERPRET):
         return mosaic_attention.plan_step(meta, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                          page_size=page_size, kind=kind, **kernel_options)
+                                          page_size=page_size, kind=kind, interpret=impl == MOSAIC_INTERPRET,
+                                          **kernel_options)
     return pallas_attention.plan_step(meta, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                       page_size=page_size, kind=kind, **kernel_options)
 

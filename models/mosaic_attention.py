@@ -9,8 +9,8 @@ or, asked with `out_dtype=float32`, in float32 (a KVP rank's partial: the merge 
 unrounded), lse f32[T, N] in natural log; a token with no visible key gets out = 0 and lse = NEG_INF.
 
 One kernel, two tilings (as in `models.pallas_attention`):
-  - prefill tiles: the tokens of each sequence cut into tiles of C x 64 // G tokens (C = PREFILL_CONSUMERS = 2
-    consumer warpgroups of 64 rows), the G query heads of a kv head packed into the rows (row = token x head of
+  - prefill tiles: the tokens of each sequence cut into tiles of C x 64 // G tokens (C consumer warpgroups of 64
+    rows: PREFILL_CONSUMERS = 2, or 3 for compute-bound launches at head dim 64, `prefill_consumers`), the G query heads of a kv head packed into the rows (row = token x head of
     the group), so the group shares every K/V load, and both consumers share each block the producer loads;
     split-K over KV partitions when the step holds few tiles (e.g. one 32-token chunk at a long context);
   - decode tiles: one token per tile, its G heads as the rows of one consumer, split-K over partitions
@@ -37,8 +37,9 @@ Two consumers per prefill program (measured on an H200: chunk 2048 from ~270 to 
 block's load serves: a 64-row program does 64 FLOPs per byte it loads from L2, which caps it near what both this kernel
 with one consumer and the Triton kernels reached. Three (`consumers=3`, an option: FlashAttention-3's 192-row tile at
 head dim 64; on an H100, twenty-third session, the llama3.2-1b shape's chunk 8192 at 1M 186.5 ms with two, 187.0 with
-three, 164.4 without turns and 155.4 with `overlap`, which is not yet checked on a GPU at that head dim; the Llama-3-8B
-shape's chunk 2048 70.1 -> 74.7 ms) need their registers redistributed (`register_split`, on by default for them) and
+three, 164.4 without turns and 155.4 with `overlap`; on an H200, thirty-eighth session, 183.1 -> 154.6 ms with
+`overlap` at pages of 16, 158.2 -> 147.0 at pages of 128: the default there since, for compute-bound launches,
+`prefill_consumers`; the Llama-3-8B shape's chunk 2048 70.1 -> 74.7 ms on the H100) need their registers redistributed (`register_split`, on by default for them) and
 take turns on a ring of barriers, a token passed from consumer to consumer (`_program`).
 Code generation per launch (`Codegen.for_launch`, each a keyword that overrides it), as measured fastest on an H200 or
 an H100: P in registers when compiled, and then the two prefill consumers taking turns on the tensor cores (`pingpong`,
@@ -51,7 +52,7 @@ slower on an H100, 186.5 -> 196.0 ms at the llama3.2-1b shape's chunk 8192); `fm
 for the exponent, as jax's `attention_mgpu`) for compute-bound prefill launches (at every head dim since the eighteenth
 session; on an H100 at head dim 128 chunk 2048 69.1 against 68.3 ms without, within the spread of the runs);
 `max_registers` (`plgpu.set_max_registers`: consumers 232 per thread, the producer 40) for three consumers and under
-`overlap` only. The eighteenth session turned it on for compute-bound two-consumer launches, whose 168 registers a
+`overlap` only; `overlap` for compute-bound launches of three consumers (the head-dim-64 default). The eighteenth session turned it on for compute-bound two-consumer launches, whose 168 registers a
 thread spill ~540 bytes in the key-block loop at head dim 128 with 128-key blocks (ptxas,
 `scripts/kernel_resources.py`); measured on an H100 (twenty-third session, 1M keys) the spilling kernel is the faster:
 chunk 2048 of the Llama-3-8B shape 69.1 -> 63.2 ms without the split, 508 -> 556 TFLOP/s, and the llama3.2-1b shape's
@@ -60,9 +61,11 @@ Llama-3-8B shape at 1M, each alone against the defaults): `release_k` (the K slo
 chunk 2048 75.8 -> 80.4 ms), `wait_k_in_pv` (the next K waited for during P V; 79.3) and `fenced_softmax` (the softmax
 finished before the turn is handed over; 75.7), each as `attention_mgpu` does; those three, with `max_registers` and
 `fma_softmax` and 128-key blocks (the one run of the new defaults together, with the three off options besides): 70.4
-against 66.1 with 128-key blocks alone. Off: `overlap` (on an H100, twenty-third session, chunk 2048 65.8 ms, 62.4
-without turns, against 69.1 with the defaults then; chunk 32 1.98 ms without the register split, 1.48 with it, which it
-now takes by default), FlashAttention-3's loop (its overlap inside a warpgroup, which neither `attention_mgpu` nor the
+against 66.1 with 128-key blocks alone. Off but for three consumers: `overlap` (on an H100, twenty-third session, chunk
+2048 65.8 ms, 62.4 without turns, against 69.1 with the defaults then; chunk 32 1.98 ms without the register split,
+1.48 with it, which it now takes by default; on an H200, thirty-eighth session, pages of 128, the 8B shape's chunk 2048
+13.98 against 15.07 ms at 256K and 59.59 against 61.60 at 1M, the 70B shape's 129.2 against 126.9 at 1M, one sample
+each), FlashAttention-3's loop (its overlap inside a warpgroup, which neither `attention_mgpu` nor the
 default loop has): each block's Q K^T and the previous block's P V issued back to back, in the consumer's turn on a ring
 of barriers, then the block's softmax under that P V, P carried from block to block and K's slot freed after Q K^T
 (`release_k`).
@@ -269,13 +272,15 @@ class Codegen:
     for while this block's P V wgmma runs, the first block's before the loop, rather than at the top of each
     block) and `fenced_softmax` (the accumulator's rescale, P's conversion and l finished, behind an optimization
     barrier, before the consumer hands the tensor cores over at the schedule barrier and waits for V, rather than
-    after: `attention_mgpu`'s order, which its authors measured to matter "quite significantly"). Off, measured on an
-    H100 (twenty-third session, the module's docstring): `overlap` (FlashAttention-3's loop, its overlap inside a
+    after: `attention_mgpu`'s order, which its authors measured to matter "quite significantly"). Off but for
+    compute-bound three-consumer launches, measured on an H100 and an H200 (twenty-third and thirty-eighth sessions,
+    the module's docstring): `overlap` (FlashAttention-3's loop, its overlap inside a
     warpgroup: block j's Q K^T and block j-1's P V issued back to back, then block j's softmax once Q K^T is done, under
     the P V, whose accumulator is read last; P (bf16) is carried from block to block, as FlashAttention-3's registers
     hold it. With `pingpong` (its default where the launch takes turns) the issuing is the consumer's turn on a ring of
     barriers, as FlashAttention-3's scheduler barriers, for two consumers as for three. It orders the loop its own way:
-    with `wait_k_in_pv` or `fenced_softmax` it raises). On: `merge_kernel` (a launch's split tiles merged and written in
+    with `wait_k_in_pv` or `fenced_softmax` it raises; None, its default: on for compute-bound launches of three
+    consumers, the head-dim-64 default (`prefill_consumers`), unless one of those two is asked for). On: `merge_kernel` (a launch's split tiles merged and written in
     token order by one more kernel, `_merge_partials`, where XLA took three fusions and a scatter; False: XLA's,
     `_merge_items`, for a side-by-side measurement; even on an H100, twenty-third session: decode B=1 at 256K 0.403
     against 0.421 ms, at 1M 1.522 against 1.490, one sample each)."""
@@ -290,7 +295,7 @@ class Codegen:
     fma_softmax: bool | None = None
     wait_k_in_pv: bool = False
     fenced_softmax: bool = False
-    overlap: bool = False
+    overlap: bool | None = None
     merge_kernel: bool = True
 
     def check(self, interpret: bool):
@@ -339,10 +344,21 @@ class Codegen:
             session, 1M keys: the Llama-3-8B shape's chunk 2048 63.2 ms against 69.1 redistributed, the
             llama3.2-1b shape's chunk 8192 183.4 against 186.8); memory-bound ones (split-K) keep theirs (chunk 32
             1.25 -> 1.28 ms redistributed, sixteenth session; 1.483 without, 1.473 with, twenty-third: even).
+          - `overlap`: compute-bound launches of three consumers, the head-dim-64 default (`prefill_consumers`; the
+            llama3.2-1b shape's chunk 8192 at 1M, on an H100 187.0 -> 155.4 ms; on an H200, thirty-eighth session,
+            three consumers without it or turns 166.0 -> 154.6 with pages of 16, but 143.4 against 147.0 with pages
+            of 128, queued again), unless `wait_k_in_pv` or `fenced_softmax` asks for
+            another loop; not two-consumer ones (at head dim 128 it won at the 8B shape and lost at the 70B shape's
+            on the H200) nor memory-bound ones (chunk 32 at 1M 1.48 ms either way on the H100).
         `num_parts`: the partitions the launch's tiles are expected to take (the split is chosen per step, so the
         caller gives more than one when the step's tokens could not fill the partitions' worth of tiles)."""
         registers = (not interpret) if self.registers is None else self.registers
         memory_bound = consumers == 1 or num_parts > 1
+        overlap = self.overlap
+        if overlap is None:  # FlashAttention-3's loop for compute-bound three-consumer launches, unless another
+            # order of the loop was asked for
+            overlap = consumers > PREFILL_CONSUMERS and not memory_bound and not (self.wait_k_in_pv
+                                                                                  or self.fenced_softmax)
         fma_softmax = self.fma_softmax
         if fma_softmax is None:
             fma_softmax = not memory_bound
@@ -367,11 +383,11 @@ class Codegen:
             pingpong = registers and (not memory_bound or stages >= 3)
         max_registers = self.max_registers
         if max_registers is None:  # three consumers need it, two only under `overlap` (`for_launch`)
-            max_registers = consumers > PREFILL_CONSUMERS or (consumers == PREFILL_CONSUMERS and self.overlap)
+            max_registers = consumers > PREFILL_CONSUMERS or (consumers == PREFILL_CONSUMERS and overlap)
         many = consumers > 1  # turns and a register split need two consumers or more: a decode has one
-        release_k = self.overlap if self.release_k is None else self.release_k
+        release_k = overlap if self.release_k is None else self.release_k
         return dataclasses.replace(self, registers=registers, stages=stages, pingpong=pingpong and many,
-                                   release_k=release_k,
+                                   release_k=release_k, overlap=overlap,
                                    max_registers=max_registers and many, fma_softmax=fma_softmax)
 
 
@@ -1122,8 +1138,7 @@ def _attend_tiles(q, k_cache, v_cache, layer, meta, launch: pa.Launch, *, interp
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)  # a constant when the layer loop is unrolled: no kernel
     NP, items = launch.num_parts, launch.work
     W = items.shape[1]
-    # memory-bound when tiles may be split and the step's tokens could not fill NP tiles
-    codegen = codegen.for_launch(interpret=interpret, consumers=C, num_parts=NP if T // bq < NP else 1,
+    codegen = codegen.for_launch(interpret=interpret, consumers=C, num_parts=NP if is_memory_bound(T, bq, NP) else 1,
                                  head_dim=H, block_k=launch.block_k)
     f32 = jnp.float32
     operands = [layer, launch.seq, launch.full, launch.hi, launch.q_start, items, launch.lim_rows,
@@ -1420,19 +1435,56 @@ def _launch(meta, tile_tok, *, num_heads: int, num_kv_heads: int, head_dim: int,
     check_block_k(block_k_name, block_k)
     if not supported_page_size(page_size, block_k):
         raise ValueError(f"{block_k_name} {block_k}: the page size ({page_size}) must divide it or be a multiple of it")
-    if num_partitions is None:
-        num_partitions = default_partitions(consumers=consumers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                            block_k=block_k)
-    elif num_partitions < 1:
-        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
     T = meta.seq_ids.shape[0]
-    M = meta.page_table.shape[1]
-    num_parts = max(1, min(_cdiv(M * page_size, block_k), num_partitions))  # no more than the table's blocks
+    num_parts = _launch_parts(meta, consumers=consumers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              page_size=page_size, block_k=block_k, num_partitions=num_partitions)
     seq, full, hi, lim_rows = pa._tile_layout(meta, tile_tok, num_heads // num_kv_heads, consumers * ROWS)
     work = _work_items(tile_tok[:, 0] < T, hi, block_k, num_parts)
     q_tok, q_start = _query_order(tile_tok, T, num_heads // num_kv_heads)
     return pa.Launch(tok=tile_tok, seq=seq, full=full, hi=hi, lim_rows=lim_rows, row_tok=None, work=work,
                      block_k=block_k, num_parts=num_parts, programs=0, q_tok=q_tok, q_start=q_start)
+
+
+def _launch_parts(meta, *, consumers: int, num_kv_heads: int, head_dim: int, page_size: int, block_k: int,
+                  num_partitions: int | None) -> int:
+    """The most KV partitions a tile of the launch may take (static): `num_partitions`, by default one wave of
+    programs (`default_partitions`), but no more than the page table's key blocks."""
+    if num_partitions is None:
+        num_partitions = default_partitions(consumers=consumers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                            block_k=block_k)
+    elif num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    return max(1, min(_cdiv(meta.page_table.shape[1] * page_size, block_k), num_partitions))
+
+
+def is_memory_bound(num_tokens: int, block_q: int, num_parts: int) -> bool:
+    """Whether a prefill launch is memory-bound (static: from shapes alone): its tiles may be split over several
+    KV partitions and the step's `num_tokens` could not fill `num_parts` tiles of `block_q` tokens (e.g. one short
+    chunk at a long context), so its programs stream more keys than their rows can use at the tensor cores' rate.
+    `Codegen.for_launch` chooses the code of such launches apart, and `plan_step` their consumers."""
+    return num_parts > 1 and num_tokens // block_q < num_parts
+
+
+def prefill_consumers(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                      num_partitions: int | None = None, block_k: int | None = None, interpret: bool = False) -> int:
+    """Consumer warpgroups of a step's prefill programs when none are asked for (`plan_step`): compiled, three
+    (FlashAttention-3's 192-row tile) at head dim 64 where their launch is compute-bound (`is_memory_bound`: no), else
+    two (`PREFILL_CONSUMERS`); interpreted, two (jax's interpreter runs each warpgroup as a thread, and three
+    consumers need `INTERPRETER_NPROC` of them, `check_interpreter_threads`: asked for, they run there too). Measured (docs/benchmarks.md): the llama3.2-1b shape's chunk 8192 at 1M, three
+    consumers with FlashAttention-3's loop (`overlap`, on by default for them: `Codegen.for_launch`) against two,
+    on an H100 155.4 against 186.5 ms (pages of 16; twenty-third session), on an H200 154.6 against 183.1 ms with
+    pages of 16 and 147.0 against 158.2 with pages of 128 (thirty-eighth session); the whole 1M-token TTFT with them
+    152.3 s on the H200 (pages of 128), against 197.0 s with two (pages of 16, sixteenth session). Not at head dim
+    128 (the Llama-3-8B shape's chunk 2048 on an H100: 74.7 against 70.1 ms), and not for memory-bound launches
+    (three consumers took the 8B shape's chunk 32 at 1M from 1.47 to 1.52 ms on the H100; at head dim 64 unmeasured)."""
+    if head_dim != 64 or interpret:
+        return PREFILL_CONSUMERS
+    c = MAX_CONSUMERS
+    block_k = prefill_block_k(head_dim, page_size, c) if block_k is None else block_k
+    parts = _launch_parts(meta, consumers=c, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                          block_k=block_k, num_partitions=num_partitions)
+    bound = is_memory_bound(meta.seq_ids.shape[0], block_q_for(num_heads, num_kv_heads, c), parts)
+    return PREFILL_CONSUMERS if bound else c
 
 
 def _query_order(tile_tok, num_tokens: int, group: int):
@@ -1482,13 +1534,18 @@ def _query_rows(q, launch: pa.Launch, num_kv_heads: int, rows: int):
 
 def plan_step(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, kind: str = MIXED,
               num_partitions: int | None = None, decode_partitions: int | None = None,
-              consumers: int = PREFILL_CONSUMERS, block_k: int | None = None, decode_block_k: int = BLOCK_K
-              ) -> pa.StepTiles:
+              consumers: int | None = None, block_k: int | None = None, decode_block_k: int = BLOCK_K,
+              interpret: bool = False) -> pa.StepTiles:
     """A step's launches for `paged_attention_mosaic` (options as its own; heads and page size as the kernels see
     them): the tilings and per-tile metadata from the step's layout alone, computed once per step by the model
-    and read by every layer's attention (`tiles=`)."""
+    and read by every layer's attention (`tiles=`). `consumers` None: `prefill_consumers` (for the interpreter when
+    `interpret`)."""
     if kind not in (MIXED, DECODE, PREFILL):
         raise ValueError(f"kind must be one of {(MIXED, DECODE, PREFILL)}, got {kind!r}")
+    if consumers is None:
+        consumers = prefill_consumers(meta, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                      page_size=page_size, num_partitions=num_partitions, block_k=block_k,
+                                      interpret=interpret)
     _check_consumers(consumers, head_dim)
     block_k = prefill_block_k(head_dim, page_size, consumers) if block_k is None else block_k
     dec, pre = pa.step_tilings(meta, kind=kind, block_q=block_q_for(num_heads, num_kv_heads, consumers))
@@ -1512,20 +1569,24 @@ def _single(q, k_cache, v_cache, layer, meta, tile_tok, *, interpret, num_partit
 
 @pa._jit
 def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
-                      num_partitions: int | None = None, out_dtype=None, consumers: int = PREFILL_CONSUMERS,
+                      num_partitions: int | None = None, out_dtype=None, consumers: int | None = None,
                       block_k: int | None = None, approx_math: bool = True, lookahead: bool = True,
                       pingpong: bool | None = None, registers: bool | None = None, stages: int | None = None,
                       release_k: bool | None = None, max_registers: bool | None = None,
                       fma_softmax: bool | None = None,
-                      wait_k_in_pv: bool = False, fenced_softmax: bool = False, overlap: bool = False,
+                      wait_k_in_pv: bool = False, fenced_softmax: bool = False, overlap: bool | None = None,
                       merge_kernel: bool = True):
     """Chunked-prefill attention: every sequence's tokens in tiles of `consumers` x 64 // G tokens (each consumer
     warpgroup 64 rows), split-K over `num_partitions` (default: enough programs to fill the GPU). Arguments as
     `models.attention.paged_attention` (but `block_pages`); results out [T, N, H] in `out_dtype` (q's dtype by
-    default, or float32), lse f32[T, N]."""
+    default, or float32), lse f32[T, N]. `consumers` None: `prefill_consumers`."""
     _check(q, k_cache, v_cache, meta, interpret)
-    _check_consumers(consumers, q.shape[2])
     T, N, H = q.shape
+    if consumers is None:
+        consumers = prefill_consumers(meta, num_heads=N, num_kv_heads=k_cache.shape[3], head_dim=H,
+                                      page_size=k_cache.shape[2], num_partitions=num_partitions, block_k=block_k,
+                                      interpret=interpret)
+    _check_consumers(consumers, H)
     B = meta.page_table.shape[0]
     bq = block_q_for(N, k_cache.shape[3], consumers)
     tiles = pa._sequence_tiles(meta.seq_ids, jnp.ones(T, bool), B, bq, T // bq + min(B, T))
@@ -1541,7 +1602,7 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fals
                      num_partitions: int | None = None, out_dtype=None, block_k: int = BLOCK_K,
                      approx_math: bool = True, lookahead: bool = True, stages: int | None = None,
                      release_k: bool | None = None, fma_softmax: bool | None = None, wait_k_in_pv: bool = False,
-                     fenced_softmax: bool = False, overlap: bool = False, merge_kernel: bool = True):
+                     fenced_softmax: bool = False, overlap: bool | None = None, merge_kernel: bool = True):
     """Decode attention (split-K, FlashDecoding): one tile per query token, its G heads as rows, the keys split
     over `num_partitions` partitions merged by log-sum-exp (in the kernel when there is one). Results as
     `prefill_attention`."""
@@ -1557,13 +1618,13 @@ def decode_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fals
 def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool = False,
                             num_partitions: int | None = None, decode_partitions: int | None = None,
                             kind: str = MIXED, out_dtype=None, tiles: pa.StepTiles | None = None,
-                            consumers: int = PREFILL_CONSUMERS, block_k: int | None = None,
+                            consumers: int | None = None, block_k: int | None = None,
                             decode_block_k: int = BLOCK_K, approx_math: bool = True, lookahead: bool = True,
                             pingpong: bool | None = None, registers: bool | None = None,
                             stages: int | None = None, release_k: bool | None = None,
                             max_registers: bool | None = None,
                             fma_softmax: bool | None = None, wait_k_in_pv: bool = False, fenced_softmax: bool = False,
-                            overlap: bool = False, merge_kernel: bool = True):
+                            overlap: bool | None = None, merge_kernel: bool = True):
     """A mixed step (what attention="mosaic" runs): tokens of one-token sequences (decodes) through decode tiles,
     the others through prefill tiles, two kernel launches with grids fixed by (T, B); `kind` DECODE or PREFILL
     (static: the step holds only those) launches only that kernel (a token of the other kind gets out 0, lse
@@ -1576,9 +1637,9 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
         tiles = plan_step(meta, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3], head_dim=q.shape[2],
                           page_size=k_cache.shape[2],
                           kind=kind, num_partitions=num_partitions, decode_partitions=decode_partitions,
-                          consumers=consumers, block_k=block_k, decode_block_k=decode_block_k)
+                          consumers=consumers, block_k=block_k, decode_block_k=decode_block_k, interpret=interpret)
     elif (num_partitions is not None or decode_partitions is not None or kind != MIXED
-          or consumers != PREFILL_CONSUMERS or block_k is not None or decode_block_k != BLOCK_K):
+          or consumers is not None or block_k is not None or decode_block_k != BLOCK_K):
         raise ValueError("tiles were planned with their own options (plan_step); got num_partitions, "
                          "decode_partitions, kind, consumers or a block size too")
     return _combine(q, k_cache, v_cache, layer, meta, tiles, interpret=interpret, out_dtype=out_dtype,

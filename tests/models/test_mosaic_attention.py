@@ -772,8 +772,9 @@ def jax_primitives():
 
 def _kernel_primitives(step, **options) -> collections.Counter:
     """The primitives of the compiled prefill launch's kernel body (nested jaxprs included) for `options` (the
-    others off, fma_softmax too, which a compute-bound launch would otherwise take)."""
-    options = {"fma_softmax": False, **options}
+    others off, fma_softmax too, which a compute-bound launch would otherwise take; two consumers, which a
+    compute-bound launch at head dim 64 would otherwise make three, with `overlap`)."""
+    options = {"fma_softmax": False, "consumers": ma.PREFILL_CONSUMERS, **options}
     jaxpr = jax.make_jaxpr(lambda s: run(ma.paged_attention_mosaic, s, kind="prefill", **options))(step).jaxpr
     (launch,) = _kernel_launches(jaxpr)
     return collections.Counter(str(e.primitive) for body in launch.params["jaxprs"]
@@ -816,7 +817,7 @@ def test_each_loop_option_changes_the_kernel_as_it_says():
 
 def _accumulator_reads(step, *, wait_n: int, **options) -> int:
     """Reads of a wgmma accumulator that wait for all but `wait_n` wgmmas, in the compiled prefill launch's kernel."""
-    options = {"fma_softmax": False, **options}
+    options = {"fma_softmax": False, "consumers": ma.PREFILL_CONSUMERS, **options}
     jaxpr = jax.make_jaxpr(lambda s: run(ma.paged_attention_mosaic, s, kind="prefill", **options))(step).jaxpr
     (launch,) = _kernel_launches(jaxpr)
     return sum(1 for body in launch.params["jaxprs"] for e in equations(getattr(body, "jaxpr", body), opaque=())
@@ -1027,6 +1028,22 @@ def test_compiled_kernels_at_head_dim_64_on_hopper_match_float32_reference(optio
     check_compiled(step, (functools.partial(ma.paged_attention_mosaic, **options),))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
+@pytest.mark.parametrize("page", [16, 128])
+def test_compiled_default_compute_bound_prefill_at_head_dim_64_on_hopper_matches_float32_reference(page):
+    """The thirty-eighth session's default at the llama3.2-1b attention shape (32 q heads, 8 kv heads, head dim 64):
+    a step whose prefill tiles fill their 16 partitions takes three consumers with FlashAttention-3's loop and no
+    split (`prefill_consumers`, `Codegen.for_launch`), against the float32 reference, with pages of 16 and of 128.
+    The `gpu` tests of three consumers with `overlap` that passed on an H200 (thirty-eighth session) were split
+    launches; this is the code the 1M-token TTFT ran."""
+    rng = np.random.default_rng(page + 64)
+    seqs = [(6000, 1024, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (0, 3, 0), (900, 17, 3000)]
+    step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=64, page=page, dtype=jnp.bfloat16)
+    assert planned_tiles(step).prefill.lim_rows.shape[1] == 192 and planned_parts(step, "prefill").max() == 1
+    check_compiled(step, (ma.paged_attention_mosaic,))
+
+
 # Pages of 128 keys (a 128-key prefill block one TMA copy of a whole page; a decode block half a page): timed on an
 # H100 (twenty-third session: prefill 8.5-10.5% faster than with pages of 16) but never checked there. The defaults
 # and the candidates the next runs time at this page size, as their labels run them: at head dim 128 FlashAttention-3's
@@ -1039,7 +1056,8 @@ PAGES_OF_128 = {"hd128-default": (128, {}),
                 "hd64-default": (64, {}),
                 "hd64-c3-overlap": (64, dict(consumers=3, overlap=True)),
                 "hd64-c3-overlap-no-turns": (64, dict(consumers=3, overlap=True, pingpong=False)),
-                "hd64-c3-no-turns": (64, dict(consumers=3, pingpong=False))}
+                "hd64-c3-no-turns": (64, dict(consumers=3, overlap=False, pingpong=False)),
+                "hd64-two-consumers": (64, dict(consumers=2))}
 
 
 @pytest.mark.gpu
@@ -1070,6 +1088,56 @@ def test_supports_says_what_check_shapes_accepts():
     for bad in (dict(dtype=jnp.float32), dict(head_dim=96), dict(page_size=24), dict(page_size=4),
                 dict(num_heads=24), dict(num_heads=128, num_kv_heads=1)):
         assert not ma.supports(**dict(ok, **bad)), bad
+
+
+def _layout(seqs, page: int = 16) -> AttentionMetadata:
+    """A step's metadata alone (no cache): `seqs` as (keys after the step, query tokens), one page table row each."""
+    pages = max(-(-keys // page) for keys, _ in seqs)
+    seq_ids = np.concatenate([np.full(n, i, np.int32) for i, (_, n) in enumerate(seqs)])
+    positions = np.concatenate([np.arange(keys - n, keys, dtype=np.int32) for keys, n in seqs])
+    return AttentionMetadata(seq_ids=jnp.asarray(seq_ids), positions=jnp.asarray(positions),
+                             page_table=jnp.zeros((len(seqs), pages), jnp.int32),
+                             kv_lens=jnp.asarray([k for k, _ in seqs], jnp.int32),
+                             kv_start=jnp.zeros(len(seqs), jnp.int32))
+
+
+def test_compute_bound_prefill_at_head_dim_64_takes_three_consumers_with_overlap():
+    """The thirty-eighth session's default (measured on an H100 and an H200, docs/benchmarks.md): at head dim 64 a
+    compiled prefill launch that fills its partitions' worth of tiles takes programs of three consumers (192 rows:
+    48 tokens at G = 4) with FlashAttention-3's loop and the register split; a memory-bound one (a short chunk at a
+    long context, split over 16 partitions), another head dim, the interpreter, or consumers asked for keep what
+    they had."""
+    dims = dict(num_heads=32, num_kv_heads=8, head_dim=64, page_size=16)
+
+    def rows(meta, **options):
+        return ma.plan_step(meta, **dict(dims, **options)).prefill.lim_rows.shape[1]
+
+    long_chunk = _layout([(5000, 1024), (300, 1)])  # 1,025 tokens: 21 tiles of 48 for 16 partitions
+    short_chunk = _layout([(40000, 32), (300, 1)])  # 33 tokens: no tile of 48 for each of 16 partitions
+    assert rows(long_chunk) == 192 and rows(short_chunk) == 128
+    assert rows(_layout([(5000, 767)])) == 128 and rows(_layout([(5000, 768)])) == 192  # 15 and 16 tiles of 48
+    assert rows(long_chunk, head_dim=128) == 128 and rows(long_chunk, interpret=True) == 128
+    assert rows(long_chunk, consumers=2) == 128 and rows(short_chunk, consumers=3) == 192
+    assert rows(long_chunk, num_partitions=32) == 128  # 21 tiles no longer fill the partitions asked for
+    assert ma.prefill_consumers(long_chunk, **dims) == 3
+    # the code of such a launch (`for_launch`): FlashAttention-3's loop with K released early and registers split,
+    # not for split, two-consumer or one-consumer launches, nor where overlap is refused or another loop asked for
+    launch = dict(interpret=False, consumers=3, num_parts=1, head_dim=64, block_k=128)
+    c = ma.Codegen().for_launch(**launch)
+    assert (c.overlap, c.release_k, c.max_registers, c.pingpong, c.stages) == (True, True, True, True, 2)
+    assert not ma.Codegen().for_launch(**dict(launch, num_parts=16)).overlap
+    assert not ma.Codegen().for_launch(**dict(launch, consumers=2)).overlap
+    assert not ma.Codegen().for_launch(**dict(launch, consumers=1, block_k=64)).overlap
+    assert not ma.Codegen(overlap=False).for_launch(**launch).overlap
+    for other in ("wait_k_in_pv", "fenced_softmax"):
+        assert not ma.Codegen(**{other: True}).for_launch(**launch).overlap
+    # the kernel traced for the GPU (no compile) is the one asked for with consumers=3 and overlap=True
+    step = make_step(np.random.default_rng(38), [(120, 100, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16,
+                     dtype=jnp.bfloat16)  # one partition (120 keys: one block), so no merge kernel
+    assert planned_tiles(step).prefill.lim_rows.shape[1] == 192
+    default = _kernel_primitives(step, consumers=None, fma_softmax=None)
+    assert default == _kernel_primitives(step, consumers=3, overlap=True, fma_softmax=None)
+    assert default != _kernel_primitives(step, consumers=3, overlap=False, fma_softmax=None)
 
 
 def test_prefill_blocks_default_to_128_keys_at_head_dims_64_and_128():
