@@ -19,7 +19,7 @@ from collections.abc import Callable
 from mnemojax.engine.async_llm import EngineStats
 from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.scheduling.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
+from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams, truncate_prompt
 from models.tokenizer import ByteTokenizer
 
 
@@ -50,6 +50,7 @@ class MockEngine:
 
     def validate(self, prompt, params: SamplingParams) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)  # the engine's, as it is
         params.validate(vocab_size=self.tokenizer.vocab_size)
         for name, off in (("min_p", 0.0), ("min_tokens", 0), ("logit_bias", None)):  # what the mock does not model
             if getattr(params, name) != off:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 from mnemojax.scheduling.outputs import RequestOutput
-from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
+from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -218,11 +218,12 @@ class AsyncLLM:
         return self._stats
 
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids; raises ValueError (naming the field and the limit) if the request is bad.
+        """The prompt's token ids (as `params.truncate_prompt_tokens` leaves them); raises ValueError (naming the
+        field and the limit) if the request is bad.
 
         Safe from any thread: tokenizing and the checks read only the engine's fixed configuration.
         """
-        ids = self.engine.tokenize(prompt)
+        ids = truncate_prompt(self.engine.tokenize(prompt), params.truncate_prompt_tokens, self.engine.max_model_len)
         self.engine.validate(ids, params)
         return ids
 

@@ -24,7 +24,7 @@ from mnemojax.scheduling.kv_manager import KVCacheManager
 from mnemojax.engine.loader import LoadedModel, engine_attention, load, with_dtype
 from mnemojax.scheduling.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mnemojax.scheduling.request import Request
-from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
+from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams, truncate_prompt
 from mnemojax.scheduling.config import ParallelConfig, SchedulerConfig
 from mnemojax.scheduling.calibration import Calibrator
 from mnemojax.scheduling.predictor import HARDWARE, Predictor, default_profile, make_predictor
@@ -358,6 +358,7 @@ class LLMEngine:
         prompt_ids = self.tokenize(prompt) if prompt_token_ids is None else \
             self._token_ids(prompt_token_ids, "prompt_token_ids")
         params = params or self.default_sampling_params(len(prompt_ids))
+        prompt_ids = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.max_model_len)
         self.validate(prompt_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:

@@ -89,6 +89,10 @@ class SamplingParams:
     """Keep the matched stop string at the end of the output text."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """Whether each per-step output holds everything so far (CUMULATIVE) or only what is new (DELTA)."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep only the prompt's last k tokens (left truncation), k >= 1, or -1 for the model's length
+    (`max_model_len`); None keeps the whole prompt. The engine truncates before it checks the prompt's length
+    (`truncate_prompt`); usage and `prompt_token_ids` count what is left."""
 
     def __post_init__(self):
         if self.stop is None:
@@ -115,6 +119,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
         self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = int(self.truncate_prompt_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -184,9 +190,32 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ParamError("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:
                 continue
             if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
                 raise ParamError(name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value!r}")
+
+
+def check_truncate_prompt_tokens(k) -> None:
+    """Raises a ParamError unless `k` is None, -1 or an int >= 1 (vLLM's `truncate_prompt_tokens`)."""
+    if k is not None and (not _is_int(k) or not (k == -1 or k >= 1)):
+        raise ParamError("truncate_prompt_tokens", f"truncate_prompt_tokens must be an int >= 1, or -1 (the model's "
+                                                   f"max_model_len), got {k!r}")
+
+
+def truncate_prompt(prompt_ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """`prompt_ids` as `truncate_prompt_tokens` k cuts them (vLLM's): the last k tokens, k = max_model_len for -1;
+    unchanged for None. A k past `max_model_len` raises (vLLM's check: no prompt that long could run)."""
+    check_truncate_prompt_tokens(k)
+    if k is None:
+        return prompt_ids
+    if k == -1:
+        k = max_model_len
+    elif k > max_model_len:
+        raise ParamError("truncate_prompt_tokens", f"truncate_prompt_tokens ({k}) is greater than max_model_len "
+                                                   f"({max_model_len}); choose a smaller one, or -1")
+    return prompt_ids[-k:] if len(prompt_ids) > k else prompt_ids

@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from mnemojax.scheduling.outputs import CompletionOutput
-from mnemojax.scheduling.sampling_params import ParamError
+from mnemojax.scheduling.sampling_params import ParamError, truncate_prompt
 from mnemojax.serving.base import APIError, Choice, OpenAIServing, bad_request
 from mnemojax.serving.protocol import ChatCompletionRequest, ChatMessage
 
@@ -26,6 +26,10 @@ class ServingChat(OpenAIServing):
         except ParamError as e:
             raise bad_request(e) from None
         prompt_ids = self.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        try:  # before the room left is counted (the engine's `validate` truncates them the same way again)
+            prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, self.llm.max_model_len)
+        except ParamError as e:
+            raise bad_request(e) from None
         max_tokens = body.token_limit
         if max_tokens is None:  # the room left in what one request can hold (max_model_len, or the KV pages' tokens)
             max_tokens = max(self.llm.max_request_tokens - len(prompt_ids), 1)

@@ -2,7 +2,7 @@
 
 Field names, types and defaults follow the OpenAI API (`logit_bias` included: token ids to biases in [-100, 100]),
 plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`). Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
+`include_stop_str_in_output`, `truncate_prompt_tokens`). Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
 honour (penalties, `suffix`, `best_of`, `echo` or `prompt_logprobs` with `stream`, vLLM's guided decoding, beam
@@ -59,7 +59,7 @@ _UNHONOURED = {  # vLLM's request fields mnemojax does not implement, and the va
     "allowed_token_ids": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
     "length_penalty": (None, 1.0, 1), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,), "priority": (None, 0),
-    "truncate_prompt_tokens": (None,), "spaces_between_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False), "logits_processors": (None,),
 }
 _CHAT_UNHONOURED = {  # and those of chat requests
@@ -99,6 +99,8 @@ class _SamplingRequest(_Strict):
     prompt_logprobs: int | None = Field(default=None, description=f"vLLM's: top log-probs per prompt token, "
                                                                   f"0..{MAX_LOGPROBS}; not with stream")
     response_format: dict | None = Field(default=None, description='only {"type": "text"} (no structured output)')
+    truncate_prompt_tokens: int | None = Field(default=None, description="vLLM's: keep only the prompt's last k "
+                                                                         "tokens (k >= 1, or -1: max_model_len)")
     # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
     allowed_token_ids: Any = None
     bad_words: Any = None
@@ -110,7 +112,6 @@ class _SamplingRequest(_Strict):
     guided_grammar: Any = None
     structured_outputs: Any = None
     priority: Any = None
-    truncate_prompt_tokens: Any = None
     spaces_between_special_tokens: Any = None
     return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
@@ -152,7 +153,8 @@ class _SamplingRequest(_Strict):
             min_tokens=self.min_tokens or 0, logit_bias=self._logit_bias(),
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's `logit_bias`: token ids (as strings) to biases (`SamplingParams` checks them)."""

@@ -101,6 +101,22 @@ def test_seed_gives_same_sample_regardless_of_batch(llm):
     assert other != a
 
 
+def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(llm):
+    """vLLM's truncate_prompt_tokens: the request runs the prompt's last k tokens, exactly as if they were the
+    prompt (the same greedy tokens and prompt log-probs), and reports them as its prompt; -1 keeps a prompt shorter
+    than max_model_len whole; a k past max_model_len is refused before anything runs."""
+    (prompt,) = _prompts((40,), seed=11)
+    params = dict(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    want = llm.generate([prompt[-9:]], SamplingParams(**params))[0]
+    got = llm.generate([prompt], SamplingParams(**params, truncate_prompt_tokens=9))[0]
+    assert got.prompt_token_ids == prompt[-9:] and got.outputs[0].token_ids == want.outputs[0].token_ids
+    np.testing.assert_array_equal(_prompt_lps(got), _prompt_lps(want))
+    whole = llm.generate([prompt], SamplingParams(**params, truncate_prompt_tokens=-1))[0]
+    assert whole.prompt_token_ids == prompt
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(257\) is greater than max_model_len \(256\)"):
+        llm.generate([prompt], SamplingParams(**params, truncate_prompt_tokens=257))
+
+
 def test_min_p_reaches_each_requests_rows(llm):
     """min_p 1 keeps only the most likely token, so a hot seeded request beside others decodes greedily; min_p 0
     leaves its draws as they were."""

@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from mnemojax.scheduling.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
+from mnemojax.scheduling.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams, truncate_prompt
 
 
 def test_defaults_and_normalization():
@@ -82,6 +82,10 @@ BAD = [
     (dict(logprobs=True), "logprobs", "between 0 and 20"),
     (dict(prompt_logprobs=21), "prompt_logprobs", "between 0 and 20, got 21"),
     (dict(prompt_logprobs=-1), "prompt_logprobs", "between 0 and 20"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens", "int >= 1, or -1 (the model's max_model_len), got 0"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens", "int >= 1, or -1"),
+    (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens", "int >= 1, or -1"),
+    (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens", "int >= 1, or -1"),
 ]
 
 
@@ -123,3 +127,19 @@ def test_errors_name_their_field(field, value):
     with pytest.raises(ParamError) as e:
         SamplingParams(**{field: value})
     assert e.value.param == field and str(e.value).startswith(field)
+
+
+def test_truncate_prompt_keeps_the_last_k_tokens():
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens; -1 is max_model_len; None, or a k at least the
+    prompt's length, changes nothing; a k past max_model_len is refused, naming the field and the limit."""
+    ids = [5, 6, 7, 8, 9]
+    assert truncate_prompt(ids, None, 4) == ids
+    assert truncate_prompt(ids, 2, 100) == [8, 9] and truncate_prompt(ids, 1, 100) == [9]
+    assert truncate_prompt(ids, 5, 100) == ids and truncate_prompt(ids, 9, 100) == ids
+    assert truncate_prompt(ids, -1, 3) == [7, 8, 9] and truncate_prompt(ids, -1, 8) == ids
+    with pytest.raises(ParamError, match=re.escape("truncate_prompt_tokens (9) is greater than max_model_len (8)")) as e:
+        truncate_prompt(ids, 9, 8)
+    assert e.value.param == "truncate_prompt_tokens"
+    with pytest.raises(ParamError, match="got 0"):
+        truncate_prompt(ids, 0, 8)
+    assert SamplingParams(truncate_prompt_tokens=np.int64(3)).truncate_prompt_tokens == 3

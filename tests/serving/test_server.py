@@ -269,7 +269,7 @@ def test_bad_chat_input_is_400(client):
     ("completions", "guided_json", {"type": "object"}), ("completions", "guided_choice", ["yes", "no"]),
     ("completions", "allowed_token_ids", [1, 2]), ("completions", "bad_words", ["x"]),
     ("completions", "use_beam_search", True), ("completions", "structured_outputs", {"regex": "a+"}),
-    ("completions", "priority", 5), ("completions", "truncate_prompt_tokens", 3),
+    ("completions", "priority", 5),
     ("completions", "spaces_between_special_tokens", False), ("completions", "return_tokens_as_token_ids", True),
     ("completions", "add_special_tokens", False),
     ("chat", "echo", True), ("chat", "continue_final_message", True), ("chat", "add_special_tokens", True),
@@ -293,6 +293,35 @@ def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, 
     if field == "add_special_tokens" and endpoint == "completions":  # token ids are taken as they are
         assert client.completions.create(model="tiny", prompt=[1, 2], max_tokens=2,
                                          extra_body={field: False}).usage.completion_tokens == 2
+
+
+def test_truncate_prompt_tokens_counts_only_the_tokens_kept(client, offline, url):
+    """vLLM's truncate_prompt_tokens: completions and chat run the prompt's last k tokens, as the library does, and
+    count them in the usage; the room a request without max_tokens gets is what the truncated prompt leaves; a bad
+    k is a 400 naming the field."""
+    ids = [256, 72, 105, 33, 10, 40, 50, 60, 70]
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    ref = offline.generate([ids[-4:]], greedy)[0].outputs[0]
+    got = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True, "truncate_prompt_tokens": 4})
+    assert got.choices[0].text == ref.text and got.usage.prompt_tokens == 4
+    messages = [{"role": "user", "content": "hello there, a long enough message"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert whole.usage.prompt_tokens > 6
+    cut = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0,
+                                         extra_body={"truncate_prompt_tokens": 6})
+    assert cut.usage.prompt_tokens == 6
+    # max_tokens left out: the rest of max_model_len (128) after the 6 tokens kept
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": None,
+                                                  "truncate_prompt_tokens": 6, "ignore_eos": True}, timeout=60)
+    usage = r.json()["usage"]
+    assert r.status_code == 200 and (usage["prompt_tokens"], usage["completion_tokens"]) == (6, 122)
+    for endpoint, body in (("completions", {"prompt": ids}), ("chat/completions", {"messages": messages})):
+        for k, message in ((0, "got 0"), (129, "(129) is greater than max_model_len (128)"), ("3", "int")):
+            r = httpx.post(f"{url}/v1/{endpoint}", json={"model": "tiny", "max_tokens": 2, "truncate_prompt_tokens": k,
+                                                         **body}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (endpoint, k)
+            assert message in r.json()["error"]["message"], (endpoint, k, r.json())
 
 
 def test_chat_logprob_bytes_are_the_tokens_bytes(client):
