@@ -80,6 +80,7 @@ class RowSampling:
     min_p: jax.Array  # f32[R] 0 => disabled
     bias_ids: jax.Array  # i32[R, W] tokens whose logits get bias_values added (logit_bias, min_tokens' bans)
     bias_values: jax.Array  # f32[R, W] (0 in the unused slots)
+    allow_only: jax.Array  # bool[R] only the bias slots' tokens may be drawn (allowed_token_ids)
 
 
 class RowRef(NamedTuple):
@@ -319,7 +320,7 @@ class Executor:
             batch = dataclasses.replace(batch, token_ids=given)
             logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows, kind)
             tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps,
-                                    samp.min_p, samp.bias_ids, samp.bias_values)
+                                    samp.min_p, samp.bias_ids, samp.bias_values, samp.allow_only)
             lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS, jnp.any(samp.want_top))
             with jax.named_scope(SAMPLED_TOKENS):  # named, so a communication audit can tell it from the layers'
                 sampled = lax.dynamic_update_slice(sampled, from_every_rank(tokens), (0, 0))
@@ -452,7 +453,7 @@ class Executor:
         rows: list[list[int]] = [[] for _ in range(K)]
         samp: list[list[tuple]] = [[] for _ in range(K)]
         refs: list[RowRef] = []
-        biases: list[tuple[int, int, tuple[np.ndarray, np.ndarray]]] = []  # (rank, row, its slots' ids, biases)
+        biases: list[tuple[int, int, tuple]] = []  # (rank, row, (its slots' ids, biases, allow-only))
         logprobs = False
 
         def add_row(rank, row, chunk_i, token_index, req, target, is_sample):
@@ -538,15 +539,15 @@ class Executor:
         W = self.bias_slots
         cols = [np.zeros((K, R) + {3: (2,), 8: (W,), 9: (W,)}.get(j, ()), d)  # seeds: (high, low) words
                 for j, d in enumerate((np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool,
-                                       np.float32, np.int32, np.float32))]
+                                       np.float32, np.int32, np.float32, bool))]
         cols[2][:] = 1.0  # top_p
         cols[5][:] = -1  # targets
         for r in range(K):
             pad_rows[r, :len(rows[r])] = rows[r]
             for j, values in enumerate(zip(*samp[r])) if samp[r] else []:
                 cols[j][r, :len(values)] = values
-        for r, row, (ids, values) in biases:  # every slot of the row: a request's are arrays of W
-            cols[8][r, row], cols[9][r, row] = ids, values
+        for r, row, (ids, values, only) in biases:  # every slot of the row: a request's are arrays of W
+            cols[8][r, row], cols[9][r, row], cols[10][r, row] = ids, values, only
         batch = StepBatch(token_ids=tok, write_pages=wpage, write_slots=wslot, shared=shared,
                           attn=AttentionMetadata(seq_ids=seq, positions=pos, page_table=table, kv_lens=kv_lens,
                                                  kv_start=kv_start))

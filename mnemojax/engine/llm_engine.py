@@ -22,6 +22,7 @@ from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.engine.executor import Executor, Launched
 from mnemojax.scheduling.kv_manager import KVCacheManager
 from mnemojax.engine.loader import LoadedModel, engine_attention, load, with_dtype
+from mnemojax.engine.sampler import NO_TOKEN
 from mnemojax.scheduling.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mnemojax.scheduling.request import Request
 from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams, truncate_prompt
@@ -331,18 +332,32 @@ class LLMEngine:
             raise ParamError("prompt", f"prompt + max_tokens: {why}")
         biased = set(params.logit_bias or ())
         banned = set(self._stop_ids(params)) if params.min_tokens else set()
-        if len(biased | banned) > self.config.max_logit_bias:
+        allowed = params.allowed_token_ids
+        if allowed is not None:  # its slots are the allowed tokens; biases and bans elsewhere change nothing
+            if len(allowed) > self.config.max_logit_bias:
+                raise ParamError("allowed_token_ids", f"allowed_token_ids ({len(allowed)} tokens) are more than "
+                                                      f"max_logit_bias ({self.config.max_logit_bias}, an engine "
+                                                      f"setting: each is a slot of the logits row)")
+            if banned and set(allowed) <= banned:
+                raise ParamError("allowed_token_ids", f"every allowed token is a stop token that min_tokens "
+                                                      f"({params.min_tokens}) bans until then, so none could be "
+                                                      f"generated")
+        elif len(biased | banned) > self.config.max_logit_bias:
             field = "logit_bias" if biased else "min_tokens"
             raise ParamError(field, f"logit_bias ({len(biased)} tokens) and the stop tokens min_tokens bans "
                                     f"({len(banned)}) bias {len(biased | banned)} tokens, more than max_logit_bias "
                                     f"({self.config.max_logit_bias}, an engine setting)")
 
-    def _bias_slots(self, bias: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
-        """`bias` as a logits row's (token ids, biases) slots, all of them: unused ones are token 0, bias 0."""
-        ids = np.zeros(self.executor.bias_slots, np.int32)
+    def _bias_slots(self, bias: dict[int, float], allowed: list[int] | None) -> tuple[np.ndarray, np.ndarray, bool]:
+        """`bias` as a logits row's (token ids, biases, allow-only) slots, all of them: unused ones are `NO_TOKEN`,
+        bias 0. With `allowed` (allowed_token_ids) the slots are those tokens, each with its bias (0 where none),
+        and the row keeps only them."""
+        if allowed is not None:
+            bias = {t: bias.get(t, 0.0) for t in allowed}
+        ids = np.full(self.executor.bias_slots, NO_TOKEN, np.int32)
         values = np.zeros(self.executor.bias_slots, np.float32)
         ids[:len(bias)], values[:len(bias)] = list(bias), list(bias.values())
-        return ids, values
+        return ids, values, allowed is not None
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
         """The tokens `min_tokens` bans: EOS and the request's `stop_token_ids` (EOS even with `ignore_eos`, as
@@ -369,10 +384,12 @@ class LLMEngine:
             raise ParamError("arrival_time", f"arrival_time {arrival_time} is later than the engine's clock ({now})")
         req = Request(rid, prompt_ids, params, now if arrival_time is None else arrival_time, seed,
                       prompt=prompt if isinstance(prompt, str) else None)
-        if params.logit_bias or params.min_tokens:
+        allowed = params.allowed_token_ids
+        if params.logit_bias or params.min_tokens or allowed is not None:
             bias = dict(params.logit_bias or {})
             early = {**bias, **dict.fromkeys(self._stop_ids(params), -math.inf)} if params.min_tokens else bias
-            req.bias, req.bias_early = (self._bias_slots(b) if b else None for b in (bias, early))
+            req.bias, req.bias_early = (self._bias_slots(b, allowed) if b or allowed is not None else None
+                                        for b in (bias, early))
         self.scheduler.add(req)
         self.requests[rid] = req
         if self.tokenizer is not None:

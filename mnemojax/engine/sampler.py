@@ -4,7 +4,8 @@ One row is one sequence's next-token distribution. Every per-row parameter is an
 compiled step serves any mix of greedy and sampled requests.
 
 Semantics (vLLM's, stated exactly):
-  * every row's logit biases are added first (`logit_bias`, and -inf for the stop tokens `min_tokens` bans);
+  * every row's logit biases are added first (`logit_bias`, and -inf for the stop tokens `min_tokens` bans); a row
+    that allows only its slots' tokens (`allowed_token_ids`) has every other logit -inf first;
   * greedy rows (temperature < `GREEDY_TEMPERATURE`) take `argmax(logits)`, the first index on ties;
   * other rows: logits / temperature, then min-p, then top-k, then top-p on the renormalized top-k
     distribution, then one draw `categorical(fold_in(key(seed), step), filtered, mode="high")`, where key(seed) is the
@@ -35,6 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from mnemojax.scheduling.sampling_params import GREEDY_TEMPERATURE
+
+NO_TOKEN = 2**31 - 1
+"""A bias slot's token id when the slot is unused: past any vocabulary, so the sampler's scatters drop it."""
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -137,6 +141,7 @@ def sample(
     min_p: jax.Array | None = None,
     bias_ids: jax.Array | None = None,
     bias_values: jax.Array | None = None,
+    allow_only: jax.Array | None = None,
 ) -> jax.Array:
     """Pick the next token of each row.
 
@@ -146,7 +151,9 @@ def sample(
     `seed_words`); steps i32[N] (index of the token
     being generated, so the same (seed, step) gives the same token however requests are batched);
     min_p f32[N] (0 => disabled; None: every row's is 0); bias_ids i32[N, W], bias_values f32[N, W]: added to
-    those logits first, greedy rows' too (a -inf bans a token; None: no bias).
+    those logits first, greedy rows' too (a -inf bans a token; an id of `NO_TOKEN`, or any past the vocabulary, is
+    an unused slot; None: no bias); allow_only bool[N]: the row keeps only its slots' tokens, every other logit
+    -inf (vLLM's `allowed_token_ids`; None: no row).
     Returns i32[N] token ids.
     """
     logits = logits.astype(jnp.float32)
@@ -157,8 +164,18 @@ def sample(
     # Only when some row has a bias do the biased logits exist (a copy: the log-probs read the raw ones); the cond
     # returns tokens, so neither branch passes an [N, V] array through (XLA copied it twice).
     rows = jnp.arange(logits.shape[0])[:, None]
-    return jax.lax.cond(jnp.any(bias_values != 0), lambda: pick(logits.at[rows, bias_ids].add(bias_values)),
-                        lambda: pick(logits))
+
+    def biased():
+        b = logits
+        if allow_only is not None:  # -inf outside the row's slots (an [N, V] mask, made only in this branch)
+            outside = jnp.ones(logits.shape, bool).at[rows, bias_ids].set(False, mode="drop")
+            b = jnp.where(allow_only[:, None] & outside, -jnp.inf, b)
+        return pick(b.at[rows, bias_ids].add(bias_values, mode="drop"))
+
+    some = jnp.any(bias_values != 0)
+    if allow_only is not None:
+        some = some | jnp.any(allow_only)
+    return jax.lax.cond(some, biased, lambda: pick(logits))
 
 
 def _pick(logits, *, temperature, top_k, top_p, seeds, steps, min_p) -> jax.Array:

@@ -59,8 +59,9 @@ class Request:
     finished_time: float | None = None
     num_preemptions: int = 0
     # Sampling biases (`SamplingParams.logit_bias`, and -inf for the stop tokens `min_tokens` bans: EOS, even if
-    # ignored, and stop_token_ids), as the (token ids, biases) arrays of every slot a logits row carries: `bias`
-    # after min_tokens tokens, `bias_early` before; None: no bias.
+    # ignored, and stop_token_ids), as the (token ids, biases) arrays of every slot a logits row carries and whether
+    # the row keeps only those tokens (`allowed_token_ids`): `bias` after min_tokens tokens, `bias_early` before;
+    # None: no bias.
     bias: tuple | None = None
     bias_early: tuple | None = None
     # TTFT deadline (same clock as arrival_time) and its duration; set by the scheduler when it is added.

@@ -89,6 +89,9 @@ class SamplingParams:
     """Keep the matched stop string at the end of the output text."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """Whether each per-step output holds everything so far (CUMULATIVE) or only what is new (DELTA)."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these token ids may be generated (every other logit is -inf, greedy rows too; `logit_bias` and
+    min_tokens' bans apply among them); None: any. At most the engine's `max_logit_bias` distinct ids."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: keep only the prompt's last k tokens (left truncation), k >= 1, or -1 for the model's length
     (`max_model_len`); None keeps the whole prompt. The engine truncates before it checks the prompt's length
@@ -121,6 +124,8 @@ class SamplingParams:
         self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
         if self.truncate_prompt_tokens is not None:
             self.truncate_prompt_tokens = int(self.truncate_prompt_tokens)
+        if self.allowed_token_ids is not None:  # distinct, in the order given
+            self.allowed_token_ids = list(dict.fromkeys(int(t) for t in self.allowed_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -181,6 +186,18 @@ class SamplingParams:
                 bad = sorted(t for t in self.logit_bias if t >= vocab_size)
                 raise ParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}) (the vocabulary), "
                                                f"got {bad}")
+
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in allowed):
+                raise ParamError("allowed_token_ids", f"allowed_token_ids must be a list of token ids (ints >= 0), "
+                                                      f"got {allowed!r}")
+            if not allowed:
+                raise ParamError("allowed_token_ids", "allowed_token_ids must not be empty (None allows every token)")
+            if vocab_size is not None and any(t >= vocab_size for t in allowed):
+                bad = sorted({t for t in allowed if t >= vocab_size})
+                raise ParamError("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab_size}) (the "
+                                                      f"vocabulary), got {bad}")
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)

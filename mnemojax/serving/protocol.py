@@ -2,7 +2,7 @@
 
 Field names, types and defaults follow the OpenAI API (`logit_bias` included: token ids to biases in [-100, 100]),
 plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`, `truncate_prompt_tokens`). Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
+`include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`). Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
 honour (penalties, `suffix`, `best_of`, `echo` or `prompt_logprobs` with `stream`, vLLM's guided decoding, beam
@@ -56,7 +56,7 @@ def _refuse_unhonoured(body: BaseModel, fields: dict[str, tuple]) -> None:
 
 
 _UNHONOURED = {  # vLLM's request fields mnemojax does not implement, and the values that change nothing
-    "allowed_token_ids": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
+    "bad_words": (None, []), "use_beam_search": (None, False),
     "length_penalty": (None, 1.0, 1), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,), "priority": (None, 0),
     "spaces_between_special_tokens": (None, True),
@@ -101,8 +101,9 @@ class _SamplingRequest(_Strict):
     response_format: dict | None = Field(default=None, description='only {"type": "text"} (no structured output)')
     truncate_prompt_tokens: int | None = Field(default=None, description="vLLM's: keep only the prompt's last k "
                                                                          "tokens (k >= 1, or -1: max_model_len)")
+    allowed_token_ids: list[int] | None = Field(default=None, description="vLLM's: only these token ids may be "
+                                                                          "generated")
     # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
-    allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -154,7 +155,7 @@ class _SamplingRequest(_Strict):
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            truncate_prompt_tokens=self.truncate_prompt_tokens)
+            truncate_prompt_tokens=self.truncate_prompt_tokens, allowed_token_ids=self.allowed_token_ids)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's `logit_bias`: token ids (as strings) to biases (`SamplingParams` checks them)."""

@@ -169,6 +169,46 @@ def test_min_tokens_and_logit_bias_match_hf_generate(llm, ckpt):
     assert got[:4] == want and want[3] == EOS_ID and got[3:] == [EOS_ID] * 5 and EOS_ID not in got[:3]
 
 
+def test_allowed_token_ids_match_hf_generate_banning_every_other_token(llm, ckpt):
+    """vLLM's allowed_token_ids: greedy output equals HF's `generate` with every other token a bad word (-inf); with
+    logit_bias among the allowed tokens, HF's `sequence_bias` beside it; with min_tokens, the allowed stop token
+    only after that many tokens. A request that allows a token beside one it biases keeps the bias only where
+    allowed. Seeded sampling draws only allowed tokens, in a batch with unrestricted requests."""
+    hf = load_hf_model(ckpt)
+    vocab = hf.config.vocab_size
+    prompt = _prompts((13,), seed=21)[0]
+    ids = torch.tensor([prompt])
+    plain = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0]
+    allowed = [plain.token_ids[1], 17, 99, EOS_ID, 250]  # not the first greedy token: the restriction matters
+
+    def hf_generate(**kw):
+        with torch.no_grad():
+            return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                               pad_token_id=0, bad_words_ids=[[t] for t in range(vocab) if t not in allowed],
+                               **kw)[0, len(prompt):].tolist()
+
+    got = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                allowed_token_ids=allowed))[0].outputs[0].token_ids
+    assert got == hf_generate(eos_token_id=None) and set(got) <= set(allowed) and got != plain.token_ids
+    bias = {17: 3.0, 99: -2.0, 5: 50.0}  # 5 is not allowed: its bias changes nothing
+    got = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logit_bias=bias,
+                                                allowed_token_ids=allowed))[0].outputs[0].token_ids
+    assert got == hf_generate(eos_token_id=None, sequence_bias=[[[t], b] for t, b in bias.items() if t != 5])
+    pushed = dict(max_tokens=8, temperature=0, logit_bias={EOS_ID: 100.0}, allowed_token_ids=allowed)
+    got = llm.generate([prompt], SamplingParams(**pushed, min_tokens=3))[0].outputs[0]
+    assert got.token_ids == hf_generate(eos_token_id=[EOS_ID], min_new_tokens=3,
+                                        sequence_bias=[[[EOS_ID], 100.0]])
+    assert got.token_ids[3] == EOS_ID and got.finish_reason == "stop" and len(got.token_ids) == 4
+    hot = [SamplingParams(max_tokens=12, temperature=1.3, seed=s, ignore_eos=True, allowed_token_ids=allowed[:3])
+           for s in range(6)]
+    free = SamplingParams(max_tokens=12, temperature=1.3, seed=0, ignore_eos=True)
+    outs = llm.generate([prompt] * 7, hot + [free])
+    drawn = [t for o in outs[:6] for t in o.outputs[0].token_ids]
+    assert set(drawn) <= set(allowed[:3]) and len(set(drawn)) > 1
+    assert not set(outs[6].outputs[0].token_ids) <= set(allowed[:3])
+    assert outs[6].outputs[0].token_ids == llm.generate([prompt], free)[0].outputs[0].token_ids
+
+
 def test_logit_bias_and_min_tokens_beyond_the_slots_are_refused(ckpt):
     llm = LLM(model=ckpt, page_size=4, max_model_len=64, max_logit_bias=3, precompile=False)
     llm.engine.validate([1, 2], SamplingParams(logit_bias={1: 1.0, 2: 2.0}, min_tokens=1))  # + EOS: 3 slots
@@ -184,6 +224,15 @@ def test_logit_bias_and_min_tokens_beyond_the_slots_are_refused(ckpt):
     llm.engine.validate([1, 2], SamplingParams(stop_token_ids=[5, 6], min_tokens=2, logit_bias={5: 1.0}))  # 3
     with pytest.raises(ParamError, match=r"logit_bias token ids must be in \[0, 320\)"):
         llm.engine.validate([1, 2], SamplingParams(logit_bias={320: 1.0}))
+    # allowed_token_ids: one slot each (biases and bans on other tokens take none); all banned by min_tokens refused
+    llm.engine.validate([1, 2], SamplingParams(allowed_token_ids=[4, 5, 6], logit_bias={7: 1.0, 5: 2.0}, min_tokens=1))
+    with pytest.raises(ParamError, match=r"allowed_token_ids \(4 tokens\) are more than max_logit_bias \(3,") as e:
+        llm.engine.validate([1, 2], SamplingParams(allowed_token_ids=[4, 5, 6, 7]))
+    assert e.value.param == "allowed_token_ids"
+    with pytest.raises(ParamError, match=r"every allowed token is a stop token that min_tokens \(2\) bans"):
+        llm.engine.validate([1, 2], SamplingParams(allowed_token_ids=[5, EOS_ID], stop_token_ids=[5], min_tokens=2))
+    with pytest.raises(ParamError, match=r"allowed_token_ids must be in \[0, 320\) \(the vocabulary\), got \[320\]"):
+        llm.engine.validate([1, 2], SamplingParams(allowed_token_ids=[3, 320]))
     none = LLM(model=ckpt, page_size=4, max_model_len=64, max_logit_bias=0, precompile=False)
     with pytest.raises(ParamError, match=r"bias 1 tokens, more than max_logit_bias \(0,"):
         none.engine.validate([1, 2], SamplingParams(logit_bias={1: 1.0}))

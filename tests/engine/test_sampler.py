@@ -670,6 +670,51 @@ def test_biases_are_added_before_everything_and_bans_are_never_drawn():
     assert stat < chi2_critical(df)
 
 
+def test_allow_only_rows_draw_only_their_slots_tokens():
+    """A row that allows only its slots' tokens (allowed_token_ids) has every other logit -inf before its biases:
+    greedy rows take numpy's argmax over the allowed biased logits, sampled rows draw `categorical(fold_in(key(seed),
+    step), where(allowed, biased, -inf) / t)`; unused slots (`NO_TOKEN`) allow nothing, even the row's best token;
+    rows beside them that allow everything are as without. Over 4000 seeds the draws are only allowed tokens, at
+    the restricted softmax's frequencies."""
+    rng = np.random.default_rng(51)
+    n, vocab, w = 12, 64, 4
+    logits = rng.normal(size=(n, vocab)).astype(np.float32)
+    ids = np.full((n, w), sampler.NO_TOKEN, np.int32)
+    values = np.zeros((n, w), np.float32)
+    only = np.arange(n) % 3 != 2  # every third row allows everything (slots of a plain logit_bias)
+    for i in range(n):
+        k = 1 + i % w  # 1 to 4 slots used
+        ids[i, :k] = rng.permutation(vocab)[:k]
+        values[i, :k] = rng.choice([0.0, 1.5, -2.0], size=k)
+        logits[i, (ids[i, 0] + 1) % vocab] += 6.0  # a token the row would pick, if allowed
+    temperature = np.where(np.arange(n) % 2 == 0, 0.0, 0.9).astype(np.float32)
+    seeds, steps = rng.integers(0, 2**32, size=n).astype(np.uint32), rng.integers(0, 100, size=n).astype(np.int32)
+    tokens = np.asarray(_sample(logits, temperature, np.full(n, -1, np.int32), np.ones(n, np.float32), seeds, steps,
+                                None, ids, values, only))
+    for i in range(n):
+        used = ids[i][ids[i] != sampler.NO_TOKEN]
+        biased = logits[i].copy()
+        biased[used] += values[i][:len(used)]
+        if only[i]:
+            biased = np.where(np.isin(np.arange(vocab), used), biased, -np.inf)
+            assert tokens[i] in used, i
+        if temperature[i] == 0:
+            assert tokens[i] == np.argmax(biased), i
+        else:
+            key = jax.random.fold_in(jax.random.key(int(seeds[i])), int(steps[i]))
+            assert tokens[i] == int(jax.random.categorical(key, biased / temperature[i], mode="high")), i
+    allowed = np.array([[3, 11, 14, sampler.NO_TOKEN]], np.int32)
+    drawn = np.asarray(_sample(np.broadcast_to(_LOGITS, (N_SEEDS, _V)), np.ones(N_SEEDS, np.float32),
+                               np.full(N_SEEDS, -1, np.int32), np.ones(N_SEEDS, np.float32),
+                               (np.arange(N_SEEDS) * 7919 + 11).astype(np.uint32), np.zeros(N_SEEDS, np.int32), None,
+                               np.repeat(allowed, N_SEEDS, 0), np.zeros((N_SEEDS, 4), np.float32),
+                               np.ones(N_SEEDS, bool)))
+    assert set(np.unique(drawn)) == {3, 11, 14}
+    keep = np.isin(np.arange(_V), allowed[0, :3])
+    stat, df = chi2_stat(np.bincount(drawn, minlength=_V)[keep], np_softmax(_LOGITS[keep]))
+    assert stat < chi2_critical(df)
+
+
 def test_biases_cost_one_copy_of_the_logits_and_none_without_them():
     """The compiled sampler, the raw logits alive beside it as in the step (the log-probs read them): no [N, V]
     copy without bias slots, and one with them (the biased logits, made only in the branch where some row has a
@@ -689,3 +734,6 @@ def test_biases_cost_one_copy_of_the_logits_and_none_without_them():
         return len(re.findall(rf"= f32\[{n},{vocab}\](?:\{{[^}}]*\}})? copy\(", hlo))
 
     assert (copies(shapes), copies(shapes + bias)) == (0, 1)
+    # with the allow-only column, as the step passes it: none (in the biased branch the masked logits come out of
+    # the fusion that applies the mask, which the scatter of the biases then updates in place)
+    assert copies(shapes + bias + [((n,), jnp.bool_)]) == 0

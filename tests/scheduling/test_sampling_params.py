@@ -82,6 +82,10 @@ BAD = [
     (dict(logprobs=True), "logprobs", "between 0 and 20"),
     (dict(prompt_logprobs=21), "prompt_logprobs", "between 0 and 20, got 21"),
     (dict(prompt_logprobs=-1), "prompt_logprobs", "between 0 and 20"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids", "must not be empty"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids", "ints >= 0"),
+    (dict(allowed_token_ids=[1.0]), "allowed_token_ids", "ints >= 0"),
+    (dict(allowed_token_ids=5), "allowed_token_ids", "list of token ids"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens", "int >= 1, or -1 (the model's max_model_len), got 0"),
     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens", "int >= 1, or -1"),
     (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens", "int >= 1, or -1"),
@@ -143,3 +147,11 @@ def test_truncate_prompt_keeps_the_last_k_tokens():
     with pytest.raises(ParamError, match="got 0"):
         truncate_prompt(ids, 0, 8)
     assert SamplingParams(truncate_prompt_tokens=np.int64(3)).truncate_prompt_tokens == 3
+
+
+def test_allowed_token_ids_are_distinct_ints_in_the_vocabulary():
+    p = SamplingParams(allowed_token_ids=(9, np.int32(4), 9, 2))
+    assert p.allowed_token_ids == [9, 4, 2] and all(type(t) is int for t in p.allowed_token_ids)
+    p.validate(vocab_size=10)
+    with pytest.raises(ParamError, match=re.escape("allowed_token_ids must be in [0, 9) (the vocabulary), got [9]")):
+        p.validate(vocab_size=9)

@@ -267,7 +267,7 @@ def test_bad_chat_input_is_400(client):
 
 @pytest.mark.parametrize("endpoint, field, value", [
     ("completions", "guided_json", {"type": "object"}), ("completions", "guided_choice", ["yes", "no"]),
-    ("completions", "allowed_token_ids", [1, 2]), ("completions", "bad_words", ["x"]),
+    ("completions", "bad_words", ["x"]),
     ("completions", "use_beam_search", True), ("completions", "structured_outputs", {"regex": "a+"}),
     ("completions", "priority", 5),
     ("completions", "spaces_between_special_tokens", False), ("completions", "return_tokens_as_token_ids", True),
@@ -322,6 +322,28 @@ def test_truncate_prompt_tokens_counts_only_the_tokens_kept(client, offline, url
                                                          **body}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (endpoint, k)
             assert message in r.json()["error"]["message"], (endpoint, k, r.json())
+
+
+def test_allowed_token_ids_reach_the_engine(client, offline, url):
+    """vLLM's allowed_token_ids: the same tokens as the library with the same list (greedy and seeded), only those
+    tokens; an empty list, an id outside the vocabulary or more ids than the rows' bias slots are a 400 naming it."""
+    ids = [256, 72, 105, 33, 10, 40]
+    allowed = [72, 105, 33, 10]
+    for kw in (dict(temperature=0), dict(temperature=1.4, seed=5)):
+        ref = offline.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, allowed_token_ids=allowed,
+                                                     **kw))[0].outputs[0]
+        got = client.completions.create(model="tiny", prompt=ids, max_tokens=8, **kw,
+                                        extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+        assert got.choices[0].text == ref.text and set(ref.token_ids) <= set(allowed)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, extra_body={"allowed_token_ids": [72, 105]})
+    assert set(chat.choices[0].message.content) <= {"H", "i"}
+    for value, message in (([], "must not be empty"), ([72, 10**6], "(the vocabulary)"),
+                           (list(range(17)), "more than max_logit_bias (16")):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 2,
+                                                      "allowed_token_ids": value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", value
+        assert message in r.json()["error"]["message"], (value, r.json())
 
 
 def test_chat_logprob_bytes_are_the_tokens_bytes(client):
