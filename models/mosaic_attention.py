@@ -10,7 +10,8 @@ unrounded), lse f32[T, N] in natural log; a token with no visible key gets out =
 
 One kernel, two tilings (as in `models.pallas_attention`):
   - prefill tiles: the tokens of each sequence cut into tiles of C x 64 // G tokens (C consumer warpgroups of 64
-    rows: PREFILL_CONSUMERS = 2, or 3 for compute-bound launches at head dim 64, `prefill_consumers`), the G query heads of a kv head packed into the rows (row = token x head of
+    rows: PREFILL_CONSUMERS = 2, or 3 for compute-bound launches at head dim 64, `prefill_consumers`), the G query
+    heads of a kv head packed into the rows (row = token x head of
     the group), so the group shares every K/V load, and both consumers share each block the producer loads;
     split-K over KV partitions when the step holds few tiles (e.g. one 32-token chunk at a long context);
   - decode tiles: one token per tile, its G heads as the rows of one consumer, split-K over partitions
@@ -39,7 +40,8 @@ with one consumer and the Triton kernels reached. Three (`consumers=3`, an optio
 head dim 64; on an H100, twenty-third session, the llama3.2-1b shape's chunk 8192 at 1M 186.5 ms with two, 187.0 with
 three, 164.4 without turns and 155.4 with `overlap`; on an H200, thirty-eighth session, 183.1 -> 154.6 ms with
 `overlap` at pages of 16, 158.2 -> 147.0 at pages of 128: the default there since, for compute-bound launches,
-`prefill_consumers`; the Llama-3-8B shape's chunk 2048 70.1 -> 74.7 ms on the H100) need their registers redistributed (`register_split`, on by default for them) and
+`prefill_consumers`; the Llama-3-8B shape's chunk 2048 70.1 -> 74.7 ms on the H100) need their registers
+redistributed (`register_split`, on by default for them) and
 take turns on a ring of barriers, a token passed from consumer to consumer (`_program`).
 Code generation per launch (`Codegen.for_launch`, each a keyword that overrides it), as measured fastest on an H200 or
 an H100: P in registers when compiled, and then the two prefill consumers taking turns on the tensor cores (`pingpong`,
@@ -52,7 +54,8 @@ slower on an H100, 186.5 -> 196.0 ms at the llama3.2-1b shape's chunk 8192); `fm
 for the exponent, as jax's `attention_mgpu`) for compute-bound prefill launches (at every head dim since the eighteenth
 session; on an H100 at head dim 128 chunk 2048 69.1 against 68.3 ms without, within the spread of the runs);
 `max_registers` (`plgpu.set_max_registers`: consumers 232 per thread, the producer 40) for three consumers and under
-`overlap` only; `overlap` for compute-bound launches of three consumers (the head-dim-64 default). The eighteenth session turned it on for compute-bound two-consumer launches, whose 168 registers a
+`overlap` only; `overlap` for compute-bound launches of three consumers (the head-dim-64 default). The eighteenth
+session turned it on for compute-bound two-consumer launches, whose 168 registers a
 thread spill ~540 bytes in the key-block loop at head dim 128 with 128-key blocks (ptxas,
 `scripts/kernel_resources.py`); measured on an H100 (twenty-third session, 1M keys) the spilling kernel is the faster:
 chunk 2048 of the Llama-3-8B shape 69.1 -> 63.2 ms without the split, 508 -> 556 TFLOP/s, and the llama3.2-1b shape's
@@ -280,7 +283,8 @@ class Codegen:
     hold it. With `pingpong` (its default where the launch takes turns) the issuing is the consumer's turn on a ring of
     barriers, as FlashAttention-3's scheduler barriers, for two consumers as for three. It orders the loop its own way:
     with `wait_k_in_pv` or `fenced_softmax` it raises; None, its default: on for compute-bound launches of three
-    consumers, the head-dim-64 default (`prefill_consumers`), unless one of those two is asked for). On: `merge_kernel` (a launch's split tiles merged and written in
+    consumers, the head-dim-64 default (`prefill_consumers`), unless one of those two is asked for). On:
+    `merge_kernel` (a launch's split tiles merged and written in
     token order by one more kernel, `_merge_partials`, where XLA took three fusions and a scatter; False: XLA's,
     `_merge_items`, for a side-by-side measurement; even on an H100, twenty-third session: decode B=1 at 256K 0.403
     against 0.421 ms, at 1M 1.522 against 1.490, one sample each)."""
@@ -1470,7 +1474,8 @@ def prefill_consumers(meta, *, num_heads: int, num_kv_heads: int, head_dim: int,
     """Consumer warpgroups of a step's prefill programs when none are asked for (`plan_step`): compiled, three
     (FlashAttention-3's 192-row tile) at head dim 64 where their launch is compute-bound (`is_memory_bound`: no), else
     two (`PREFILL_CONSUMERS`); interpreted, two (jax's interpreter runs each warpgroup as a thread, and three
-    consumers need `INTERPRETER_NPROC` of them, `check_interpreter_threads`: asked for, they run there too). Measured (docs/benchmarks.md): the llama3.2-1b shape's chunk 8192 at 1M, three
+    consumers need `INTERPRETER_NPROC` of them, `check_interpreter_threads`: asked for, they run there too).
+    Measured (docs/benchmarks.md): the llama3.2-1b shape's chunk 8192 at 1M, three
     consumers with FlashAttention-3's loop (`overlap`, on by default for them: `Codegen.for_launch`) against two,
     on an H100 155.4 against 186.5 ms (pages of 16; twenty-third session), on an H200 154.6 against 183.1 ms with
     pages of 16 and 147.0 against 158.2 with pages of 128 (thirty-eighth session); the whole 1M-token TTFT with them

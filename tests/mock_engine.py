@@ -52,7 +52,8 @@ class MockEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)  # the engine's, as it is
         params.validate(vocab_size=self.tokenizer.vocab_size)
-        for name, off in (("min_p", 0.0), ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None)):  # what the mock does not model
+        # what the mock does not model
+        for name, off in (("min_p", 0.0), ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None)):
             if getattr(params, name) != off:
                 raise AssertionError(f"the mock engine ignores {name}: test it against a real engine")
         if not ids:

@@ -2,7 +2,8 @@
 
 Field names, types and defaults follow the OpenAI API (`logit_bias` included: token ids to biases in [-100, 100]),
 plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`). Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
+`include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`).
+Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
 honour (penalties, `suffix`, `best_of`, `echo` or `prompt_logprobs` with `stream`, vLLM's guided decoding, beam

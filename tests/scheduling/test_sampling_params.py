@@ -141,7 +141,8 @@ def test_truncate_prompt_keeps_the_last_k_tokens():
     assert truncate_prompt(ids, 2, 100) == [8, 9] and truncate_prompt(ids, 1, 100) == [9]
     assert truncate_prompt(ids, 5, 100) == ids and truncate_prompt(ids, 9, 100) == ids
     assert truncate_prompt(ids, -1, 3) == [7, 8, 9] and truncate_prompt(ids, -1, 8) == ids
-    with pytest.raises(ParamError, match=re.escape("truncate_prompt_tokens (9) is greater than max_model_len (8)")) as e:
+    longer = re.escape("truncate_prompt_tokens (9) is greater than max_model_len (8)")
+    with pytest.raises(ParamError, match=longer) as e:
         truncate_prompt(ids, 9, 8)
     assert e.value.param == "truncate_prompt_tokens"
     with pytest.raises(ParamError, match="got 0"):
