@@ -54,12 +54,12 @@ slower on an H100, 186.5 -> 196.0 ms at the llama3.2-1b shape's chunk 8192); `fm
 for the exponent, as jax's `attention_mgpu`) for compute-bound prefill launches (at every head dim since the eighteenth
 session; on an H100 at head dim 128 chunk 2048 69.1 against 68.3 ms without, within the spread of the runs);
 `max_registers` (`plgpu.set_max_registers`: consumers 232 per thread, the producer 40) for three consumers and under
-`overlap` only; `overlap` for compute-bound launches of three consumers (the head-dim-64 default). The eighteenth
-session turned it on for compute-bound two-consumer launches, whose 168 registers a
+`overlap` only. The eighteenth session turned it on for compute-bound two-consumer launches, whose 168 registers a
 thread spill ~540 bytes in the key-block loop at head dim 128 with 128-key blocks (ptxas,
 `scripts/kernel_resources.py`); measured on an H100 (twenty-third session, 1M keys) the spilling kernel is the faster:
 chunk 2048 of the Llama-3-8B shape 69.1 -> 63.2 ms without the split, 508 -> 556 TFLOP/s, and the llama3.2-1b shape's
-chunk 8192 186.8 -> 183.4 ms, so it is off there again. Off, as measured no faster on an H200 (sixteenth session,
+chunk 8192 186.8 -> 183.4 ms, so it is off there again. `overlap`: on for compiled compute-bound launches of three
+consumers (the head-dim-64 default). Off, as measured no faster on an H200 (sixteenth session,
 Llama-3-8B shape at 1M, each alone against the defaults): `release_k` (the K slot freed after Q K^T on its own barrier;
 chunk 2048 75.8 -> 80.4 ms), `wait_k_in_pv` (the next K waited for during P V; 79.3) and `fenced_softmax` (the softmax
 finished before the turn is handed over; 75.7), each as `attention_mgpu` does; those three, with `max_registers` and
@@ -359,10 +359,10 @@ class Codegen:
         registers = (not interpret) if self.registers is None else self.registers
         memory_bound = consumers == 1 or num_parts > 1
         overlap = self.overlap
-        if overlap is None:  # FlashAttention-3's loop for compute-bound three-consumer launches, unless another
-            # order of the loop was asked for
-            overlap = consumers > PREFILL_CONSUMERS and not memory_bound and not (self.wait_k_in_pv
-                                                                                  or self.fenced_softmax)
+        if overlap is None:  # FlashAttention-3's loop for compiled compute-bound three-consumer launches, unless
+            # another order of the loop was asked for (interpreted, as asked: its race tests keep each loop apart)
+            overlap = (not interpret and consumers > PREFILL_CONSUMERS and not memory_bound
+                       and not (self.wait_k_in_pv or self.fenced_softmax))
         fma_softmax = self.fma_softmax
         if fma_softmax is None:
             fma_softmax = not memory_bound

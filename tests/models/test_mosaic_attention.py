@@ -1129,6 +1129,7 @@ def test_compute_bound_prefill_at_head_dim_64_takes_three_consumers_with_overlap
     assert not ma.Codegen().for_launch(**dict(launch, consumers=2)).overlap
     assert not ma.Codegen().for_launch(**dict(launch, consumers=1, block_k=64)).overlap
     assert not ma.Codegen(overlap=False).for_launch(**launch).overlap
+    assert not ma.Codegen().for_launch(**dict(launch, interpret=True)).overlap  # interpreted: each loop as asked
     for other in ("wait_k_in_pv", "fenced_softmax"):
         assert not ma.Codegen(**{other: True}).for_launch(**launch).overlap
     # the kernel traced for the GPU (no compile) is the one asked for with consumers=3 and overlap=True
