@@ -123,13 +123,17 @@ def split_kernel_options(impl: str, options: dict) -> tuple[dict, dict]:
     """(tiling options, which go to `plan_attention`; the others, code generation such as the Mosaic kernels'
     `stages` or `approx_math`, which go to every layer's `attention(..., plan=...)` call) of the kernel options
     `options` for `impl`, by the planner's own parameters. The reference takes none: all go to the call, which
-    raises naming them."""
+    raises naming them. The Mosaic planner also reads two code generation options (`stages`, `registers`:
+    `mosaic_attention.PLAN_AND_CALL`, whether a three-consumer program fits), which go to both."""
     impl = resolve_attention(impl)
     if impl == REFERENCE:
         return {}, dict(options)
-    planner = mosaic_attention.plan_step if impl in (MOSAIC, MOSAIC_INTERPRET) else pallas_attention.plan_step
+    mosaic = impl in (MOSAIC, MOSAIC_INTERPRET)
+    planner = mosaic_attention.plan_step if mosaic else pallas_attention.plan_step
     tiling = set(inspect.signature(planner).parameters) - {"interpret"}  # the implementation's, never an option
-    return ({k: v for k, v in options.items() if k in tiling}, {k: v for k, v in options.items() if k not in tiling})
+    both = set(mosaic_attention.PLAN_AND_CALL) if mosaic else set()
+    return ({k: v for k, v in options.items() if k in tiling},
+            {k: v for k, v in options.items() if k not in tiling or k in both})
 
 
 def plan_attention(impl: str, meta: AttentionMetadata, *, num_heads: int, num_kv_heads: int, head_dim: int,

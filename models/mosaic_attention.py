@@ -36,19 +36,19 @@ nothing. Each program (a CUDA block) holds C + 1 warpgroups:
     others wait on a barrier for that before their P V.
 Two consumers per prefill program (measured on an H200: chunk 2048 from ~270 to ~435 TFLOP/s) double the rows each K/V
 block's load serves: a 64-row program does 64 FLOPs per byte it loads from L2, which caps it near what both this kernel
-with one consumer and the Triton kernels reached. Three (`consumers=3`, an option: FlashAttention-3's 192-row tile at
-head dim 64; on an H100, twenty-third session, the llama3.2-1b shape's chunk 8192 at 1M 186.5 ms with two, 187.0 with
-three, 164.4 without turns and 155.4 with `overlap`; on an H200, thirty-eighth session, 183.1 -> 154.6 ms with
-`overlap` at pages of 16, 158.2 -> 147.0 at pages of 128: the default there since, for compute-bound launches,
-`prefill_consumers`; the Llama-3-8B shape's chunk 2048 70.1 -> 74.7 ms on the H100) need their registers
-redistributed (`register_split`, on by default for them) and
-take turns on a ring of barriers, a token passed from consumer to consumer (`_program`).
+with one consumer and the Triton kernels reached. Three (`consumers=3`: FlashAttention-3's 192-row tile at head dim
+64, the default for compute-bound launches there since the thirty-eighth session, `prefill_consumers`; on an H100,
+twenty-third session, the llama3.2-1b shape's chunk 8192 at 1M 186.5 ms with two, 187.0 with three, 164.4 without
+turns and 155.4 with `overlap`; on an H200, thirty-eighth session, 183.1 -> 154.6 ms with `overlap` at pages of 16,
+158.2 -> 147.0 at pages of 128; an option elsewhere: the Llama-3-8B shape's chunk 2048 70.1 -> 74.7 ms on the H100)
+need their registers redistributed (`register_split`, on by default for them) and take turns on a ring of barriers, a
+token passed from consumer to consumer (`_program`).
 Code generation per launch (`Codegen.for_launch`, each a keyword that overrides it), as measured fastest on an H200 or
-an H100: P in registers when compiled, and then the two prefill consumers taking turns on the tensor cores (`pingpong`,
+an H100: P in registers when compiled, and then the prefill consumers taking turns on the tensor cores (`pingpong`,
 as FlashAttention-3 and jax's `attention_mgpu`); memory-bound launches (decode tiles, split-K launches: few tiles at a
 long context) with the deepest ring that fits the SMEM (with 64-key blocks 4 slots at head dims 64 and 128; a
 two-consumer split-K launch's 128-key blocks at head dim 128 fit 2, and then take no turns), compute-bound ones
-(two-consumer prefill tiles, one partition) with 2 slots; prefill key blocks of 128 at head dims 64 and 128
+(prefill tiles of two or three consumers, one partition) with 2 slots; prefill key blocks of 128 at head dims 64 and 128
 (`prefill_block_k`), else 64 (192, an option at head dim 64: FlashAttention-3's key block there without a causal mask,
 slower on an H100, 186.5 -> 196.0 ms at the llama3.2-1b shape's chunk 8192); `fma_softmax` (one multiply-add per score
 for the exponent, as jax's `attention_mgpu`) for compute-bound prefill launches (at every head dim since the eighteenth
@@ -163,6 +163,7 @@ ROWS = 64  # rows of a consumer warpgroup: one wgmma M tile
 PREFILL_CONSUMERS = 2  # consumer warpgroups of a prefill program: 128 rows share each K/V block's load
 MAX_CONSUMERS = 3  # `consumers=3`: 192 rows share each load (FlashAttention-3's tile at head dim 64), 4 warpgroups
 # (512 threads) whose registers must be redistributed (`register_split`)
+PLAN_AND_CALL = ("stages", "registers")  # code generation options `plan_step` reads too (its choice of consumers)
 BLOCK_K = 64  # keys per block of the online softmax (the default; `block_k` / `decode_block_k`: BLOCK_KS)
 BLOCK_KS = (64, 128, 192)  # key blocks the kernel takes: multiples of 64, as P V's contraction over them must be
 # (Mosaic's wgmma: whole 128-byte swizzle groups of V's rows; P through SMEM: whole 64-column tiles); two 128-key
@@ -1470,7 +1471,8 @@ def is_memory_bound(num_tokens: int, block_q: int, num_parts: int) -> bool:
 
 
 def prefill_consumers(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                      num_partitions: int | None = None, block_k: int | None = None, interpret: bool = False) -> int:
+                      num_partitions: int | None = None, block_k: int | None = None, interpret: bool = False,
+                      stages: int | None = None, registers: bool | None = None) -> int:
     """Consumer warpgroups of a step's prefill programs when none are asked for (`plan_step`): compiled, three
     (FlashAttention-3's 192-row tile) at head dim 64 where their launch is compute-bound (`is_memory_bound`: no), else
     two (`PREFILL_CONSUMERS`); interpreted, two (jax's interpreter runs each warpgroup as a thread, and three
@@ -1481,7 +1483,11 @@ def prefill_consumers(meta, *, num_heads: int, num_kv_heads: int, head_dim: int,
     pages of 16 and 147.0 against 158.2 with pages of 128 (thirty-eighth session); the whole 1M-token TTFT with them
     152.3 s on the H200 (pages of 128), against 197.0 s with two (pages of 16, sixteenth session). Not at head dim
     128 (the Llama-3-8B shape's chunk 2048 on an H100: 74.7 against 70.1 ms), and not for memory-bound launches
-    (three consumers took the 8B shape's chunk 32 at 1M from 1.47 to 1.52 ms on the H100; at head dim 64 unmeasured)."""
+    (three consumers took the 8B shape's chunk 32 at 1M from 1.47 to 1.52 ms on the H100; at head dim 64 unmeasured).
+    Nor where the code generation asked for (`stages`, `registers`: what the layers' calls will get, as
+    `Codegen.for_launch` resolves them for a compute-bound launch) makes a three-consumer program too big for a
+    block's SMEM (e.g. `block_k=192, stages=3, registers=False`, which fits two): two consumers, which it was asked
+    of before three were the default."""
     if head_dim != 64 or interpret:
         return PREFILL_CONSUMERS
     c = MAX_CONSUMERS
@@ -1489,7 +1495,10 @@ def prefill_consumers(meta, *, num_heads: int, num_kv_heads: int, head_dim: int,
     parts = _launch_parts(meta, consumers=c, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                           block_k=block_k, num_partitions=num_partitions)
     bound = is_memory_bound(meta.seq_ids.shape[0], block_q_for(num_heads, num_kv_heads, c), parts)
-    return PREFILL_CONSUMERS if bound else c
+    p_in_smem = registers is False  # compiled, P stays in registers unless asked otherwise
+    fits = (STAGES if stages is None else stages) in rings_that_fit(consumers=c, head_dim=head_dim, block_k=block_k,
+                                                                      p_in_smem=p_in_smem)
+    return PREFILL_CONSUMERS if bound or not fits else c
 
 
 def _query_order(tile_tok, num_tokens: int, group: int):
@@ -1540,17 +1549,18 @@ def _query_rows(q, launch: pa.Launch, num_kv_heads: int, rows: int):
 def plan_step(meta, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, kind: str = MIXED,
               num_partitions: int | None = None, decode_partitions: int | None = None,
               consumers: int | None = None, block_k: int | None = None, decode_block_k: int = BLOCK_K,
-              interpret: bool = False) -> pa.StepTiles:
+              stages: int | None = None, registers: bool | None = None, interpret: bool = False) -> pa.StepTiles:
     """A step's launches for `paged_attention_mosaic` (options as its own; heads and page size as the kernels see
     them): the tilings and per-tile metadata from the step's layout alone, computed once per step by the model
     and read by every layer's attention (`tiles=`). `consumers` None: `prefill_consumers` (for the interpreter when
-    `interpret`)."""
+    `interpret`), which also reads `stages` and `registers`, code generation options that every layer's call must
+    be given too (`models.attention.split_kernel_options` gives them to both: `PLAN_AND_CALL`)."""
     if kind not in (MIXED, DECODE, PREFILL):
         raise ValueError(f"kind must be one of {(MIXED, DECODE, PREFILL)}, got {kind!r}")
     if consumers is None:
         consumers = prefill_consumers(meta, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                       page_size=page_size, num_partitions=num_partitions, block_k=block_k,
-                                      interpret=interpret)
+                                      interpret=interpret, stages=stages, registers=registers)
     _check_consumers(consumers, head_dim)
     block_k = prefill_block_k(head_dim, page_size, consumers) if block_k is None else block_k
     dec, pre = pa.step_tilings(meta, kind=kind, block_q=block_q_for(num_heads, num_kv_heads, consumers))
@@ -1590,7 +1600,7 @@ def prefill_attention(q, k_cache, v_cache, layer, meta, *, interpret: bool = Fal
     if consumers is None:
         consumers = prefill_consumers(meta, num_heads=N, num_kv_heads=k_cache.shape[3], head_dim=H,
                                       page_size=k_cache.shape[2], num_partitions=num_partitions, block_k=block_k,
-                                      interpret=interpret)
+                                      interpret=interpret, stages=stages, registers=registers)
     _check_consumers(consumers, H)
     B = meta.page_table.shape[0]
     bq = block_q_for(N, k_cache.shape[3], consumers)
@@ -1642,7 +1652,8 @@ def _paged_attention_mosaic(q, k_cache, v_cache, layer, meta, *, interpret: bool
         tiles = plan_step(meta, num_heads=q.shape[1], num_kv_heads=k_cache.shape[3], head_dim=q.shape[2],
                           page_size=k_cache.shape[2],
                           kind=kind, num_partitions=num_partitions, decode_partitions=decode_partitions,
-                          consumers=consumers, block_k=block_k, decode_block_k=decode_block_k, interpret=interpret)
+                          consumers=consumers, block_k=block_k, decode_block_k=decode_block_k, stages=stages,
+                          registers=registers, interpret=interpret)
     elif (num_partitions is not None or decode_partitions is not None or kind != MIXED
           or consumers is not None or block_k is not None or decode_block_k != BLOCK_K):
         raise ValueError("tiles were planned with their own options (plan_step); got num_partitions, "

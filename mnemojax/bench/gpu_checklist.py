@@ -44,8 +44,9 @@ class Stage:
 EIGHTEENTH = "mosaic+max_registers=true"
 # the `gpu` tests of what the defaults changed since a GPU last checked them: the thirty-eighth session's (three
 # consumers with FlashAttention-3's loop for compute-bound prefill launches at head dim 64; the `gpu` tests of three
-# consumers with `overlap` that passed on an H200 that session were split launches), the engine with them, and pages
-# of 128 with the candidates timed at that size (`test_labels_timed_with_pages_of_128_have_their_gpu_test`)
+# consumers with `overlap` that passed on an H200 that session were split launches) and the `long-c3` stage's candidate
+# on the same compute-bound step, the engine with them, and pages of 128 with the candidates timed at that size
+# (`test_labels_timed_with_pages_of_128_have_their_gpu_test`)
 NEW_CORRECT = "compute_bound or engine or pages_of_128"
 # the Llama-3-8B shape's chunk 2048 against cuDNN (the target: at least as fast, in the same run), with pages of 128:
 # FlashAttention-3's loop with turns won at the 8B shape on an H200 (thirty-eighth session: 256K 13.98 against
@@ -74,7 +75,8 @@ STAGES = (
     Stage("new-correct", (("-m", "pytest", "-q", "-m", "gpu", "tests/models/test_mosaic_attention.py", "-k",
                            NEW_CORRECT),), 240, 120, env=SHARDED_TESTS_ENV, shards=TEST_SHARDS,
           why="the thirty-eighth session's default (three consumers with FlashAttention-3's loop for compute-bound "
-              "prefill launches at head dim 64, pages of 16 and 128) and the candidates timed with pages of 128, "
+              "prefill launches at head dim 64, pages of 16 and 128; the same launch without that loop or turns, "
+              "the long-c3 stage's) and the candidates timed with pages of 128, "
               "against the float32 reference, and the engine's greedy tokens with attention='auto' (mosaic on "
               "Hopper)"),
     Stage("chunk-2048", tuple(("scripts/bench_attention.py", "--impl", ",".join(("mosaic",) + HD128_CANDIDATES),

@@ -151,10 +151,12 @@ def test_kernel_options_split_into_tiling_and_code_generation():
     from models.llama import ModelSpec
 
     opts = dict(consumers=1, block_k=128, stages=3, pingpong=True, approx_math=False)
-    assert split_kernel_options("mosaic_interpret", opts) == (dict(consumers=1, block_k=128),
-                                                              dict(stages=3, pingpong=True, approx_math=False))
+    # `stages` and `registers` go to both (the planner's choice of consumers must fit them: `PLAN_AND_CALL`)
+    assert split_kernel_options("mosaic_interpret", dict(opts, registers=False)) == (
+        dict(consumers=1, block_k=128, stages=3, registers=False),
+        dict(stages=3, pingpong=True, approx_math=False, registers=False))
     assert split_kernel_options("pallas_interpret", dict(persistent=True, block_q=16)) == (
         dict(persistent=True, block_q=16), {})
     assert split_kernel_options("reference", dict(stages=3)) == ({}, dict(stages=3))  # the call refuses them
     spec = ModelSpec(preset("tiny"), attention="mosaic_interpret", attention_options=(("consumers", 1), ("stages", 3)))
-    assert (spec.plan_options, spec.call_options) == (dict(consumers=1), dict(stages=3))
+    assert (spec.plan_options, spec.call_options) == (dict(consumers=1, stages=3), dict(stages=3))

@@ -50,17 +50,20 @@ def check(fn, step, *, other_kind=None, **kw):
     assert err < 4e-3
 
 
-def planned_tiles(step, **options):
-    """The step's launches as `plan_step` plans them with `options` (heads, head dim and page size from the step)."""
+def planned_tiles(step, *, interpret: bool = True, **options):
+    """The step's launches as `plan_step` plans them with `options` (heads, head dim and page size from the step),
+    for the interpreter, which `check` runs, unless `interpret=False` (what a GPU runs: three consumers at head dim
+    64 where compute-bound)."""
     q, k = step["q"], step["k_cache"]
     meta = AttentionMetadata(**{f: step[f] for f in ("seq_ids", "positions", "page_table", "kv_lens", "kv_start")})
     return ma.plan_step(meta, num_heads=q.shape[1], num_kv_heads=k.shape[3], head_dim=q.shape[2],
-                        page_size=k.shape[2], **options)
+                        page_size=k.shape[2], interpret=interpret, **options)
 
 
 def planned_parts(step, launch: str, **options) -> np.ndarray:
     """The partitions of each program's tile in the plan of the step's `launch` ("decode" or "prefill"; `plan_step` with
-    `options`; 0 for a program past the step's work items): what a test says it covers (a split tile or not)."""
+    `options`, `planned_tiles`; 0 for a program past the step's work items): what a test says it covers (a split tile
+    or not)."""
     tiles = planned_tiles(step, **options)
     return np.asarray((tiles.decode if launch == "decode" else tiles.prefill).work[2])
 
@@ -596,13 +599,28 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
     generation (`Codegen.for_launch`: the deepest ring that fits for memory-bound launches) lowers within the
     module's own count (`program_smem_bytes` + SMEM_MARGIN, what `deepest_ring` trusts) and within an SM's share:
     decode programs (one consumer warpgroup) two per SM at head dim 64 (4 slots), one at 128 (4 slots: 160,824
-    bytes) and 256 (2 slots); two-consumer prefill programs (an SM's registers alone) one. Head dim 256 with a
+    bytes) and 256 (2 slots); prefill programs (an SM's registers alone) one: split ones of two consumers, the
+    others (compute-bound: 2 slots) of three at head dim 64 (`prefill_consumers`), else two. Head dim 256 with a
     float32 output once needed 242,744 bytes (the output staging beside the K/V slots), over the 227 KB a block
     may take."""
     from jax.experimental.mosaic.gpu import core as mgpu_core
 
+    def lowers(paths, *, consumers, block_k, ring, per_sm):
+        # compiled, P stays in registers (`registers`): no SMEM buffer for it
+        counted = ma.program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=ring,
+                                        p_in_smem=False)
+        limit = min(H100_SMEM_PER_BLOCK, H100_SMEM_PER_SM // per_sm - SMEM_RESERVED_PER_BLOCK,
+                    counted + ma.SMEM_MARGIN)
+        with mgpu_core.artificial_shared_memory_limit(limit):
+            assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
+
     assert ma.SMS == 132  # an H100 SXM's and an H200's
     assert ma.PREFILL_CONSUMERS == 2
+    # the layout `assert_lowers_for_cuda` lowers: 64 tokens, 4 sequences of 4,096 keys in pages of 16
+    layout = AttentionMetadata(seq_ids=jnp.zeros(64, jnp.int32), positions=jnp.zeros(64, jnp.int32),
+                               page_table=jnp.zeros((4, 256), jnp.int32), kv_lens=jnp.zeros(4, jnp.int32),
+                               kv_start=jnp.zeros(4, jnp.int32))
+    dims = dict(num_heads=32, num_kv_heads=8, head_dim=head_dim, page_size=16)
     for kind, consumers, per_sm in (("decode", 1, 2 if head_dim == 64 else 1), ("prefill", 2, 1)):
         block_k = ma.BLOCK_K if kind == "decode" else ma.prefill_block_k(head_dim, 16)  # 128 at head dims <= 128
         assert ma.programs_per_sm(consumers=consumers, head_dim=head_dim, block_k=block_k) == per_sm
@@ -612,14 +630,18 @@ def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
         ring = ma.deepest_ring(consumers=consumers, head_dim=head_dim, block_k=block_k)
         # a prefill program's 128-key slots at head dim 128: two fit, a third not
         assert ring == (2 if head_dim == 256 or (kind, head_dim) == ("prefill", 128) else 4)
-        # compiled, P stays in registers (`registers`): no SMEM buffer for it
-        counted = ma.program_smem_bytes(consumers=consumers, head_dim=head_dim, block_k=block_k, stages=ring,
-                                        p_in_smem=False)
-        limit = min(H100_SMEM_PER_BLOCK, H100_SMEM_PER_SM // per_sm - SMEM_RESERVED_PER_BLOCK,
-                    counted + ma.SMEM_MARGIN)
-        paths = tuple((functools.partial(fn, kind=kind), n // 2) for fn, n in OUTPUT_PATHS)
-        with mgpu_core.artificial_shared_memory_limit(limit):
-            assert_lowers_for_cuda(jnp.bfloat16, paths, "@mosaic_gpu_v2", head_dim=head_dim)
+        split, *whole = ((functools.partial(fn, kind=kind), n // 2) for fn, n in OUTPUT_PATHS)
+        if kind == "decode":  # memory-bound whether split or not: the deepest ring
+            lowers((split, *whole), consumers=1, block_k=block_k, ring=ring, per_sm=per_sm)
+            continue
+        # the split prefill launch is memory-bound (the deepest ring, two consumers); one partition a tile makes it
+        # compute-bound: `STAGES` slots, and three consumers at head dim 64 (`prefill_consumers`)
+        assert ma.prefill_consumers(layout, **dims) == consumers
+        lowers((split,), consumers=consumers, block_k=block_k, ring=ring, per_sm=per_sm)
+        whole_consumers = ma.prefill_consumers(layout, num_partitions=1, **dims)
+        assert whole_consumers == (ma.MAX_CONSUMERS if head_dim == 64 else consumers)
+        lowers(whole, consumers=whole_consumers, block_k=ma.prefill_block_k(head_dim, 16, whole_consumers),
+               ring=ma.STAGES, per_sm=per_sm)
 
 
 @pytest.mark.slow  # 32-41 s a head dim on the 2-core VM this week; the defaults' fit (above) stays in the default suite
@@ -770,12 +792,13 @@ def jax_primitives():
     return primitives
 
 
-def _kernel_primitives(step, **options) -> collections.Counter:
-    """The primitives of the compiled prefill launch's kernel body (nested jaxprs included) for `options` (the
-    others off, fma_softmax too, which a compute-bound launch would otherwise take; two consumers, which a
-    compute-bound launch at head dim 64 would otherwise make three, with `overlap`)."""
+def _kernel_primitives(step, fn=functools.partial(ma.paged_attention_mosaic, kind="prefill"),
+                       **options) -> collections.Counter:
+    """The primitives of the compiled prefill launch's kernel body (nested jaxprs included) of `fn` (a step's prefill
+    launch by default) for `options` (the others off, fma_softmax too, which a compute-bound launch would otherwise
+    take; two consumers, which a compute-bound launch at head dim 64 would otherwise make three, with `overlap`)."""
     options = {"fma_softmax": False, "consumers": ma.PREFILL_CONSUMERS, **options}
-    jaxpr = jax.make_jaxpr(lambda s: run(ma.paged_attention_mosaic, s, kind="prefill", **options))(step).jaxpr
+    jaxpr = jax.make_jaxpr(lambda s: run(fn, s, **options))(step).jaxpr
     (launch,) = _kernel_launches(jaxpr)
     return collections.Counter(str(e.primitive) for body in launch.params["jaxprs"]
                                for e in equations(getattr(body, "jaxpr", body), opaque=()))
@@ -978,7 +1001,8 @@ def test_compiled_kernels_split_a_short_chunk_among_many_sequence_slots_on_hoppe
     rng = np.random.default_rng(3)
     step = make_step(rng, [(40000, 32, 0), (30000, 1, 0)] + [(0, 0, 0)] * 62, num_heads=32, num_kv_heads=8,
                      head_dim=128, page=16, dtype=jnp.bfloat16)
-    assert planned_parts(step, "prefill").max() == 16 and planned_parts(step, "decode").max() == 16
+    parts = {launch: planned_parts(step, launch, interpret=False).max() for launch in ("prefill", "decode")}
+    assert parts == dict(prefill=16, decode=16)
     check_compiled(step, (ma.paged_attention_mosaic,))
 
 
@@ -996,7 +1020,8 @@ def test_compiled_merge_kernel_matches_xla_merge_on_hopper(num_heads):
                      num_heads=num_heads, num_kv_heads=8, head_dim=128, page=16, dtype=jnp.bfloat16)
     # the 32-token chunk's 32 x G rows make one 128-row tile at G = 4 and two at G = 8, which share the launch's 16
     # partitions (`_work_items`: 1 + 14 x 313 // 626 = 8 each; the twenty-third session's H100 run asserted 16 here)
-    assert planned_parts(step, "prefill").max() == 16 // (num_heads // 32) and planned_parts(step, "decode").max() > 1
+    parts = {launch: planned_parts(step, launch, interpret=False).max() for launch in ("prefill", "decode")}
+    assert parts["prefill"] == 16 // (num_heads // 32) and parts["decode"] > 1
     check_compiled(step, (ma.paged_attention_mosaic, functools.partial(ma.paged_attention_mosaic, merge_kernel=False)))
     kernel, xla = (run(ma.paged_attention_mosaic, step, out_dtype=jnp.float32, merge_kernel=m) for m in (True, False))
     np.testing.assert_allclose(np.asarray(kernel[0]), np.asarray(xla[0]), rtol=1e-4, atol=1e-5)
@@ -1031,17 +1056,22 @@ def test_compiled_kernels_at_head_dim_64_on_hopper_match_float32_reference(optio
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
 @pytest.mark.parametrize("page", [16, 128])
-def test_compiled_default_compute_bound_prefill_at_head_dim_64_on_hopper_matches_float32_reference(page):
+@pytest.mark.parametrize("options", [pytest.param({}, id="default"),
+                                     pytest.param(dict(overlap=False, pingpong=False), id="c3-no-turns")])
+def test_compiled_default_compute_bound_prefill_at_head_dim_64_on_hopper_matches_float32_reference(options, page):
     """The thirty-eighth session's default at the llama3.2-1b attention shape (32 q heads, 8 kv heads, head dim 64):
     a step whose prefill tiles fill their 16 partitions takes three consumers with FlashAttention-3's loop and no
     split (`prefill_consumers`, `Codegen.for_launch`), against the float32 reference, with pages of 16 and of 128.
     The `gpu` tests of three consumers with `overlap` that passed on an H200 (thirty-eighth session) were split
-    launches; this is the code the 1M-token TTFT ran."""
+    launches; this is the code the 1M-token TTFT ran. Also without that loop and without turns
+    (`mosaic+consumers=3+overlap=false+pingpong=false`, the `long-c3` stage's candidate for the TTFT, whose `gpu`
+    test, "hd64-c3-no-turns" of the pages-of-128 cases, is a split launch)."""
     rng = np.random.default_rng(page + 64)
     seqs = [(6000, 1024, 0), (2100, 32, 0), (777, 7, 0), (4096, 1, 0), (0, 3, 0), (900, 17, 3000)]
     step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=64, page=page, dtype=jnp.bfloat16)
-    assert planned_tiles(step).prefill.lim_rows.shape[1] == 192 and planned_parts(step, "prefill").max() == 1
-    check_compiled(step, (ma.paged_attention_mosaic,))
+    assert planned_tiles(step, interpret=False).prefill.lim_rows.shape[1] == 192
+    assert planned_parts(step, "prefill", interpret=False).max() == 1
+    check_compiled(step, (functools.partial(ma.paged_attention_mosaic, **options),))
 
 
 # Pages of 128 keys (a 128-key prefill block one TMA copy of a whole page; a decode block half a page): timed on an
@@ -1073,7 +1103,7 @@ def test_compiled_kernels_with_pages_of_128_on_hopper_match_float32_reference(ca
     step = make_step(rng, seqs, num_heads=32, num_kv_heads=8, head_dim=head_dim, page=128, dtype=jnp.bfloat16,
                      pad_rows=3)
     consumers = options.get("consumers", ma.PREFILL_CONSUMERS)
-    assert planned_tiles(step, consumers=consumers).prefill.block_k == 128  # one page a block
+    assert planned_tiles(step, interpret=False, consumers=consumers).prefill.block_k == 128  # one page a block
     check_compiled(step, (functools.partial(ma.paged_attention_mosaic, **options),))
 
 
@@ -1120,6 +1150,14 @@ def test_compute_bound_prefill_at_head_dim_64_takes_three_consumers_with_overlap
     assert rows(long_chunk, consumers=2) == 128 and rows(short_chunk, consumers=3) == 192
     assert rows(long_chunk, num_partitions=32) == 128  # 21 tiles no longer fill the partitions asked for
     assert ma.prefill_consumers(long_chunk, **dims) == 3
+    # code generation that a three-consumer program's SMEM cannot hold (`stages`, `registers`: the plan reads them
+    # too) keeps two consumers, which fit: 3 slots of 192 keys with P through SMEM
+    assert rows(long_chunk, block_k=192, stages=3, registers=False) == 128
+    assert rows(long_chunk, block_k=192, stages=3) == 192 and rows(long_chunk, block_k=192, stages=4) == 192
+    # the switch's planner plans for the interpreter when it runs (`plan_attention`)
+    from models.attention import plan_attention
+    assert plan_attention("mosaic", long_chunk, **dims).prefill.lim_rows.shape[1] == 192
+    assert plan_attention("mosaic_interpret", long_chunk, **dims).prefill.lim_rows.shape[1] == 128
     # the code of such a launch (`for_launch`): FlashAttention-3's loop with K released early and registers split,
     # not for split, two-consumer or one-consumer launches, nor where overlap is refused or another loop asked for
     launch = dict(interpret=False, consumers=3, num_parts=1, head_dim=64, block_k=128)
@@ -1135,10 +1173,16 @@ def test_compute_bound_prefill_at_head_dim_64_takes_three_consumers_with_overlap
     # the kernel traced for the GPU (no compile) is the one asked for with consumers=3 and overlap=True
     step = make_step(np.random.default_rng(38), [(120, 100, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16,
                      dtype=jnp.bfloat16)  # one partition (120 keys: one block), so no merge kernel
-    assert planned_tiles(step).prefill.lim_rows.shape[1] == 192
+    assert planned_tiles(step, interpret=False).prefill.lim_rows.shape[1] == 192
     default = _kernel_primitives(step, consumers=None, fma_softmax=None)
     assert default == _kernel_primitives(step, consumers=3, overlap=True, fma_softmax=None)
     assert default != _kernel_primitives(step, consumers=3, overlap=False, fma_softmax=None)
+    # and `prefill_attention`'s, which plans its own launch
+    own = functools.partial(_kernel_primitives, step, ma.prefill_attention, fma_softmax=None)
+    assert own(consumers=None) == own(consumers=3, overlap=True) == default
+    # asked for code that does not fit three consumers, the default traces two (it raised before)
+    small = dict(block_k=192, stages=3, registers=False, fma_softmax=None)
+    assert _kernel_primitives(step, consumers=None, **small) == _kernel_primitives(step, consumers=2, **small)
 
 
 def test_prefill_blocks_default_to_128_keys_at_head_dims_64_and_128():
