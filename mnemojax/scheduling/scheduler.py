@@ -234,12 +234,15 @@ class Scheduler:
             req.logprobs.append(out.logprobs)
         max_len = self.max_model_len
         stops = len(req.output_token_ids) >= p.min_tokens  # vLLM's: before, the sampler bans the stop tokens
-        if stops and out.token in self.eos_token_ids and not p.ignore_eos:
+        # vLLM's order (`check_stop`): the length limits first, so a stop token that is also the last token allowed
+        # ends the request with "length" (and, as not a stop, its text is kept); a stop string it completes still
+        # makes it "stop" (`LLMEngine._detokenize`)
+        if len(req.output_token_ids) >= p.max_tokens or (max_len is not None and req.num_tokens >= max_len):
+            self.finish(req, "length", None, now)
+        elif stops and out.token in self.eos_token_ids and not p.ignore_eos:
             self.finish(req, "stop", None, now)
         elif stops and out.token in p.stop_token_ids:
             self.finish(req, "stop", out.token, now)
-        elif len(req.output_token_ids) >= p.max_tokens or (max_len is not None and req.num_tokens >= max_len):
-            self.finish(req, "length", None, now)
 
     def _preempt(self, request: Request, why: str = "out of KV pages") -> None:
         self.running.remove(request)

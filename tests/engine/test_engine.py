@@ -312,6 +312,12 @@ def test_stop_conditions(llm):
     kept = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                                                  stop_token_ids=[toks[4]], include_stop_str_in_output=True))
     assert kept[0].outputs[0].text == tok.decode(toks[:upto + 1], skip_special_tokens=True) != out.text
+    # The same stop token as the last token allowed: the length limit names the reason (vLLM's `check_stop` checks
+    # it first), and the token's text is kept as any other token's.
+    last = llm.generate([prompt], SamplingParams(max_tokens=upto + 1, temperature=0, ignore_eos=True,
+                                                 stop_token_ids=[toks[4]]))[0].outputs[0]
+    assert last.token_ids == toks[:upto + 1] and (last.finish_reason, last.stop_reason) == ("length", None)
+    assert last.text == kept[0].outputs[0].text
     # A stop string: text is cut before it.
     full = tok.decode(toks, skip_special_tokens=True)  # as the engine does by default (vLLM's default)
     stop = full[3:5]

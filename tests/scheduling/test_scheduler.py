@@ -827,7 +827,10 @@ def test_update_stops_at_max_model_len():
     ({"stop_token_ids": [EOS_TOKEN]}, EOS_TOKEN, ("stop", None)),  # EOS is checked first
     ({"ignore_eos": True, "stop_token_ids": [EOS_TOKEN]}, EOS_TOKEN, ("stop", EOS_TOKEN)),
     ({"ignore_eos": True}, EOS_TOKEN, None),  # generation goes on
-    ({"max_tokens": 1, "stop_token_ids": [55]}, 55, ("stop", 55)),  # a stop token before the length limit
+    ({"max_tokens": 2, "stop_token_ids": [55]}, 55, ("stop", 55)),  # a stop token before the length limit
+    # at the length limit, the limit names the reason (vLLM's `check_stop` checks it first)
+    ({"max_tokens": 1, "stop_token_ids": [55]}, 55, ("length", None)),
+    ({"max_tokens": 1}, EOS_TOKEN, ("length", None)),
     ({"max_tokens": 1}, 56, ("length", None)),
 ], ids=str)
 def test_update_token_stops(params, token, want):
