@@ -556,8 +556,12 @@ class Executor:
     def logits_rows(self, T: int, n: int) -> int:
         """Logits rows R of a step of T token rows whose busiest rank has n of them: a power of two up to one row
         per sequence (sampling), T itself beyond that (prompt log-probs), so every T has a few known R's."""
-        cap = min(T, bucket(self.max_num_seqs, 8))
+        cap = self._rows_cap(T)
         return bucket(n, 8) if n <= cap else T
+
+    def _rows_cap(self, T: int) -> int:
+        """The most logits rows of a step of T token rows that are counted in powers of two (one per sequence)."""
+        return min(T, bucket(self.max_num_seqs, 8))
 
     def shape_buckets(self) -> list[tuple[int, int, str]]:
         """Every (T, R, kind) a step of this executor can have, smallest first: T a power of two from 16 up to the
@@ -568,7 +572,7 @@ class Executor:
             [16 << i for i in range(bucket(self.max_num_batched_tokens, 16).bit_length() - 4)]
         shapes = []
         for T in Ts:
-            cap = min(T, bucket(self.max_num_seqs, 8))
+            cap = self._rows_cap(T)
             Rs = [8 << i for i in range(cap.bit_length() - 3)]
             kinds = [MIXED] + ([PREFILL] if self.kinds else [])
             shapes += [(T, R, k) for R in Rs + ([T] if T > cap else []) for k in kinds]
