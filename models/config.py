@@ -270,28 +270,20 @@ def json_object(file: str) -> dict:
     return d
 
 
-_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                      "max_new_tokens": "max_tokens"}
-"""generation_config.json keys -> the `SamplingParams` fields they give defaults for."""
-
-_GENERATION_UNSUPPORTED = {"repetition_penalty": 1.0}
-"""Sampling defaults vLLM also reads that mnemojax does not implement, and the value that changes nothing."""
+_GENERATION_FIELDS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_p": "top_p",
+                      "top_k": "top_k", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+"""generation_config.json keys -> the `SamplingParams` fields they give defaults for (vLLM's)."""
 
 
 def generation_defaults(path: str | os.PathLike) -> dict[str, Any]:
     """The sampling defaults a model's creator wrote in `path/generation_config.json` ({} without the file), as
     vLLM's `--generation-config auto` reads them (the file's `GenerationConfig.to_diff_dict()`, which in
-    transformers 5 is every value the file sets): `temperature`, `top_p`, `top_k`, `min_p` and `max_tokens` (from
-    `max_new_tokens`). A `repetition_penalty` that would change sampling raises ValueError: mnemojax does not
-    implement it. `do_sample` is not read (vLLM does not either): `temperature` decides."""
+    transformers 5 is every value the file sets): `repetition_penalty`, `temperature`, `top_p`, `top_k`, `min_p` and
+    `max_tokens` (from `max_new_tokens`). `do_sample` is not read (vLLM does not either): `temperature` decides."""
     file = os.path.join(os.fspath(path), "generation_config.json")
     if not os.path.isfile(file):
         return {}
     gen = json_object(file)
-    for key, neutral in _GENERATION_UNSUPPORTED.items():
-        if gen.get(key) is not None and gen[key] != neutral:
-            raise ValueError(f"{file}: {key}={gen[key]!r} is a sampling default mnemojax does not implement; "
-                             f"generation_config='vllm' (--generation_config vllm) ignores the file's defaults")
     return {field: gen[key] for key, field in _GENERATION_FIELDS.items() if gen.get(key) is not None}
 
 

@@ -22,6 +22,13 @@ since the device last saw them (new pages, or a whole row when a slot changes ha
 back), applied by a small jitted scatter before the step. A slot is given to another request only once its
 holder has finished (or left the rank) and no micro-batch in the pipeline still reads it.
 
+Penalties (presence, frequency, repetition) read per-slot state kept on the device the same way: on each rank the
+counts of the tokens sampled so far (`token_counts` [kvp, B + 1, V]) and the prompt's tokens (`prompt_tokens`). A
+request with penalties takes its logits row on its first rank, whose slot holds them: the step adds each token it
+samples there (every stage samples the same tokens, so the stages' copies stay equal), and the host sets a slot up
+only when such a request takes it (cleared; its prompt's distinct tokens; a preempted request's generated tokens),
+by a small jitted scatter before the step, like the page table's.
+
 Async scheduling: `launch` runs a step without waiting for it and `collect` fetches its results later, so the
 host schedules and prepares step N+1 while step N runs. `collect` waits for its step to end even when it has no
 token to fetch, so the host is never more than one step ahead of the device. A token step N samples stays on the
@@ -81,6 +88,11 @@ class RowSampling:
     bias_ids: jax.Array  # i32[R, W] tokens whose logits get bias_values added (logit_bias, min_tokens' bans)
     bias_values: jax.Array  # f32[R, W] (0 in the unused slots)
     allow_only: jax.Array  # bool[R] only the bias slots' tokens may be drawn (allowed_token_ids)
+    penalty_slot: jax.Array  # i32[R] the row's sequence slot, whose token counts its penalties read and its sampled
+    # token is counted into (B + 1, past the slots, where neither: a row of a request without penalties)
+    presence: jax.Array  # f32[R] presence_penalty (0: none)
+    frequency: jax.Array  # f32[R] frequency_penalty (0: none)
+    repetition: jax.Array  # f32[R] repetition_penalty (1: none)
 
 
 class RowRef(NamedTuple):
@@ -265,21 +277,36 @@ class Executor:
                                       out_shardings=self._sampled_sharding)
         self.sampled = self._alloc_sampled()
         self._sampled_at: dict[int, int] = {}  # id(request) -> rank * max_rows + row
+        # The penalties' state, per KVP rank and sequence slot: the counts of the tokens sampled so far, [kvp, B + 1,
+        # V] (each step adds its sampled tokens of requests with penalties), and the prompt's tokens, [kvp, B + 1, V]
+        # (set by the host, `_penalty_init`, when such a request takes a slot on its sampling rank).
+        V = c.vocab_size
+        self._alloc_counts = jax.jit(lambda: jnp.zeros((self.kvp, max_num_seqs + 1, V), jnp.int32),
+                                     out_shardings=NamedSharding(mesh, table.penalty_kbv))
+        self._alloc_prompt = jax.jit(lambda: jnp.zeros((self.kvp, max_num_seqs + 1, V), bool),
+                                     out_shardings=NamedSharding(mesh, table.penalty_kbv))
+        self.token_counts, self.prompt_tokens = self._alloc_counts(), self._alloc_prompt()
+        # per rank: the slots to clear and the (flat slot x token index, count, in prompt) entries to scatter [3, n]
+        self._penalty_inits: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(self.kvp)]
+        self._update_penalties = self._build_penalty_update()
 
     def reset(self) -> None:
         """Forgets every micro-batch in flight and every sequence slot, as after a step that failed (the engine then
         preempts every request: `LLMEngine._recover`), and re-creates the device buffers such a step consumed
-        (donated) without giving them back: the KV cache (zeros again) and the sampled tokens. Then checks that
-        every device of this process still answers (a small array sent to each and fetched back): a lost device (a
-        sticky GPU error) raises here, so the engine knows it cannot recover."""
+        (donated) without giving them back: the KV cache (zeros again), the sampled tokens and the token counts.
+        Then checks that every device of this process still answers (a small array sent to each and fetched back):
+        a lost device (a sticky GPU error) raises here, so the engine knows it cannot recover."""
         self.in_flight = Pipeline(self.spp)
         self._slots = [_Slots(self.max_num_seqs) for _ in range(self.kvp)]
         self._updates = [[] for _ in range(self.kvp)]
         self._sampled_at = {}
+        self._penalty_inits = [[] for _ in range(self.kvp)]
         self.register = None
         self.page_table = self._alloc_table()
         if self.sampled.is_deleted():
             self.sampled = self._alloc_sampled()
+        if self.token_counts.is_deleted():  # every slot is forgotten: a request with penalties sets its own again
+            self.token_counts = self._alloc_counts()
         if self.k_cache.is_deleted() or self.v_cache.is_deleted():
             for cache in (self.k_cache, self.v_cache):
                 if not cache.is_deleted():
@@ -309,8 +336,8 @@ class Executor:
         samp = RowSampling(*([t.rows_kr] * len(dataclasses.fields(RowSampling))))
         param_specs = jax.tree.map(lambda a: a.sharding.spec, self.params)
 
-        def step(params, k_cache, v_cache, register, sampled, page_table, batch: StepBatch, rows, samp: RowSampling,
-                 src):
+        def step(params, k_cache, v_cache, register, sampled, page_table, counts, in_prompt, batch: StepBatch, rows,
+                 samp: RowSampling, src):
             batch = jax.tree.map(lambda a: a[0, 0], batch)  # this (rank, stage)'s micro-batch
             batch = dataclasses.replace(batch, attn=dataclasses.replace(batch.attn, page_table=page_table[0]))
             rows, samp, src = rows[0], jax.tree.map(lambda a: a[0], samp), src[0]
@@ -319,30 +346,38 @@ class Executor:
             given = jnp.where(src >= 0, sampled.reshape(-1)[jnp.maximum(src, 0)], batch.token_ids)
             batch = dataclasses.replace(batch, token_ids=given)
             logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows, kind)
+            penalties = sampler.Penalties(counts[0], in_prompt[0], samp.penalty_slot, samp.presence, samp.frequency,
+                                          samp.repetition)
             tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps,
-                                    samp.min_p, samp.bias_ids, samp.bias_values, samp.allow_only)
+                                    samp.min_p, samp.bias_ids, samp.bias_values, samp.allow_only, penalties)
+            # this rank's sampled tokens of requests with penalties counted in their slots (the others' rows
+            # name no slot: dropped). Every stage samples the same tokens (the last stage's logits), so the
+            # stages' copies stay equal.
+            counts = counts.at[0, samp.penalty_slot, tokens].add(1, mode="drop")
             lps = sampler.logprobs(logits, tokens, samp.targets, MAX_LOGPROBS, jnp.any(samp.want_top))
             with jax.named_scope(SAMPLED_TOKENS):  # named, so a communication audit can tell it from the layers'
                 sampled = lax.dynamic_update_slice(sampled, from_every_rank(tokens), (0, 0))
             out = jax.tree.map(lambda a: a[None], (tokens, *lps))
-            return k_cache, v_cache, pipeline_shift(x)[None, None], sampled, out
+            return k_cache, v_cache, pipeline_shift(x)[None, None], sampled, counts, out
 
-        out_specs = (t.kv_lpskh, t.kv_lpskh, t.register_kstd, t.sampled_kr,
+        out_specs = (t.kv_lpskh, t.kv_lpskh, t.register_kstd, t.sampled_kr, t.penalty_kbv,
                      (t.rows_kr, t.rows_kr, t.rows_kr, t.rows_krj, t.rows_krj))
         sharded = jax.shard_map(step, mesh=mesh,
                                 in_specs=(param_specs, t.kv_lpskh, t.kv_lpskh, t.register_kstd, t.sampled_kr,
-                                          t.table_kbm, stage, t.rows_kr, samp, t.entering_kt),
+                                          t.table_kbm, t.penalty_kbv, t.penalty_kbv, stage, t.rows_kr, samp,
+                                          t.entering_kt),
                                 out_specs=out_specs)
 
         host_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), (stage, t.rows_kr, samp, t.entering_kt))
 
-        def unpacked(params, k_cache, v_cache, register, sampled, page_table, packed, packing: Packing):
+        def unpacked(params, k_cache, v_cache, register, sampled, page_table, counts, in_prompt, packed,
+                     packing: Packing):
             # The host arrays, sliced out of the one buffer they came in and split as the step takes them: each
             # device keeps its part of its own rank's row (no communication).
             host = jax.tree.map(jax.reshard, packing.unpack(packed), host_shardings)
-            return sharded(params, k_cache, v_cache, register, sampled, page_table, *host)
+            return sharded(params, k_cache, v_cache, register, sampled, page_table, counts, in_prompt, *host)
 
-        return jax.jit(unpacked, donate_argnums=(1, 2, 3, 4), static_argnums=(7,))
+        return jax.jit(unpacked, donate_argnums=(1, 2, 3, 4, 6), static_argnums=(9,))
 
     def _build_table_update(self):
         """A jitted in-place scatter of updates [kvp, 2, U] (flat slot x column indices; pages) into the page
@@ -397,6 +432,89 @@ class Executor:
         none.flags.writeable = False
         return none
 
+    def _build_penalty_update(self):
+        """A jitted in-place update of the penalties' state (token counts, prompt tokens): the slots of `clear`
+        [kvp, B + 1] zeroed, then entries [kvp, 3, U] (flat slot x token indices; counts added; prompt flags set)
+        scattered; indices past the state are padding, dropped."""
+        t = self.table
+
+        def update(counts, in_prompt, clear, entries):
+            keep = ~clear[0][:, None]
+            e = entries[0]
+            counts = jnp.where(keep, counts[0], 0).reshape(-1).at[e[0]].add(e[1], mode="drop")
+            in_prompt = (in_prompt[0] & keep).reshape(-1).at[e[0]].max(e[2] > 0, mode="drop")
+            shape = (1,) + clear.shape[1:] + (-1,)
+            return counts.reshape(shape), in_prompt.reshape(shape)
+
+        sharded = jax.shard_map(update, mesh=self.mesh,
+                                in_specs=(t.penalty_kbv, t.penalty_kbv, t.penalty_kb, t.updates_kiu),
+                                out_specs=(t.penalty_kbv, t.penalty_kbv))
+        self._clear_sharding = NamedSharding(self.mesh, t.penalty_kb)
+        return jax.jit(sharded, donate_argnums=(0, 1))
+
+    def penalty_update_buckets(self) -> list[int]:
+        """Every size U of a penalties' update: powers of two from 64 up to two vocabularies' worth (what one
+        request's prompt and generated tokens can need, `_penalty_init`)."""
+        most = bucket(2 * self.token_counts.shape[2], 64)
+        return [64 << i for i in range(most.bit_length() - 6)]
+
+    def apply_penalty_updates(self, clear: np.ndarray, entries: np.ndarray, broadcast: bool = True) -> None:
+        """Clears the slots of `clear` [kvp, B + 1] in the penalties' state and scatters `entries` [kvp, 3, U] into
+        it (multi-host: `broadcast` sends them to the followers first)."""
+        if self.channel is not None and broadcast:
+            self.channel.penalties(clear, entries)
+        self.token_counts, self.prompt_tokens = self._update_penalties(
+            self.token_counts, self.prompt_tokens, self._to_mesh(clear, self._clear_sharding),
+            self._to_mesh(entries, self._updates_sharding))
+
+    @_per_instance
+    def _no_penalty_updates(self, U: int) -> tuple[np.ndarray, np.ndarray]:
+        """(clear, entries [kvp, 3, U]) that change nothing: no slot, every index past the state (dropped)."""
+        B1, V = self.token_counts.shape[1:]
+        clear = np.zeros((self.kvp, B1), bool)
+        entries = np.zeros((self.kvp, 3, U), np.int32)
+        entries[:, 0] = B1 * V
+        clear.flags.writeable = entries.flags.writeable = False
+        return clear, entries
+
+    def _penalty_init(self, b: int, req) -> tuple[int, np.ndarray]:
+        """(slot `b`, its entries [3, n]) that set a request with penalties up in the slot it takes on its sampling
+        rank: its prompt's tokens (where a repetition penalty reads them) and the counts of the tokens it has
+        generated (a preempted request's, recomputed). The device counts the tokens it samples from then on."""
+        if id(req) in self._sampled_at:  # its last token is not on the host, so it could not be counted here
+            raise RuntimeError(f"request {req.request_id}: a slot is set up while a token it sampled is unseen")
+        V = self.token_counts.shape[2]
+        parts = []
+        if req.params.repetition_penalty != 1:
+            tokens = np.unique(np.asarray(req.prompt_token_ids, np.int64))
+            parts.append(np.stack([b * V + tokens, np.zeros_like(tokens), np.ones_like(tokens)]))
+        if req.output_token_ids:
+            tokens, counts = np.unique(np.asarray(req.output_token_ids, np.int64), return_counts=True)
+            parts.append(np.stack([b * V + tokens, counts, np.zeros_like(tokens)]))
+        entries = np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), np.int64)
+        return b, entries.astype(np.int32)
+
+    def _flush_penalty_inits(self) -> None:
+        """Sets up the slots that requests with penalties took since the last step (none: nothing runs), in as
+        few updates as the largest bucket allows."""
+        if not any(self._penalty_inits):
+            return
+        inits, self._penalty_inits = self._penalty_inits, [[] for _ in range(self.kvp)]
+        clear = np.zeros(self.token_counts.shape[:2], bool)
+        per_rank = []
+        for r, items in enumerate(inits):
+            clear[r, [b for b, _ in items]] = True
+            per_rank.append(np.concatenate([e for _, e in items], axis=1) if items else np.zeros((3, 0), np.int32))
+        most = self.penalty_update_buckets()[-1]
+        n = max(e.shape[1] for e in per_rank)
+        for start in range(0, max(n, 1), most):  # the slots cleared with the first part
+            U = bucket(min(most, max(1, n - start)), 64)
+            entries = self._no_penalty_updates(U)[1].copy()
+            for r, e in enumerate(per_rank):
+                part = e[:, start:start + U]
+                entries[r, :, :part.shape[1]] = part
+            self.apply_penalty_updates(clear if start == 0 else self._no_penalty_updates(U)[0], entries)
+
     def _slot(self, rank: int, req, span_i: int) -> int:
         """`req`'s sequence slot on `rank` (given one if it has none), its new page-table entries queued."""
         slots = self._slots[rank]
@@ -406,6 +524,8 @@ class Executor:
             slots.of[id(req)], slots.owner[b] = b, req
         pages = req.pages[span_i]
         key, sent = (req.num_preemptions, span_i), slots.sent[b]
+        if slots.key[b] != key and span_i == 0 and req.params.penalized:  # a new holder on its sampling rank
+            self._penalty_inits[rank].append(self._penalty_init(b, req))
         if slots.key[b] != key or sent > len(pages) or (sent and pages[sent - 1] != slots.last[b]):
             sent = 0  # a new holder, or a page list that is not the one the device has: send it whole
         if sent < len(pages):
@@ -454,9 +574,10 @@ class Executor:
         samp: list[list[tuple]] = [[] for _ in range(K)]
         refs: list[RowRef] = []
         biases: list[tuple[int, int, tuple]] = []  # (rank, row, (its slots' ids, biases, allow-only))
+        penalized: list[tuple[int, int, tuple]] = []  # (rank, row, (its slot, presence, frequency, repetition))
         logprobs = False
 
-        def add_row(rank, row, chunk_i, token_index, req, target, is_sample):
+        def add_row(rank, row, chunk_i, token_index, req, target, is_sample, slot):
             nonlocal logprobs
             p = req.params
             logprobs = logprobs or not is_sample or p.logprobs is not None
@@ -474,6 +595,9 @@ class Executor:
                 bias = req.bias_early if step < p.min_tokens else req.bias  # its stop tokens cannot end it yet
                 if bias is not None:
                     biases.append((rank, len(rows[rank]) - 1, bias))
+            if is_sample and p.penalized:
+                penalized.append((rank, len(rows[rank]) - 1,
+                                  (slot, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)))
 
         def place(chunk_i, ch, rank, span_i, t0, is_shared, logits):
             req, s, n = ch.request, ch.start, ch.num_tokens
@@ -495,9 +619,9 @@ class Executor:
                     wpage[rank, t0], wslot[rank, t0] = req.pages[span_i][local // S], local % S
                 if logits and req.prompt_logprobs is not None and len(req.prompt_logprobs) - 1 <= s \
                         < req.num_prompt_tokens - 1:
-                    add_row(rank, t0, chunk_i, s + 1, req, req.prompt_token_ids[s + 1], False)
+                    add_row(rank, t0, chunk_i, s + 1, req, req.prompt_token_ids[s + 1], False, b)
                 if logits and ch.sample:
-                    add_row(rank, t0, chunk_i, s + 1, req, -1, True)
+                    add_row(rank, t0, chunk_i, s + 1, req, -1, True, b)
                 return
             idx = np.arange(s, s + n)
             rows_ = slice(t0, t0 + n)
@@ -524,9 +648,9 @@ class Executor:
                 # Row i scores prompt token i + 1; skip those already scored (before a preemption).
                 done = len(req.prompt_logprobs)
                 for i in range(max(s, done - 1), min(s + n, req.num_prompt_tokens - 1)):
-                    add_row(rank, t0 + i - s, chunk_i, i + 1, req, req.prompt_token_ids[i + 1], False)
+                    add_row(rank, t0 + i - s, chunk_i, i + 1, req, req.prompt_token_ids[i + 1], False, b)
             if ch.sample:
-                add_row(rank, t0 + n - 1, chunk_i, s + n, req, -1, True)
+                add_row(rank, t0 + n - 1, chunk_i, s + n, req, -1, True, b)
 
         for ci, ch in enumerate(plan.chunks):  # a shared chunk: the same rows on each rank holding its KV
             ranks = ch.request.kv_ranks
@@ -539,15 +663,21 @@ class Executor:
         W = self.bias_slots
         cols = [np.zeros((K, R) + {3: (2,), 8: (W,), 9: (W,)}.get(j, ()), d)  # seeds: (high, low) words
                 for j, d in enumerate((np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool,
-                                       np.float32, np.int32, np.float32, bool))]
+                                       np.float32, np.int32, np.float32, bool, np.int32, np.float32, np.float32,
+                                       np.float32))]
         cols[2][:] = 1.0  # top_p
         cols[5][:] = -1  # targets
+        cols[11][:] = B + 1  # penalty_slot: none
+        cols[14][:] = 1.0  # repetition
         for r in range(K):
             pad_rows[r, :len(rows[r])] = rows[r]
             for j, values in enumerate(zip(*samp[r])) if samp[r] else []:
                 cols[j][r, :len(values)] = values
         for r, row, (ids, values, only) in biases:  # every slot of the row: a request's are arrays of W
             cols[8][r, row], cols[9][r, row], cols[10][r, row] = ids, values, only
+        for r, row, (slot, presence, frequency, repetition) in penalized:
+            cols[11][r, row], cols[12][r, row], cols[13][r, row], cols[14][r, row] = slot, presence, frequency, \
+                repetition
         batch = StepBatch(token_ids=tok, write_pages=wpage, write_slots=wslot, shared=shared,
                           attn=AttentionMetadata(seq_ids=seq, positions=pos, page_table=table, kv_lens=kv_lens,
                                                  kv_start=kv_start))
@@ -593,7 +723,9 @@ class Executor:
                 progress()
         for U in self.update_buckets():  # the page-table scatters, all dropped
             self.apply_table_updates(self._no_updates(U), broadcast=False)
-        jax.block_until_ready(self.page_table)
+        for U in self.penalty_update_buckets():  # the penalties' scatters, all dropped, no slot cleared
+            self.apply_penalty_updates(*self._no_penalty_updates(U), broadcast=False)
+        jax.block_until_ready((self.page_table, self.token_counts, self.prompt_tokens))
         return len(shapes)
 
     def has_in_flight(self) -> bool:
@@ -626,13 +758,14 @@ class Executor:
         if self.register is None or self.register.shape[2] != T:
             self.register = self._register_alloc(T)()
         return (self.params, self.k_cache, self.v_cache, self.register, self.sampled, self.page_table,
-                self._to_mesh(buffer, self._packed_sharding), packing)
+                self.token_counts, self.prompt_tokens, self._to_mesh(buffer, self._packed_sharding), packing)
 
     def _launch(self, T: int, host, fetch: bool, kind: str, logprobs: bool = True, broadcast: bool = True):
         """Runs the step on `host` arrays (on every process: multi-host followers get them first, packed, unless
         not `broadcast`); `logprobs`: whether its results include the log-probs (else only the tokens are
         fetched)."""
         self._flush_table_updates()  # before the step, on every process (followers get them first too)
+        self._flush_penalty_inits()
         R = host[1].shape[1]
         packed = Packing.pack(host)
         if self.channel is not None and broadcast:
@@ -648,7 +781,7 @@ class Executor:
         """Runs the step of `kind`; returns its sampled tokens and log-probs as numpy when `fetch`, else their
         device arrays (dispatched, not waited for). Without `logprobs` the log-prob entries are None: only the
         tokens are fetched (one transfer, not five), for steps where no row's request asked for log-probs."""
-        self.k_cache, self.v_cache, self.register, self.sampled, out = self._step(kind)(*args)
+        self.k_cache, self.v_cache, self.register, self.sampled, self.token_counts, out = self._step(kind)(*args)
         if not logprobs:
             out = (out[0],) + (None,) * (len(out) - 1)
         return self.fetch(out) if fetch else out
@@ -671,11 +804,12 @@ class Executor:
     @contextlib.contextmanager
     def _unchanged(self):
         """A block after which the pipeline, the slots and the queued page-table updates are as before it."""
-        saved = self.in_flight.copy(), ([s.copy() for s in self._slots], [list(u) for u in self._updates])
+        saved = self.in_flight.copy(), ([s.copy() for s in self._slots], [list(u) for u in self._updates],
+                                         [list(u) for u in self._penalty_inits])
         try:
             yield
         finally:
-            self.in_flight, (self._slots, self._updates) = saved
+            self.in_flight, (self._slots, self._updates, self._penalty_inits) = saved
 
     def lower(self, plan: StepPlan) -> jax.stages.Lowered:
         """The step as it would run for `plan`, lowered but not run (for inspecting its HLO); state unchanged."""
@@ -700,7 +834,8 @@ class Executor:
         packed = jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self._packed_sharding)
         args = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec)),
-            (self.params, self.k_cache, self.v_cache, register, self.sampled, self.page_table, packed))
+            (self.params, self.k_cache, self.v_cache, register, self.sampled, self.page_table, self.token_counts,
+             self.prompt_tokens, packed))
         return self._build_step(kind, mesh).trace(*args, packing).lower(lowering_platforms=lowering_platforms)
 
     def step_rows(self, plan: StepPlan) -> tuple[int, int]:

@@ -6,7 +6,8 @@ the step's host arrays (the executor's numpy view of the plan) and every process
 jitted step, so all run the same SPMD program. Followers never see requests, only arrays.
 
 Page-table updates (the entries that changed since the previous step) go first when there are any: a header with
-command TABLE and their count, then the [kvp, 2, U] updates (indices; pages). The step's broadcast is two
+command TABLE and their count, then the [kvp, 2, U] updates (indices; pages); so do the penalties' state updates
+(command PENALTY and their count, then the slots cleared [kvp, B + 1] and the entries [kvp, 3, U]). The step's broadcast is two
 collectives: a fixed-size header (command, token rows T, logits rows R, whether results are fetched, the step's
 kind), then its host arrays packed into one int32 buffer (`executor.Packing`), whose shape the header fixes. While idle, process 0 sends a no-op header
 about once a second so the followers' pending collective never waits indefinitely.
@@ -26,7 +27,7 @@ from models.kernels import MIXED, STEP_KINDS
 
 logger = logging.getLogger(__name__)
 
-STEP, NOOP, STOP, TABLE = 1, 2, 3, 4
+STEP, NOOP, STOP, TABLE, PENALTY = 1, 2, 3, 4, 5
 
 
 _PER_PROCESS = frozenset({"compilation_cache_dir", "save_predictor_profile"})
@@ -73,6 +74,12 @@ class Leader:
         _broadcast(np.array([TABLE, updates.shape[2], 0, 0], np.int32))
         _broadcast(updates)
 
+    def penalties(self, clear: np.ndarray, entries: np.ndarray) -> None:
+        """The penalties' state updates (slots cleared [kvp, B + 1], entries [kvp, 3, U]) applied before the next
+        step."""
+        _broadcast(np.array([PENALTY, entries.shape[2], 0, 0], np.int32))
+        _broadcast((clear, entries))
+
     def noop(self) -> None:
         _broadcast(np.array([NOOP, 0, 0, 0], np.int32))
 
@@ -94,6 +101,9 @@ def follow(executor) -> int:
         if cmd == TABLE:
             U = T
             executor.apply_table_updates(_broadcast(np.zeros((executor.kvp, 2, U), np.int32)), broadcast=False)
+            continue
+        if cmd == PENALTY:
+            executor.apply_penalty_updates(*_broadcast(executor._no_penalty_updates(T)), broadcast=False)
             continue
         if cmd != STEP:
             raise RuntimeError(f"unknown multi-host command {cmd}")

@@ -6,6 +6,10 @@ compiled step serves any mix of greedy and sampled requests.
 Semantics (vLLM's, stated exactly):
   * every row's logit biases are added first (`logit_bias`, and -inf for the stop tokens `min_tokens` bans); a row
     that allows only its slots' tokens (`allowed_token_ids`) has every other logit -inf first;
+  * then the penalties (`apply_penalties`, vLLM's order and OpenAI's definitions), greedy rows' too: a token of the
+    prompt or generated so far has its logit divided by `repetition_penalty` where positive, multiplied by it
+    where not (transformers' rule, a division as transformers does); then `frequency_penalty` x its count among
+    the generated tokens and `presence_penalty` (if generated at all) are subtracted;
   * greedy rows (temperature < `GREEDY_TEMPERATURE`) take `argmax(logits)`, the first index on ties;
   * other rows: logits / temperature, then min-p, then top-k, then top-p on the renormalized top-k
     distribution, then one draw `categorical(fold_in(key(seed), step), filtered, mode="high")`, where key(seed) is the
@@ -30,6 +34,7 @@ All arithmetic is float32.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -112,6 +117,39 @@ def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(ratio >= min_p[:, None], logits, -jnp.inf)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """What the penalties of a step's rows read: per sequence slot (the engine's, kept on the device between steps)
+    the counts of the tokens generated so far, i32[S, V], and which tokens its prompt holds, bool[S, V]; per row
+    its slot, i32[N] (any index where the row has no penalty: its rows are gathered clamped), and its three
+    penalties, f32[N] (0, 0 and 1: none)."""
+
+    counts: jax.Array
+    in_prompt: jax.Array
+    slots: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+
+    def any(self) -> jax.Array:
+        """bool[]: whether some row has a penalty."""
+        return jnp.any(self.presence != 0) | jnp.any(self.frequency != 0) | jnp.any(self.repetition != 1)
+
+
+def apply_penalties(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, presence: jax.Array,
+                    frequency: jax.Array, repetition: jax.Array) -> jax.Array:
+    """vLLM's penalties of rows of logits f32[N, V], given each row's generated-token counts i32[N, V] and prompt
+    tokens bool[N, V]: repetition (a token of the prompt or generated: logit / r where > 0, else logit x r), then
+    frequency (- f x count) and presence (- p where count > 0). A row with none (0, 0, 1) keeps its logits
+    exactly (x / 1, x x 1, x - 0)."""
+    generated = counts > 0
+    r = jnp.where(in_prompt | generated, repetition[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / r, logits * r)
+    logits = logits - frequency[:, None] * counts.astype(jnp.float32)
+    return logits - presence[:, None] * generated.astype(jnp.float32)
+
+
 def seed_words(seeds: jax.Array) -> jax.Array:
     """u32[N, 2] threefry key words (high, low) of `seeds`: u32 or i32 [N] (32-bit seeds: the high word is 0; i32
     bits are read as u32, so -1 == 0xFFFFFFFF) or [N, 2] (the words of 64-bit seeds, as they are)."""
@@ -142,6 +180,7 @@ def sample(
     bias_ids: jax.Array | None = None,
     bias_values: jax.Array | None = None,
     allow_only: jax.Array | None = None,
+    penalties: Penalties | None = None,
 ) -> jax.Array:
     """Pick the next token of each row.
 
@@ -153,29 +192,41 @@ def sample(
     min_p f32[N] (0 => disabled; None: every row's is 0); bias_ids i32[N, W], bias_values f32[N, W]: added to
     those logits first, greedy rows' too (a -inf bans a token; an id of `NO_TOKEN`, or any past the vocabulary, is
     an unused slot; None: no bias); allow_only bool[N]: the row keeps only its slots' tokens, every other logit
-    -inf (vLLM's `allowed_token_ids`; None: no row).
+    -inf (vLLM's `allowed_token_ids`; None: no row); penalties: applied after the biases (None: no row has one).
     Returns i32[N] token ids.
     """
     logits = logits.astype(jnp.float32)
     pick = functools.partial(_pick, temperature=temperature.astype(jnp.float32), top_k=top_k, top_p=top_p,
                              seeds=seeds, steps=steps, min_p=min_p)
-    if bias_ids is None or not bias_ids.shape[-1]:
+    biases = bias_ids is not None and bias_ids.shape[-1] > 0
+    if not biases and penalties is None:
         return pick(logits)
-    # Only when some row has a bias do the biased logits exist (a copy: the log-probs read the raw ones); the cond
-    # returns tokens, so neither branch passes an [N, V] array through (XLA copied it twice).
+    # Only when some row has a bias or a penalty do the adjusted logits exist (a copy: the log-probs read the raw
+    # ones); the cond returns tokens, so neither branch passes an [N, V] array through (XLA copied it twice).
     rows = jnp.arange(logits.shape[0])[:, None]
 
-    def biased():
+    def adjusted():
         b = logits
-        if allow_only is not None:  # -inf outside the row's slots (an [N, V] mask, made only in this branch)
-            outside = jnp.ones(logits.shape, bool).at[rows, bias_ids].set(False, mode="drop")
-            b = jnp.where(allow_only[:, None] & outside, -jnp.inf, b)
-        return pick(b.at[rows, bias_ids].add(bias_values, mode="drop"))
+        if biases:
+            if allow_only is not None:  # -inf outside the row's slots (an [N, V] mask, made only in this branch)
+                outside = jnp.ones(logits.shape, bool).at[rows, bias_ids].set(False, mode="drop")
+                b = jnp.where(allow_only[:, None] & outside, -jnp.inf, b)
+            b = b.at[rows, bias_ids].add(bias_values, mode="drop")
+        if penalties is not None:  # each row's slot's counts and prompt tokens, gathered only in this branch
+            p = penalties
+            b = apply_penalties(b, jnp.take(p.counts, p.slots, axis=0, mode="clip"),
+                                jnp.take(p.in_prompt, p.slots, axis=0, mode="clip"), p.presence.astype(jnp.float32),
+                                p.frequency.astype(jnp.float32), p.repetition.astype(jnp.float32))
+        return pick(b)
 
-    some = jnp.any(bias_values != 0)
-    if allow_only is not None:
-        some = some | jnp.any(allow_only)
-    return jax.lax.cond(some, biased, lambda: pick(logits))
+    some = jnp.zeros((), bool)
+    if biases:
+        some = some | jnp.any(bias_values != 0)
+        if allow_only is not None:
+            some = some | jnp.any(allow_only)
+    if penalties is not None:
+        some = some | penalties.any()
+    return jax.lax.cond(some, adjusted, lambda: pick(logits))
 
 
 def _pick(logits, *, temperature, top_k, top_p, seeds, steps, min_p) -> jax.Array:

@@ -66,6 +66,14 @@ class SamplingParams:
     min_p: float = 0.0
     """Keep only tokens at least min_p times as likely as the most likely one, in [0, 1]; 0 disables it. Applied
     (as in vLLM) after the temperature and before top-k / top-p."""
+    presence_penalty: float = 0.0
+    """vLLM's (OpenAI's): subtracted from the logit of every token generated so far, in [-2, 2]; 0 disables it."""
+    frequency_penalty: float = 0.0
+    """vLLM's (OpenAI's): times how often each token has been generated so far, subtracted from its logit, in
+    [-2, 2]; 0 disables it."""
+    repetition_penalty: float = 1.0
+    """vLLM's (transformers'): the logit of every token of the prompt or generated so far is divided by it where
+    positive, multiplied by it where not; > 0, 1 disables it."""
     seed: int | None = None
     """Seed for this request's draws, in [0, 2**63); None lets the engine pick one."""
     stop: str | list[str] | None = None
@@ -118,6 +126,9 @@ class SamplingParams:
         self.top_p = float(self.top_p)
         self.top_k = int(self.top_k)
         self.min_p = float(self.min_p)
+        self.presence_penalty = float(self.presence_penalty)
+        self.frequency_penalty = float(self.frequency_penalty)
+        self.repetition_penalty = float(self.repetition_penalty)
         self.seed = None if self.seed is None else int(self.seed)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
@@ -126,6 +137,12 @@ class SamplingParams:
             self.truncate_prompt_tokens = int(self.truncate_prompt_tokens)
         if self.allowed_token_ids is not None:  # distinct, in the order given
             self.allowed_token_ids = list(dict.fromkeys(int(t) for t in self.allowed_token_ids))
+
+    @property
+    def penalized(self) -> bool:
+        """True when a presence, frequency or repetition penalty is on: the engine keeps the request's token
+        counts on the device."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -150,6 +167,13 @@ class SamplingParams:
             raise ParamError("top_k", f"top_k must be -1 or 0 (disabled), or at least 1, got {self.top_k!r}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:  # also rejects nan
             raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:  # also rejects nan
+                raise ParamError(name, f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+            raise ParamError("repetition_penalty", f"repetition_penalty must be a finite number > 0, got "
+                                                   f"{self.repetition_penalty!r}")
 
         if self.seed is not None:
             if not _is_int(self.seed):

@@ -1,12 +1,12 @@
 """The OpenAI-compatible request bodies the server accepts (pydantic models; they also make its OpenAPI schema).
 
 Field names, types and defaults follow the OpenAI API (`logit_bias` included: token ids to biases in [-100, 100]),
-plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`).
+plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
+`skip_special_tokens`, `include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`).
 Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
-honour (penalties, `suffix`, `best_of`, `echo` or `prompt_logprobs` with `stream`, vLLM's guided decoding, beam
+honour (`suffix`, `best_of`, `echo` or `prompt_logprobs` with `stream`, vLLM's guided decoding, beam
 search and the other fields in `_UNHONOURED`, a `response_format` other than text, `tools`, a `tool_choice` other
 than none or auto) are accepted in the schema and rejected with a 400 naming them when set, never silently
 dropped; so is `stream_options` without `stream`. Range checks live in
@@ -120,11 +120,6 @@ class _SamplingRequest(_Strict):
 
     def _check_unsupported(self) -> None:
         _refuse_unhonoured(self, _UNHONOURED)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ParamError(name, f"{name} is not supported (only 0)")
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise ParamError("repetition_penalty", "repetition_penalty is not supported (only 1)")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise ParamError("n", f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.prompt_logprobs is not None and self.stream:
@@ -152,7 +147,8 @@ class _SamplingRequest(_Strict):
         return SamplingParams(
             max_tokens=min(max_tokens, defaults.get("max_tokens", max_tokens)), temperature=given("temperature", 1.0),
             top_p=given("top_p", 1.0), top_k=given("top_k", -1), min_p=given("min_p", 0.0),
-            min_tokens=self.min_tokens or 0, logit_bias=self._logit_bias(),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=given("repetition_penalty", 1.0), min_tokens=self.min_tokens or 0, logit_bias=self._logit_bias(),
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

@@ -73,6 +73,33 @@ def test_preemption_by_recompute_gives_same_results(ckpt, alone, caplog):
     assert small.engine.kv.num_used == 0
 
 
+def test_penalties_survive_preemption_and_prefix_cache_hits(llm, ckpt, caplog, monkeypatch):
+    """A preempted request with penalties recomputes into a new sequence slot, whose counts the host sets up again
+    from the tokens it has generated; a request whose prompt hits the prefix cache still has its whole prompt in
+    its repetition penalty: the tokens are those of an engine with room for everyone, without a prefix cache."""
+    prompts = _prompts((20, 24, 70), seed=9)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **kw)
+              for kw in (dict(repetition_penalty=1.4), dict(frequency_penalty=0.9, presence_penalty=0.3),
+                         dict(repetition_penalty=0.8, frequency_penalty=-0.5))]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    from mnemojax.engine.executor import Executor
+    set_up = []  # the generated tokens of each request when its slot was set up
+    real = Executor._penalty_init
+    monkeypatch.setattr(Executor, "_penalty_init",
+                        lambda self, b, req: set_up.append(len(req.output_token_ids)) or real(self, b, req))
+    small = LLM(model=ckpt, page_size=4, chunk_size=16, max_model_len=96, num_pages=26, max_num_batched_tokens=64)
+    with caplog.at_level("WARNING"):
+        outs = small.generate(prompts[:2] * 2, params[:2] * 2)  # 4 x 11-12 pages of 4 for 26 pages
+    assert sum(o.num_preemptions for o in outs) > 0 and "preempted request" in caplog.text
+    assert max(set_up) > 0  # a request preempted after it had generated tokens: their counts set up again
+    assert [o.outputs[0].token_ids for o in outs] == want[:2] * 2
+    cached = LLM(model=ckpt, page_size=4, chunk_size=16, max_model_len=96, max_num_batched_tokens=64,
+                 enable_prefix_caching=True)
+    cached.generate([prompts[2][:64]], SamplingParams(max_tokens=1, temperature=0))  # its first 64 tokens cached
+    out = cached.generate([prompts[2]], params[2])[0]
+    assert out.num_cached_tokens > 0 and out.outputs[0].token_ids == want[2]
+
+
 def test_long_context_many_pages_matches_hf(ckpt):
     """A 2000-token context over 125 pages of 16, prefilled in chunks of 256, against HF."""
     llm = LLM(model=ckpt, page_size=16, chunk_size=256, max_model_len=2048, max_num_batched_tokens=256)
@@ -167,6 +194,50 @@ def test_min_tokens_and_logit_bias_match_hf_generate(llm, ckpt):
     got = llm.generate([prompt], pushed)[0].outputs[0].token_ids
     want = hf_generate(eos_token_id=[EOS_ID], min_new_tokens=3, sequence_bias=[[[EOS_ID], 100.0]])
     assert got[:4] == want and want[3] == EOS_ID and got[3:] == [EOS_ID] * 5 and EOS_ID not in got[:3]
+
+
+class _OpenAIPenalties:
+    """OpenAI's presence and frequency penalties as a transformers logits processor, written from their definition
+    (the logit of each token generated so far, less frequency x its count and presence once): the reference the
+    engine's penalties are checked against (transformers has a repetition penalty, not these two)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        generated = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def test_penalties_match_hf_generate(llm, ckpt):
+    """vLLM's presence, frequency and repetition penalties, alone and together, greedy: the tokens equal HF's
+    `generate` with its `repetition_penalty` (over the prompt and the generated tokens) and OpenAI's two penalties
+    as a logits processor after it (vLLM's order), for requests batched with each other and with one without
+    penalties (whose tokens stay its own); a negative frequency penalty favours repeats."""
+    import transformers
+
+    hf = load_hf_model(ckpt)
+    prompts = _prompts((13, 7, 21), seed=22)
+    cases = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.6),
+             dict(repetition_penalty=0.7, presence_penalty=-0.5, frequency_penalty=1.5), dict(frequency_penalty=-2.0),
+             {}]
+    requests = [(prompt, kw) for kw in cases for prompt in prompts]
+    outs = llm.generate([p for p, _ in requests], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **kw)
+                                                   for _, kw in requests])
+    for (prompt, kw), out in zip(requests, outs):
+        ids = torch.tensor([prompt])
+        extra = transformers.LogitsProcessorList([_OpenAIPenalties(len(prompt), kw.get("presence_penalty", 0.0),
+                                                                   kw.get("frequency_penalty", 0.0))])
+        with torch.no_grad():
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                               pad_token_id=0, eos_token_id=None, logits_processor=extra,
+                               repetition_penalty=kw.get("repetition_penalty", 1.0))[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == want, (kw, prompt)
+    plain = {tuple(p): o.outputs[0].token_ids for (p, kw), o in zip(requests, outs) if not kw}
+    for i, kw in enumerate(cases[:-1]):  # each case changed some prompt's tokens: the test sees its penalties
+        mine = outs[i * len(prompts):(i + 1) * len(prompts)]
+        assert any(o.outputs[0].token_ids != plain[tuple(p)] for p, o in zip(prompts, mine)), kw
 
 
 def test_allowed_token_ids_match_hf_generate_banning_every_other_token(llm, ckpt):
@@ -355,8 +426,8 @@ def test_eos_stops_unless_ignored(ckpt, tmp_path):
 
 def test_generation_config_gives_the_default_sampling_params(ckpt, tmp_path, monkeypatch):
     """vLLM's --generation-config auto: a request given no sampling parameters samples as the model's
-    generation_config.json says (here greedily, 5 tokens); `vllm` ignores the file; what it sets that mnemojax
-    cannot do (repetition_penalty) is refused, naming it."""
+    generation_config.json says (here greedily, 5 tokens); `vllm` ignores the file; its repetition_penalty is one
+    of them (vLLM's)."""
     import json
     import shutil
 
@@ -381,8 +452,7 @@ def test_generation_config_gives_the_default_sampling_params(ckpt, tmp_path, mon
     assert LLMEngine._generation_defaults(EngineConfig(model=str(path), generation_config="vllm")) == {}
     assert LLMEngine._generation_defaults(EngineConfig(model="tiny", generation_config=str(path)))["max_tokens"] == 5
     (path / "generation_config.json").write_text(json.dumps(dict(gen, repetition_penalty=1.2)))
-    with pytest.raises(ValueError, match=r"repetition_penalty=1.2 is a sampling default .*--generation_config vllm"):
-        LLMEngine._generation_defaults(EngineConfig(model=str(path)))
+    assert LLMEngine._generation_defaults(EngineConfig(model=str(path)))["repetition_penalty"] == 1.2
     (path / "generation_config.json").write_text(json.dumps(dict(gen, temperature=-1)))
     with pytest.raises(ValueError, match=r"generation_config.json: temperature must be"):
         LLMEngine._generation_defaults(EngineConfig(model=str(path)))

@@ -38,9 +38,10 @@ def _max_tokens_per_rank(kvp):
     return None if kvp == 1 else (36 if kvp >= 3 else 40)
 
 
-def run_workload(ckpt, kvp=1, spp=1, tp=1, arrivals=ARRIVALS, on_engine=None, **kw):
+def run_workload(ckpt, kvp=1, spp=1, tp=1, arrivals=ARRIVALS, on_engine=None, sampling=None, **kw):
     """Drives the engine step by step with `arrivals` (by step; one request named "long"); returns outputs by name
-    and span facts. `on_engine(engine)` is called once the engine is built."""
+    and span facts. `on_engine(engine)` is called once the engine is built; `sampling`: more `SamplingParams`
+    fields by request name."""
     kw.setdefault("max_tokens_per_kvp_rank", _max_tokens_per_rank(kvp))
     kw.setdefault("chunk_size", 16)
     llm = LLM(model=ckpt, page_size=4, max_num_batched_tokens=32, max_model_len=96, kvp=kvp, spp=spp, tp=tp, **kw)
@@ -54,7 +55,8 @@ def run_workload(ckpt, kvp=1, spp=1, tp=1, arrivals=ARRIVALS, on_engine=None, **
     while step <= max(arrivals) or engine.has_unfinished():
         for name, _, new in arrivals.get(step, []):
             ids[name] = engine.add_request(prompts[name], SamplingParams(
-                max_tokens=new, temperature=0, prompt_logprobs=0, ignore_eos=True), request_id=name)
+                max_tokens=new, temperature=0, prompt_logprobs=0, ignore_eos=True, **(sampling or {}).get(name, {})),
+                request_id=name)
         before = len(engine.requests["long"].kv_ranks)
         engine.step()
         long = engine.requests["long"]
@@ -102,6 +104,30 @@ def _check_shape(ckpt, reference, shape):
 @pytest.mark.parametrize("shape", REQUIRED, ids=str)
 def test_mesh_shape_matches_one_device(ckpt, reference, shape):
     _check_shape(ckpt, reference, shape)
+
+
+# Penalties on the workload's requests (by name; "b" has none): their counts live on the device per sequence slot
+# of the request's first KVP rank, where its logits row is ("long" spans three ranks with kvp >= 3).
+PENALIZED = {"long": dict(repetition_penalty=1.3, frequency_penalty=0.5), "a": dict(presence_penalty=0.7),
+             "c": dict(repetition_penalty=0.8, presence_penalty=-0.4), "d": dict(frequency_penalty=1.2)}
+
+
+@pytest.fixture(scope="module")
+def penalized_reference(ckpt, reference):
+    outs, _ = run_workload(ckpt, sampling=PENALIZED)
+    changed = [name for name in PENALIZED if outs[name].outputs[0].token_ids != reference[name].outputs[0].token_ids]
+    assert len(changed) >= 2, changed  # the penalties change what is generated, so the shapes below can differ
+    assert outs["b"].outputs[0].token_ids == reference["b"].outputs[0].token_ids  # a request without them: its own
+    return outs
+
+
+@pytest.mark.parametrize("shape, async_scheduling", [((2, 2, 2), True), ((4, 2, 1), True), ((4, 1, 2), False)],
+                         ids=str)
+def test_penalties_on_a_mesh_match_one_device(ckpt, penalized_reference, shape, async_scheduling):
+    """Presence, frequency and repetition penalties give on each mesh shape (KVP spans of three ranks, pipeline
+    stages, tensor parallelism; with and without async scheduling) the tokens they give on one device."""
+    outs, _ = run_workload(ckpt, *shape, sampling=PENALIZED, async_scheduling=async_scheduling)
+    _check_same(outs, penalized_reference)
 
 
 @pytest.mark.slow

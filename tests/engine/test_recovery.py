@@ -36,11 +36,12 @@ def _flaky_run(monkeypatch, fail_at: int, error: BaseException):
 def test_a_failed_step_preempts_everyone_and_the_results_stay_exact(monkeypatch, async_scheduling, spp):
     llm = LLM(model="tiny", page_size=4, max_model_len=96, chunk_size=16, max_num_batched_tokens=32,
               enable_prefix_caching=True, async_scheduling=async_scheduling, spp=spp)
-    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    # with penalties too: the failed step consumed the token counts, which the recovery allocates again
+    sampling = dict(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, frequency_penalty=1.5)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(**sampling))]
     engine = llm.engine
-    ids = [engine.add_request(p, SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True,
-                                                output_kind=RequestOutputKind.FINAL_ONLY)) for p in PROMPTS]
+    ids = [engine.add_request(p, SamplingParams(**sampling, output_kind=RequestOutputKind.FINAL_ONLY))
+           for p in PROMPTS]
     _flaky_run(monkeypatch, fail_at=4, error=RuntimeError("device lost"))  # some prefilling, some decoding
     failures = 0
     while engine.has_unfinished():

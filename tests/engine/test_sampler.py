@@ -737,3 +737,51 @@ def test_biases_cost_one_copy_of_the_logits_and_none_without_them():
     # with the allow-only column, as the step passes it: none (in the biased branch the masked logits come out of
     # the fusion that applies the mask, which the scatter of the biases then updates in place)
     assert copies(shapes + bias + [((n,), jnp.bool_)]) == 0
+
+
+def test_penalties_follow_vllm_after_the_biases():
+    """Per row, after its biases (vLLM's order): a token of the prompt or generated so far has its logit divided
+    by the repetition penalty where positive, multiplied where not; then frequency x its count and presence (once,
+    if generated) are subtracted; numpy computes the same in float32 from those definitions. Greedy rows take its
+    argmax, sampled rows draw `categorical(fold_in(key(seed), step), penalized / t)`. The counts and prompt flags
+    are per sequence slot, each row reading its own; rows without penalties (0, 0, 1) are as without."""
+    rng = np.random.default_rng(52)
+    n, vocab, slots, w = 16, 64, 5, 2
+    logits = rng.normal(scale=2.0, size=(n, vocab)).astype(np.float32)
+    logits[:, 7] = 0.0  # a zero logit: neither divided nor multiplied into anything else
+    counts = rng.choice([0, 0, 0, 1, 2, 5], size=(slots, vocab)).astype(np.int32)
+    in_prompt = rng.random((slots, vocab)) < 0.3
+    row_slot = rng.integers(0, slots, size=n).astype(np.int32)
+    presence = rng.choice([0.0, 0.7, -1.2], size=n).astype(np.float32)
+    frequency = rng.choice([0.0, 0.4, -2.0], size=n).astype(np.float32)
+    repetition = rng.choice([1.0, 1.3, 0.6], size=n).astype(np.float32)
+    presence[:3], frequency[:3], repetition[:3] = 0.0, 0.0, 1.0  # rows without penalties
+    ids = np.stack([rng.permutation(vocab)[:w] for _ in range(n)]).astype(np.int32)
+    values = rng.choice([0.0, 3.0, -np.inf], size=(n, w)).astype(np.float32)
+    temperature = np.where(np.arange(n) % 2 == 0, 0.0, 0.7).astype(np.float32)
+    seeds, steps = rng.integers(0, 2**32, size=n).astype(np.uint32), rng.integers(0, 100, size=n).astype(np.int32)
+    common = (logits, temperature, np.full(n, -1, np.int32), np.ones(n, np.float32), seeds, steps, None, ids, values,
+              None)
+    penalties = sampler.Penalties(counts, in_prompt, row_slot, presence, frequency, repetition)
+    tokens = np.asarray(_sample(*common, penalties))
+    plain = np.asarray(_sample(*common))
+    for i in range(n):
+        z = logits[i].copy()
+        np.add.at(z, ids[i], values[i])
+        c, seen = counts[row_slot[i]], in_prompt[row_slot[i]] | (counts[row_slot[i]] > 0)
+        r = np.float32(repetition[i])
+        z = np.where(seen & (z > 0), z / r, np.where(seen, z * r, z)).astype(np.float32)
+        z = (z - np.float32(frequency[i]) * c.astype(np.float32) - np.float32(presence[i]) * (c > 0)).astype(
+            np.float32)
+        if temperature[i] == 0:
+            assert tokens[i] == np.argmax(z), i
+        else:
+            key = jax.random.fold_in(jax.random.key(int(seeds[i])), int(steps[i]))
+            assert tokens[i] == int(jax.random.categorical(key, z / temperature[i], mode="high")), i
+        if i < 3:
+            assert tokens[i] == plain[i], i
+    assert (tokens != plain).sum() >= n // 2  # the penalties change most rows' tokens: the test sees them
+    # none anywhere: the same tokens as without the argument (the cond's other branch)
+    none = sampler.Penalties(counts, in_prompt, row_slot, np.zeros(n, np.float32), np.zeros(n, np.float32),
+                             np.ones(n, np.float32))
+    np.testing.assert_array_equal(np.asarray(_sample(*common, none)), plain)

@@ -364,6 +364,7 @@ def test_tp_must_divide_the_mlp_width():
     dict(do_sample=True, temperature=1.0, top_p=0.5, top_k=50, max_new_tokens=64),  # values equal to HF's defaults
     dict(do_sample=True, temperature=0.3, top_k=5, repetition_penalty=1.0),  # a neutral one passes
     dict(do_sample=True, temperature=0.7, min_p=0.05),
+    dict(repetition_penalty=1.1),
     dict(),
 ])
 def test_generation_defaults_are_what_the_file_changes_from_transformers(tmp_path, gen):
@@ -372,14 +373,13 @@ def test_generation_defaults_are_what_the_file_changes_from_transformers(tmp_pat
     transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], **gen).save_pretrained(tmp_path)
     diff = transformers.GenerationConfig.from_pretrained(tmp_path).to_diff_dict()
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-             "max_new_tokens": "max_tokens"}
+             "max_new_tokens": "max_tokens", "repetition_penalty": "repetition_penalty"}
     want = {names[k]: v for k, v in diff.items() if k in names}
     assert generation_defaults(tmp_path) == want
 
 
-def test_generation_defaults_refuse_what_mnemojax_cannot_sample(tmp_path):
-    assert generation_defaults(tmp_path) == {}  # no file
-    for key, value in (("repetition_penalty", 1.1),):
-        (tmp_path / "generation_config.json").write_text(json.dumps({key: value}))
-        with pytest.raises(ValueError, match=f"{key}={value} is a sampling default mnemojax does not implement"):
-            generation_defaults(tmp_path)
+def test_generation_defaults_read_the_repetition_penalty(tmp_path):
+    """No file: no defaults. A `repetition_penalty` is a default vLLM reads (refused before penalties existed)."""
+    assert generation_defaults(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.1, "do_sample": True}))
+    assert generation_defaults(tmp_path) == {"repetition_penalty": 1.1}

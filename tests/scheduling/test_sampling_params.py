@@ -14,6 +14,10 @@ def test_defaults_and_normalization():
     assert p.stop == [] and p.stop_token_ids == []
     assert p.logprobs is None and p.prompt_logprobs is None
     assert not p.greedy
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0) and not p.penalized
+    assert all(SamplingParams(**{k: v}).penalized
+               for k, v in (("presence_penalty", -0.5), ("frequency_penalty", 0.1), ("repetition_penalty", 1.01)))
+    assert type(SamplingParams(repetition_penalty=np.int64(2)).repetition_penalty) is float
 
     p = SamplingParams(stop="###", stop_token_ids=(7, np.int64(9)), temperature=0, top_k=np.int32(4))
     assert p.stop == ["###"]
@@ -35,6 +39,8 @@ def test_greedy_threshold(temperature, greedy):
         dict(top_k=1, seed=2**63 - 1, logprobs=0, prompt_logprobs=MAX_LOGPROBS),
         dict(temperature=100, top_p=1, stop=["a", "\n\n"], stop_token_ids=[0, 5]),
         dict(ignore_eos=True, skip_special_tokens=False, include_stop_str_in_output=True),
+        dict(presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=1e-6),
+        dict(presence_penalty=2.0, frequency_penalty=-2, repetition_penalty=1e6),
     ],
 )
 def test_accepts_boundary_values(kwargs):
@@ -90,6 +96,15 @@ BAD = [
     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens", "int >= 1, or -1"),
     (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens", "int >= 1, or -1"),
     (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens", "int >= 1, or -1"),
+    (dict(presence_penalty=2.5), "presence_penalty", "[-2, 2], got 2.5"),
+    (dict(presence_penalty=math.nan), "presence_penalty", "[-2, 2]"),
+    (dict(presence_penalty="1"), "presence_penalty", "[-2, 2]"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty", "[-2, 2], got -2.01"),
+    (dict(frequency_penalty=True), "frequency_penalty", "[-2, 2]"),
+    (dict(repetition_penalty=0), "repetition_penalty", "finite number > 0, got 0"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty", "> 0"),
+    (dict(repetition_penalty=math.inf), "repetition_penalty", "finite number > 0"),
+    (dict(repetition_penalty=math.nan), "repetition_penalty", "finite number > 0"),
 ]
 
 

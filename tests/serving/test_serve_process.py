@@ -102,6 +102,11 @@ REQUESTS = [
     {"prompt": "seeded sampling", "max_tokens": 10, "temperature": 0.9, "seed": 4, "logprobs": 0},
     # 77 prompt tokens: with 64 tokens per KVP rank, its KV spans both ranks
     {"prompt": "x" * 50 + "long prompt spanning ranks", "max_tokens": 8, "temperature": 0, "logprobs": 1},
+    # penalties: the token counts live on the device, and the leader sends each process their set-up
+    {"prompt": "x" * 50 + "long prompt spanning ranks", "max_tokens": 8, "temperature": 0, "logprobs": 1,
+     "repetition_penalty": 1.3, "frequency_penalty": 0.5},
+    {"prompt": "penalized sampling", "max_tokens": 10, "temperature": 0.9, "seed": 4, "logprobs": 0,
+     "presence_penalty": 1.0},
 ]
 MESH = ["--kvp", "2", "--spp", "2", "--tp", "2", "--max_tokens_per_kvp_rank", "64", "--page_size", "4",
         "--max_model_len", "128", "--chunk_size", "16", "--max_num_batched_tokens", "32"]
