@@ -48,9 +48,9 @@ class ShardingTable:
     # pages).
     table_kbm: P = P(KVP, None, None)
     updates_kiu: P = P(KVP, None, None)
-    # The penalties' state kept on the device between steps, one block per KVP rank: per sequence slot the counts of
-    # the tokens sampled so far and the prompt's tokens, [kvp, B, V]; the slots an update clears, [kvp, B] (its
-    # entries: `updates_kiu`, [kvp, 3, U]: flat slot x token indices, counts, in-prompt flags).
+    # The penalties' state kept on the device between steps, one block per KVP rank: per sequence slot (B + 1 rows,
+    # as the page table's) the counts of the tokens sampled so far and the prompt's tokens, [kvp, B, V]; the slots an
+    # update clears, [kvp, B] (its entries: `updates_kiu`, [kvp, 4, U]: slots, tokens, counts, in-prompt flags).
     penalty_kbv: P = P(KVP, None, None)
     penalty_kb: P = P(KVP, None)
     # The step's host arrays (its stacked micro-batches, logits rows, sampling columns and `entering_kt`) packed

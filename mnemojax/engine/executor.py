@@ -286,7 +286,7 @@ class Executor:
         self._alloc_prompt = jax.jit(lambda: jnp.zeros((self.kvp, max_num_seqs + 1, V), bool),
                                      out_shardings=NamedSharding(mesh, table.penalty_kbv))
         self.token_counts, self.prompt_tokens = self._alloc_counts(), self._alloc_prompt()
-        # per rank: the slots to clear and the (flat slot x token index, count, in prompt) entries to scatter [3, n]
+        # per rank: the slots to clear and the (slot, token, count, in prompt) entries to scatter [4, n]
         self._penalty_inits: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(self.kvp)]
         self._update_penalties = self._build_penalty_update()
 
@@ -305,8 +305,12 @@ class Executor:
         self.page_table = self._alloc_table()
         if self.sampled.is_deleted():
             self.sampled = self._alloc_sampled()
-        if self.token_counts.is_deleted():  # every slot is forgotten: a request with penalties sets its own again
+        # every slot is forgotten: a request with penalties sets its own up again (a failed step consumed the
+        # counts; a failed update of the penalties' state, both)
+        if self.token_counts.is_deleted():
             self.token_counts = self._alloc_counts()
+        if self.prompt_tokens.is_deleted():
+            self.prompt_tokens = self._alloc_prompt()
         if self.k_cache.is_deleted() or self.v_cache.is_deleted():
             for cache in (self.k_cache, self.v_cache):
                 if not cache.is_deleted():
@@ -434,17 +438,17 @@ class Executor:
 
     def _build_penalty_update(self):
         """A jitted in-place update of the penalties' state (token counts, prompt tokens): the slots of `clear`
-        [kvp, B + 1] zeroed, then entries [kvp, 3, U] (flat slot x token indices; counts added; prompt flags set)
-        scattered; indices past the state are padding, dropped."""
+        [kvp, B + 1] zeroed, then entries [kvp, 4, U] (slots; tokens; counts added; prompt flags set) scattered
+        (by (slot, token) pairs: a flat index would pass int32 at (B + 1) x V = 2**31); a slot past the state is
+        padding, dropped."""
         t = self.table
 
         def update(counts, in_prompt, clear, entries):
             keep = ~clear[0][:, None]
-            e = entries[0]
-            counts = jnp.where(keep, counts[0], 0).reshape(-1).at[e[0]].add(e[1], mode="drop")
-            in_prompt = (in_prompt[0] & keep).reshape(-1).at[e[0]].max(e[2] > 0, mode="drop")
-            shape = (1,) + clear.shape[1:] + (-1,)
-            return counts.reshape(shape), in_prompt.reshape(shape)
+            slot, token, count, mark = entries[0]
+            counts = jnp.where(keep, counts[0], 0).at[slot, token].add(count, mode="drop")
+            in_prompt = (in_prompt[0] & keep).at[slot, token].max(mark > 0, mode="drop")
+            return counts[None], in_prompt[None]
 
         sharded = jax.shard_map(update, mesh=self.mesh,
                                 in_specs=(t.penalty_kbv, t.penalty_kbv, t.penalty_kb, t.updates_kiu),
@@ -459,7 +463,7 @@ class Executor:
         return [64 << i for i in range(most.bit_length() - 6)]
 
     def apply_penalty_updates(self, clear: np.ndarray, entries: np.ndarray, broadcast: bool = True) -> None:
-        """Clears the slots of `clear` [kvp, B + 1] in the penalties' state and scatters `entries` [kvp, 3, U] into
+        """Clears the slots of `clear` [kvp, B + 1] in the penalties' state and scatters `entries` [kvp, 4, U] into
         it (multi-host: `broadcast` sends them to the followers first)."""
         if self.channel is not None and broadcast:
             self.channel.penalties(clear, entries)
@@ -469,30 +473,28 @@ class Executor:
 
     @_per_instance
     def _no_penalty_updates(self, U: int) -> tuple[np.ndarray, np.ndarray]:
-        """(clear, entries [kvp, 3, U]) that change nothing: no slot, every index past the state (dropped)."""
-        B1, V = self.token_counts.shape[1:]
+        """(clear, entries [kvp, 4, U]) that change nothing: no slot, every entry's slot past the state (dropped)."""
+        B1 = self.token_counts.shape[1]
         clear = np.zeros((self.kvp, B1), bool)
-        entries = np.zeros((self.kvp, 3, U), np.int32)
-        entries[:, 0] = B1 * V
+        entries = np.zeros((self.kvp, 4, U), np.int32)
+        entries[:, 0] = B1
         clear.flags.writeable = entries.flags.writeable = False
         return clear, entries
 
     def _penalty_init(self, b: int, req) -> tuple[int, np.ndarray]:
-        """(slot `b`, its entries [3, n]) that set a request with penalties up in the slot it takes on its sampling
+        """(slot `b`, its entries [4, n]) that set a request with penalties up in the slot it takes on its sampling
         rank: its prompt's tokens (where a repetition penalty reads them) and the counts of the tokens it has
         generated (a preempted request's, recomputed). The device counts the tokens it samples from then on."""
-        if id(req) in self._sampled_at:  # its last token is not on the host, so it could not be counted here
+        if req.num_unfetched:  # a token it sampled is not on the host yet, so it could not be counted here
             raise RuntimeError(f"request {req.request_id}: a slot is set up while a token it sampled is unseen")
-        V = self.token_counts.shape[2]
         parts = []
         if req.params.repetition_penalty != 1:
-            tokens = np.unique(np.asarray(req.prompt_token_ids, np.int64))
-            parts.append(np.stack([b * V + tokens, np.zeros_like(tokens), np.ones_like(tokens)]))
+            tokens = np.unique(np.asarray(req.prompt_token_ids, np.int32))
+            parts.append(np.stack([np.full_like(tokens, b), tokens, np.zeros_like(tokens), np.ones_like(tokens)]))
         if req.output_token_ids:
-            tokens, counts = np.unique(np.asarray(req.output_token_ids, np.int64), return_counts=True)
-            parts.append(np.stack([b * V + tokens, counts, np.zeros_like(tokens)]))
-        entries = np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), np.int64)
-        return b, entries.astype(np.int32)
+            tokens, counts = np.unique(np.asarray(req.output_token_ids, np.int32), return_counts=True)
+            parts.append(np.stack([np.full_like(tokens, b), tokens, counts.astype(np.int32), np.zeros_like(tokens)]))
+        return b, np.concatenate(parts, axis=1) if parts else np.zeros((4, 0), np.int32)
 
     def _flush_penalty_inits(self) -> None:
         """Sets up the slots that requests with penalties took since the last step (none: nothing runs), in as
@@ -504,7 +506,7 @@ class Executor:
         per_rank = []
         for r, items in enumerate(inits):
             clear[r, [b for b, _ in items]] = True
-            per_rank.append(np.concatenate([e for _, e in items], axis=1) if items else np.zeros((3, 0), np.int32))
+            per_rank.append(np.concatenate([e for _, e in items], axis=1) if items else np.zeros((4, 0), np.int32))
         most = self.penalty_update_buckets()[-1]
         n = max(e.shape[1] for e in per_rank)
         for start in range(0, max(n, 1), most):  # the slots cleared with the first part
@@ -749,6 +751,8 @@ class Executor:
         mb = self.prepare(StepPlan([], []), T)
         stages = jax.tree.map(lambda a: np.zeros((a.shape[0], self.spp) + a.shape[1:], a.dtype), mb.batch)
         samp = jax.tree.map(lambda a: np.zeros((self.kvp, R) + a.shape[2:], a.dtype), mb.sampling)  # seeds: [.., 2]
+        # no penalties (the values `prepare` gives a row without them): warm-up steps count nothing
+        samp.penalty_slot[:], samp.repetition[:] = self.max_num_seqs + 1, 1.0
         return stages, np.zeros((self.kvp, R), np.int32), samp, mb.src
 
     def put(self, T: int, packed: tuple[np.ndarray, Packing]):

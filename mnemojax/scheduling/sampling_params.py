@@ -18,6 +18,10 @@ GREEDY_TEMPERATURE = 1e-5
 
 MAX_SEED = 2**63
 
+REPETITION_PENALTY_RANGE = (2.0 ** -126, 2.0 ** 127)
+"""The repetition penalties accepted: float32's normal numbers (the sampler's column is float32; a value outside
+would become 0 or inf there, and a logit times 0 or inf can be NaN), powers of two so that the bounds are exact."""
+
 
 class RequestOutputKind(enum.Enum):
     """What each of a request's per-step outputs holds (vLLM's `RequestOutputKind`)."""
@@ -73,7 +77,8 @@ class SamplingParams:
     [-2, 2]; 0 disables it."""
     repetition_penalty: float = 1.0
     """vLLM's (transformers'): the logit of every token of the prompt or generated so far is divided by it where
-    positive, multiplied by it where not; > 0, 1 disables it."""
+    positive, multiplied by it where not; > 0 (within float32's normal range, `REPETITION_PENALTY_RANGE`), 1
+    disables it."""
     seed: int | None = None
     """Seed for this request's draws, in [0, 2**63); None lets the engine pick one."""
     stop: str | list[str] | None = None
@@ -171,9 +176,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:  # also rejects nan
                 raise ParamError(name, f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
-            raise ParamError("repetition_penalty", f"repetition_penalty must be a finite number > 0, got "
-                                                   f"{self.repetition_penalty!r}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not _is_real(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:  # also refuses nan
+            raise ParamError("repetition_penalty", f"repetition_penalty must be a number > 0, from 2**-126 to 2**127 "
+                                                   f"(float32's normal range), got {self.repetition_penalty!r}")
 
         if self.seed is not None:
             if not _is_int(self.seed):

@@ -100,6 +100,30 @@ def test_penalties_survive_preemption_and_prefix_cache_hits(llm, ckpt, caplog, m
     assert out.num_cached_tokens > 0 and out.outputs[0].token_ids == want[2]
 
 
+def test_penalty_set_ups_larger_than_an_update_are_split(ckpt, monkeypatch):
+    """Requests with a repetition penalty set up in one step (each its prompt's ~290 distinct tokens of the
+    320-token vocabulary) need more entries than the largest update holds (two vocabularies, 1,024): they go in two
+    updates, the slots cleared with the first, and each request's tokens are those it gets alone."""
+    from mnemojax.engine.executor import Executor
+
+    calls = []  # per update: (slots it clears, entries it holds)
+    real = Executor.apply_penalty_updates
+
+    def apply(self, clear, entries, broadcast=True):
+        calls.append((int(clear.sum()), int((entries[:, 0] < clear.shape[1]).sum())))
+        return real(self, clear, entries, broadcast)
+
+    llm = LLM(model=ckpt, page_size=16, chunk_size=16, max_model_len=1024, max_num_batched_tokens=256)
+    prompts = _prompts((800,) * 6, seed=31)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, repetition_penalty=1.3)
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    monkeypatch.setattr(Executor, "apply_penalty_updates", apply)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert together == alone
+    first = [i for i, (cleared, n) in enumerate(calls) if n == 1024]  # a full update, then the rest of its step's
+    assert first and calls[first[0]][0] >= 4 and calls[first[0] + 1][0] == 0 < calls[first[0] + 1][1], calls
+
+
 def test_long_context_many_pages_matches_hf(ckpt):
     """A 2000-token context over 125 pages of 16, prefilled in chunks of 256, against HF."""
     llm = LLM(model=ckpt, page_size=16, chunk_size=256, max_model_len=2048, max_num_batched_tokens=256)

@@ -16,15 +16,15 @@ PROMPTS = [list(range(1, 21)), [5, 6, 7, 8, 9], list(range(30, 60)), [3, 1, 4, 1
 
 
 def _flaky_run(monkeypatch, fail_at: int, error: BaseException):
-    """Executor.run raising `error` at its `fail_at`-th call, having consumed the KV cache first (as a step that
-    failed after taking its donated buffers)."""
+    """Executor.run raising `error` at its `fail_at`-th call, having consumed the KV cache and the penalties' state
+    first (as a step that failed after taking its donated buffers, or an update of that state before it)."""
     real, calls = Executor.run, [0]
 
     def run(self, *args, **kwargs):
         calls[0] += 1
         if calls[0] == fail_at:
-            self.k_cache.delete()
-            self.v_cache.delete()
+            for buffer in (self.k_cache, self.v_cache, self.token_counts, self.prompt_tokens):
+                buffer.delete()
             raise error
         return real(self, *args, **kwargs)
 
@@ -36,8 +36,9 @@ def _flaky_run(monkeypatch, fail_at: int, error: BaseException):
 def test_a_failed_step_preempts_everyone_and_the_results_stay_exact(monkeypatch, async_scheduling, spp):
     llm = LLM(model="tiny", page_size=4, max_model_len=96, chunk_size=16, max_num_batched_tokens=32,
               enable_prefix_caching=True, async_scheduling=async_scheduling, spp=spp)
-    # with penalties too: the failed step consumed the token counts, which the recovery allocates again
-    sampling = dict(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, frequency_penalty=1.5)
+    # with penalties too: the failed step consumed their state, which the recovery allocates again
+    sampling = dict(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, frequency_penalty=1.5,
+                    repetition_penalty=1.2)
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(**sampling))]
     engine = llm.engine
     ids = [engine.add_request(p, SamplingParams(**sampling, output_kind=RequestOutputKind.FINAL_ONLY))

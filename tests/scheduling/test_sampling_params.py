@@ -39,8 +39,8 @@ def test_greedy_threshold(temperature, greedy):
         dict(top_k=1, seed=2**63 - 1, logprobs=0, prompt_logprobs=MAX_LOGPROBS),
         dict(temperature=100, top_p=1, stop=["a", "\n\n"], stop_token_ids=[0, 5]),
         dict(ignore_eos=True, skip_special_tokens=False, include_stop_str_in_output=True),
-        dict(presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=1e-6),
-        dict(presence_penalty=2.0, frequency_penalty=-2, repetition_penalty=1e6),
+        dict(presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=2.0 ** -126),
+        dict(presence_penalty=2.0, frequency_penalty=-2, repetition_penalty=2.0 ** 127),
     ],
 )
 def test_accepts_boundary_values(kwargs):
@@ -101,10 +101,13 @@ BAD = [
     (dict(presence_penalty="1"), "presence_penalty", "[-2, 2]"),
     (dict(frequency_penalty=-2.01), "frequency_penalty", "[-2, 2], got -2.01"),
     (dict(frequency_penalty=True), "frequency_penalty", "[-2, 2]"),
-    (dict(repetition_penalty=0), "repetition_penalty", "finite number > 0, got 0"),
+    (dict(repetition_penalty=0), "repetition_penalty", "a number > 0, from 2**-126 to 2**127 (float32's normal "
+                                                       "range), got 0"),
     (dict(repetition_penalty=-1.0), "repetition_penalty", "> 0"),
-    (dict(repetition_penalty=math.inf), "repetition_penalty", "finite number > 0"),
-    (dict(repetition_penalty=math.nan), "repetition_penalty", "finite number > 0"),
+    (dict(repetition_penalty=math.inf), "repetition_penalty", "2**127"),
+    (dict(repetition_penalty=math.nan), "repetition_penalty", "2**127"),
+    (dict(repetition_penalty=1e39), "repetition_penalty", "got 1e+39"),  # inf in float32
+    (dict(repetition_penalty=1e-46), "repetition_penalty", "got 1e-46"),  # 0 in float32
 ]
 
 

@@ -226,7 +226,7 @@ def test_sse_wire_format_ends_with_done(url):
     (dict(prompt="a", extra_body={"min_p": 1.5}), "min_p", r"min_p must be in \[0, 1\], got 1.5"),
     (dict(prompt="a", presence_penalty=2.5), "presence_penalty", r"presence_penalty must be in \[-2, 2\], got 2.5"),
     (dict(prompt="a", frequency_penalty=-3), "frequency_penalty", r"must be in \[-2, 2\], got -3"),
-    (dict(prompt="a", extra_body={"repetition_penalty": 0}), "repetition_penalty", "a finite number > 0, got 0"),
+    (dict(prompt="a", extra_body={"repetition_penalty": 0}), "repetition_penalty", "a number > 0, from 2"),
     # vLLM's extensions that change what is sampled: refused, not silently ignored
     (dict(prompt="a", extra_body={"min_tokens": 10}), "min_tokens", r"from 0 to max_tokens \(4\), got 10"),
     (dict(prompt="a", logit_bias={"x1": 1}), "logit_bias", "keys must be token ids"),
