@@ -100,6 +100,7 @@ def test_penalties_survive_preemption_and_prefix_cache_hits(llm, ckpt, caplog, m
     assert out.num_cached_tokens > 0 and out.outputs[0].token_ids == want[2]
 
 
+@pytest.mark.slow  # ~10 s on 2 cores
 def test_penalty_set_ups_larger_than_an_update_are_split(ckpt, monkeypatch):
     """Requests with a repetition penalty set up in one step (each its prompt's ~290 distinct tokens of the
     320-token vocabulary) need more entries than the largest update holds (two vocabularies, 1,024): they go in two

@@ -121,7 +121,11 @@ def penalized_reference(ckpt, reference):
     return outs
 
 
-@pytest.mark.parametrize("shape, async_scheduling", [((2, 2, 2), True), ((4, 2, 1), True), ((4, 1, 2), False)],
+# (the 4x2x1 mesh, a KVP span of three ranks and two stages, in the default suite; the others with the slow tests,
+# ~20 s each on 2 cores)
+@pytest.mark.parametrize("shape, async_scheduling", [pytest.param((2, 2, 2), True, marks=pytest.mark.slow),
+                                                      ((4, 2, 1), True),
+                                                      pytest.param((4, 1, 2), False, marks=pytest.mark.slow)],
                          ids=str)
 def test_penalties_on_a_mesh_match_one_device(ckpt, penalized_reference, shape, async_scheduling):
     """Presence, frequency and repetition penalties give on each mesh shape (KVP spans of three ranks, pipeline
