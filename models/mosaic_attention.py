@@ -315,6 +315,22 @@ class Codegen:
                 raise ValueError(f"overlap=True (each block's softmax under the previous block's P V) orders a "
                                  f"consumer's loop its own way; it does not combine with {', '.join(clash)}")
 
+    def _ring(self, *, interpret: bool, memory_bound: bool, consumers: int, head_dim: int, block_k: int):
+        """(registers, stages, the launch's `program_smem_bytes` arguments) as `for_launch` resolves them: P has an
+        SMEM buffer only when it goes through SMEM."""
+        registers = (not interpret) if self.registers is None else self.registers
+        smem = dict(consumers=consumers, head_dim=head_dim, p_in_smem=not registers)
+        stages = self.stages
+        if stages is None:
+            stages = deepest_ring(block_k=block_k, **smem) if memory_bound else STAGES
+        return registers, stages, smem
+
+    def fits(self, *, consumers: int, head_dim: int, block_k: int, memory_bound: bool) -> bool:
+        """Whether a compiled launch's ring, as `for_launch` resolves it, fits a block's SMEM (else it raises)."""
+        _, stages, smem = self._ring(interpret=False, memory_bound=memory_bound, consumers=consumers,
+                                     head_dim=head_dim, block_k=block_k)
+        return stages in rings_that_fit(block_k=block_k, **smem)
+
     def for_launch(self, *, interpret: bool, consumers: int, num_parts: int, head_dim: int, block_k: int
                    ) -> "Codegen":
         """The options of one launch: those given, and for those left to the kernel (None) what measured fastest on an
@@ -357,8 +373,9 @@ class Codegen:
             on the H200) nor memory-bound ones (chunk 32 at 1M 1.48 ms either way on the H100).
         `num_parts`: the partitions the launch's tiles are expected to take (the split is chosen per step, so the
         caller gives more than one when the step's tokens could not fill the partitions' worth of tiles)."""
-        registers = (not interpret) if self.registers is None else self.registers
         memory_bound = consumers == 1 or num_parts > 1
+        registers, stages, smem = self._ring(interpret=interpret, memory_bound=memory_bound, consumers=consumers,
+                                             head_dim=head_dim, block_k=block_k)
         overlap = self.overlap
         if overlap is None:  # FlashAttention-3's loop for compiled compute-bound three-consumer launches, unless
             # another order of the loop was asked for (interpreted, as asked: its race tests keep each loop apart)
@@ -367,11 +384,6 @@ class Codegen:
         fma_softmax = self.fma_softmax
         if fma_softmax is None:
             fma_softmax = not memory_bound
-        # the launch's SMEM: P has a buffer only when it goes through SMEM
-        smem = dict(consumers=consumers, head_dim=head_dim, p_in_smem=not registers)
-        stages = self.stages
-        if stages is None:
-            stages = deepest_ring(block_k=block_k, **smem) if memory_bound else STAGES
         if not interpret:  # given or not: a ring the SMEM cannot hold raises here, naming what fits
             fits = rings_that_fit(block_k=block_k, **smem)
             if stages not in fits:
@@ -1495,9 +1507,8 @@ def prefill_consumers(meta, *, num_heads: int, num_kv_heads: int, head_dim: int,
     parts = _launch_parts(meta, consumers=c, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                           block_k=block_k, num_partitions=num_partitions)
     bound = is_memory_bound(meta.seq_ids.shape[0], block_q_for(num_heads, num_kv_heads, c), parts)
-    p_in_smem = registers is False  # compiled, P stays in registers unless asked otherwise
-    fits = (STAGES if stages is None else stages) in rings_that_fit(consumers=c, head_dim=head_dim, block_k=block_k,
-                                                                      p_in_smem=p_in_smem)
+    fits = Codegen(registers=registers, stages=stages).fits(consumers=c, head_dim=head_dim, block_k=block_k,
+                                                            memory_bound=False)
     return PREFILL_CONSUMERS if bound or not fits else c
 
 

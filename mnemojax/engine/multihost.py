@@ -7,8 +7,8 @@ jitted step, so all run the same SPMD program. Followers never see requests, onl
 
 Page-table updates (the entries that changed since the previous step) go first when there are any: a header with
 command TABLE and their count, then the [kvp, 2, U] updates (indices; pages); so do the penalties' state updates
-(command PENALTY and their count, then the slots cleared [kvp, B + 1] and the entries [kvp, 4, U]). The step's broadcast is two
-collectives: a fixed-size header (command, token rows T, logits rows R, whether results are fetched, the step's
+(command PENALTY and their count, then the slots cleared [kvp, B + 1] and the entries [kvp, 4, U]). The step's
+broadcast is two collectives: a fixed-size header (command, token rows T, logits rows R, whether results are fetched, the step's
 kind), then its host arrays packed into one int32 buffer (`executor.Packing`), whose shape the header fixes. While idle, process 0 sends a no-op header
 about once a second so the followers' pending collective never waits indefinitely.
 """
