@@ -16,6 +16,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 """Any of these in a checkpoint directory means it carries a Hugging Face tokenizer."""
 
 
+BYTE_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""`ByteTokenizer`'s chat template as Jinja (what Hugging Face tokenizers carry): its HF twin's, and what
+/tokenizer_info shows. `ByteTokenizer.apply_chat_template` writes the same text without Jinja."""
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens: ids 0..255 are the bytes, then special tokens up to `vocab_size`.
 
@@ -23,11 +32,12 @@ class ByteTokenizer:
     id). Like a Hugging Face tokenizer, `encode` turns the text of a special token into its id, so a chat
     template can write BOS as text. `tests/hf_utils.make_hf_tokenizer` builds the same tokenizer as an HF one.
 
-    Chat template (the same as that HF twin's), for messages `[{"role": r, "content": c}, ...]`:
+    Chat template (`chat_template`, the HF twin's), for messages `[{"role": r, "content": c}, ...]`:
         <|begin_of_text|><|r|>\\nc\\n ... <|r|>\\nc\\n
     followed by `<|assistant|>\\n` when `add_generation_prompt`. The role markers are plain text (bytes).
     """
 
+    chat_template = BYTE_CHAT_TEMPLATE
     bos_token = "<|begin_of_text|>"
     eos_token = "<|end_of_text|>"
     bos_token_id = 256
@@ -88,11 +98,24 @@ class ByteTokenizer:
         return "".join(parts)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False,
-                            return_dict: bool = False, **template_variables):
+                            return_dict: bool = False, continue_final_message: bool = False,
+                            chat_template: str | None = None, documents=None, **template_variables):
         """The conversation as text (`tokenize=False`), or as token ids; `return_dict=True` wraps the ids as
         `{"input_ids": ids}` like a Hugging Face tokenizer. The text starts with BOS (see the class docstring).
-        `template_variables` are accepted as a Jinja template's are, and unused: this template reads none."""
+        `continue_final_message`: the last message stays open (its closing newline left out), as transformers
+        renders it, for the reply to continue. `documents` and `template_variables` are accepted as a Jinja
+        template's are, and unused: this template reads none. Its template is fixed: another `chat_template` is a
+        ValueError (it needs a Hugging Face tokenizer)."""
+        if chat_template is not None:
+            raise ValueError("the built-in byte tokenizer has one fixed chat template; another chat_template needs "
+                             "a Hugging Face tokenizer")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if continue_final_message and not messages:
+            raise ValueError("continue_final_message needs a message to continue")
         text = self.bos_token + "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        if continue_final_message:
+            text = text[:-1]
         if add_generation_prompt:
             text += "<|assistant|>\n"
         if not tokenize:

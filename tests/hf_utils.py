@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from models.tokenizer import bytes_to_unicode
+from models.tokenizer import BYTE_CHAT_TEMPLATE, bytes_to_unicode
 
 BOS_ID = 256
 EOS_ID = 257
@@ -103,12 +103,6 @@ def load_hf_model(path):
     return model.eval()
 
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-"""Jinja twin of `models.tokenizer.ByteTokenizer.apply_chat_template`."""
 
 
 def make_hf_tokenizer(vocab_size: int = 320):
@@ -138,7 +132,7 @@ def make_hf_tokenizer(vocab_size: int = 320):
         tokenizer_object=tok,
         bos_token="<|begin_of_text|>",
         eos_token="<|end_of_text|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=BYTE_CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
 

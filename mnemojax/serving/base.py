@@ -144,6 +144,11 @@ class ServerState:
         self.served_model_name = config.served_model_name or llm.model
         self.api_key = None if config.api_key is None else config.api_key.encode("utf-8")
         self.max_request_bytes = config.request_bytes_limit(llm.max_model_len)
+        self.chat_template = config.resolved_chat_template()  # None: the tokenizer's
+        if self.chat_template is not None and (llm.tokenizer is None or isinstance(llm.tokenizer, ByteTokenizer)):
+            raise ValueError(f"chat_template: model {llm.model!r} has "
+                             f"{'no tokenizer' if llm.tokenizer is None else 'the built-in byte tokenizer'}, whose "
+                             f"chat template cannot be replaced (that needs a Hugging Face tokenizer)")
         self.draining = False
         self._drain_started: asyncio.Future | None = None
         self.num_admitted = 0  # choices admitted whose engine request has not started yet (see `OpenAIServing.admit`)
@@ -179,6 +184,9 @@ class Choice:
     show_prompt_logprobs: int | None = None  # the request's `prompt_logprobs` (the engine may compute more)
     echo: bool = False  # completions: the prompt leads the text and the log-probs
     discard_output: bool = False  # echo with max_tokens 0: the engine generates 1 token, the response shows none
+    role: str = "assistant"  # chat: the reply's role
+    echoed: str = ""  # chat's `echo`: the text the reply starts with
+    token_ids_as_text: bool = False  # vLLM's `return_tokens_as_token_ids`: logprobs write tokens as "token_id:<id>"
     pending: RequestOutput | None = None  # received, not taken: the DELTA outputs added up
     prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)  # received so far
     num_tokens: int = 0  # generated so far
@@ -466,12 +474,18 @@ class OpenAIServing:
                 "total_tokens": sum(prompts.values()) + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
-    def token_text(self, tid: int) -> str:
+    def token_ids_as_text(self, body) -> bool:
+        """vLLM's `return_tokens_as_token_ids`: the request's, else the server's flag."""
+        asked = body.return_tokens_as_token_ids
+        return self.state.config.return_tokens_as_token_ids if asked is None else asked
+
+    def token_text(self, tid: int, as_id: bool = False) -> str:
         """A token as logprobs show it: its text; a token that is not whole UTF-8 by itself is written as its bytes,
         `bytes:\\xNN` (OpenAI's convention), so distinct tokens stay distinct keys. A SentencePiece-style token is
-        its piece's text with its space (" hello", as in the output text; decoded alone it would lose it)."""
+        its piece's text with its space (" hello", as in the output text; decoded alone it would lose it).
+        `as_id` (vLLM's `return_tokens_as_token_ids`), or no tokenizer: "token_id:<id>"."""
         tok = self.tokenizer
-        if tok is None:
+        if tok is None or as_id:
             return f"token_id:{tid}"
         if self.byte_level:
             text = tok.decode([tid], skip_special_tokens=False)

@@ -6,7 +6,7 @@ from fastapi import Request
 from mnemojax.scheduling.outputs import CompletionOutput
 from mnemojax.scheduling.sampling_params import ParamError, truncate_prompt
 from mnemojax.serving.base import APIError, Choice, OpenAIServing, bad_request
-from mnemojax.serving.protocol import ChatCompletionRequest, ChatMessage
+from mnemojax.serving.protocol import ChatCompletionRequest
 
 _RENDER_ARGUMENTS = frozenset({"conversation", "messages", "add_generation_prompt", "tokenize", "return_dict",
                                "chat_template", "tools", "documents", "continue_final_message", "tokenizer_kwargs",
@@ -25,7 +25,7 @@ class ServingChat(OpenAIServing):
             body.check()
         except ParamError as e:
             raise bad_request(e) from None
-        prompt_ids = self.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        prompt_ids = self.render(body, body.add_special_tokens)
         try:  # before the room left is counted (the engine's `validate` truncates them the same way again)
             prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, self.llm.max_model_len)
         except ParamError as e:
@@ -39,7 +39,9 @@ class ServingChat(OpenAIServing):
         except ValueError as e:
             raise bad_request(e) from None
         try:
-            choices = self.admit([prompt_ids], params, body.n, show_prompt_logprobs=body.prompt_logprobs)
+            choices = self.admit([prompt_ids], params, body.n, show_prompt_logprobs=body.prompt_logprobs,
+                                 role=self.reply_role(body), echoed=self.echoed(body),
+                                 token_ids_as_text=self.token_ids_as_text(body))
         except APIError as e:
             if e.param != "prompt":
                 raise
@@ -47,24 +49,46 @@ class ServingChat(OpenAIServing):
             raise APIError(e.status, f"messages (through the chat template): {e.message}", "messages") from None
         return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage)
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool,
-               template_kwargs: dict | None = None) -> list[int]:
-        """The token ids of `messages` through the tokenizer's chat template, `template_kwargs` (vLLM's
-        `chat_template_kwargs`) as more template variables (400 naming `messages` if it fails)."""
+    def render(self, body, add_special_tokens: bool) -> list[int]:
+        """The token ids of `body.messages` through the chat template (the request's `chat_template` where the
+        server trusts it, else the server's `--chat_template`, else the tokenizer's), with `body`'s
+        `add_generation_prompt`, `continue_final_message`, `documents` and `chat_template_kwargs` (vLLM's: more
+        template variables); `add_special_tokens`: the tokenizer's special tokens (BOS) too. A failure is a 400
+        naming `messages`, or `chat_template` when the request gave one."""
         if self.tokenizer is None:
             raise APIError(400, f"model {self.state.served_model_name!r} has no tokenizer, so no chat template; "
                                 "use /v1/completions with token ids", "messages")
-        reserved = sorted(set(template_kwargs or ()) & _RENDER_ARGUMENTS)
+        template_kwargs = body.chat_template_kwargs or {}
+        reserved = sorted(set(template_kwargs) & _RENDER_ARGUMENTS)
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {reserved}: the request's own fields do",
                            "chat_template_kwargs")
+        template = self.state.chat_template
+        if body.chat_template is not None:
+            if not self.state.config.trust_request_chat_template:
+                raise APIError(400, "chat_template: this server does not take a request's chat template (start it "
+                                    "with --trust_request_chat_template)", "chat_template")
+            template = body.chat_template
         try:
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                                      add_generation_prompt=add_generation_prompt, tokenize=False,
-                                                      **(template_kwargs or {}))
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        except Exception as e:  # noqa: BLE001 - a template error is the caller's messages
-            raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
+            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
+                                                      add_generation_prompt=body.add_generation_prompt,
+                                                      continue_final_message=body.continue_final_message,
+                                                      documents=body.documents, chat_template=template,
+                                                      tokenize=False, **template_kwargs)
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as e:  # noqa: BLE001 - a template error is the caller's messages (or template)
+            param = "messages" if body.chat_template is None else "chat_template"
+            raise APIError(400, f"{param}: the chat template failed: {e}", param) from None
+
+    @staticmethod
+    def reply_role(body: ChatCompletionRequest) -> str:
+        """vLLM's: the reply is the assistant's, or with `add_generation_prompt: false` the last message's role."""
+        return "assistant" if body.add_generation_prompt else body.messages[-1].role
+
+    def echoed(self, body: ChatCompletionRequest) -> str:
+        """vLLM's `echo`: the text a reply starts with, the last message's content when it has the reply's role."""
+        last = body.messages[-1]
+        return last.text() if body.echo and last.role == self.reply_role(body) else ""
 
     def response_fields(self, choices: list[Choice]) -> dict:
         """vLLM's chat response has `prompt_logprobs` once, beside the choices (their prompt is the same)."""
@@ -76,15 +100,17 @@ class ServingChat(OpenAIServing):
         top = c.params.logprobs  # top_logprobs
 
         def entry(t, lp):  # `bytes`: the token's own bytes (a piece of a character included), null without a tokenizer
-            return {"token": self.token_text(t), "logprob": lp,
+            return {"token": self.token_text(t, c.token_ids_as_text), "logprob": lp,
                     "bytes": None if self.token_bytes is None else list(self.token_bytes(t))}
 
         return {"content": [{**entry(t, d[t]), "top_logprobs": [entry(k, v) for k, v in list(d.items())[:top]]}
                             for t, d in zip(ids, lps)]}
 
     def preamble(self, c: Choice) -> list[dict]:
-        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}]
+        first = [{"index": c.index, "delta": {"role": c.role, "content": ""}, "logprobs": None, "finish_reason": None}]
+        if c.echoed:  # vLLM's: the echoed content comes as a chunk of its own
+            first.append({"index": c.index, "delta": {"content": c.echoed}, "logprobs": None, "finish_reason": None})
+        return first
 
     def stream_choice(self, c: Choice, new: CompletionOutput, offset: int) -> dict:
         return {"index": c.index, "delta": {"content": new.text} if new.text else {},
@@ -92,6 +118,6 @@ class ServingChat(OpenAIServing):
                 "finish_reason": new.finish_reason, "stop_reason": new.stop_reason}
 
     def whole_choice(self, c: Choice, whole: CompletionOutput) -> dict:
-        return {"index": c.index, "message": {"role": "assistant", "content": whole.text},
+        return {"index": c.index, "message": {"role": c.role, "content": c.echoed + whole.text},
                 "logprobs": self.logprobs(c, whole.token_ids, whole.logprobs or []),
                 "finish_reason": whole.finish_reason, "stop_reason": whole.stop_reason}

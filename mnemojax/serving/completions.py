@@ -41,8 +41,12 @@ class ServingCompletion(OpenAIServing):
         if body.echo and self.tokenizer is None:
             raise APIError(400, f"echo needs a tokenizer to write the prompt as text; model "
                                 f"{self.state.served_model_name!r} has none", "echo")
+        if not body.add_special_tokens and self.tokenizer is not None:  # vLLM's: the text alone, without BOS
+            prompts = [list(self.tokenizer.encode(p, add_special_tokens=False)) if isinstance(p, str) else p
+                       for p in prompts]
         choices = self.admit(prompts, params, body.n, rest_of_context=rest, show_prompt_logprobs=body.prompt_logprobs,
-                             echo=body.echo, discard_output=max_tokens == 0)
+                             echo=body.echo, discard_output=max_tokens == 0,
+                             token_ids_as_text=self.token_ids_as_text(body))
         return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage)
 
     def logprobs(self, c: Choice, ids: list[int], lps: list[dict | None], offsets: list[int]) -> dict | None:
@@ -50,9 +54,11 @@ class ServingCompletion(OpenAIServing):
         of `lps` that is None (the prompt's first token) gives null log-prob and top entries."""
         if c.params.logprobs is None:
             return None
-        return {"tokens": [self.token_text(t) for t in ids],
+        as_id = c.token_ids_as_text
+        return {"tokens": [self.token_text(t, as_id) for t in ids],
                 "token_logprobs": [None if d is None else d[t] for t, d in zip(ids, lps)],
-                "top_logprobs": [None if d is None else {self.token_text(k): v for k, v in d.items()} for d in lps],
+                "top_logprobs": [None if d is None else {self.token_text(k, as_id): v for k, v in d.items()}
+                                 for d in lps],
                 "text_offset": offsets}
 
     @staticmethod

@@ -3,6 +3,7 @@ from each field, its help from the docstring under it."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 
 
@@ -47,6 +48,13 @@ class ServerConfig:
     and its requests are aborted, freeing their KV pages."""
     shutdown_grace_s: float = 30.0
     """On SIGTERM, how long requests in flight may finish before they are aborted (a second signal: at once)."""
+    chat_template: str | None = None
+    """The chat template instead of the tokenizer's (vLLM's --chat-template): a file's path, or the Jinja template
+    itself (text with a brace or a newline)."""
+    trust_request_chat_template: bool = False
+    """Let a request's `chat_template` replace the server's (vLLM's flag); without it such a request is a 400."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs write each token as 'token_id:<id>' unless a request says otherwise (vLLM's flag)."""
 
     def __post_init__(self):
         for name in ("max_queue", "max_choices", "header_timeout_s", "body_timeout_s", "write_timeout_s"):
@@ -63,6 +71,20 @@ class ServerConfig:
             raise ValueError("give the API key by api_key or api_key_file, not both")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
+
+    def resolved_chat_template(self) -> str | None:
+        """The `chat_template` setting's template: a file's text, or the setting itself when it is a template
+        (vLLM's rule: it has a brace or a newline); ValueError naming the field if it is neither."""
+        value = self.chat_template
+        if value is None:
+            return None
+        if os.path.isfile(value):
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        if any(c in value for c in "{}\n"):
+            return value
+        raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template (a template has a "
+                         f"brace or a newline)")
 
     def request_bytes_limit(self, max_model_len: int) -> int:
         if self.max_request_bytes is not None:

@@ -2,7 +2,9 @@
 
 Field names, types and defaults follow the OpenAI API (`logit_bias` included: token ids to biases in [-100, 100]),
 plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-`skip_special_tokens`, `include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`).
+`skip_special_tokens`, `include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`,
+`return_tokens_as_token_ids`, `add_special_tokens`, and chat's `continue_final_message`, `chat_template`,
+`documents`, `echo`).
 Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
@@ -60,14 +62,8 @@ _UNHONOURED = {  # vLLM's request fields mnemojax does not implement, and the va
     "bad_words": (None, []), "use_beam_search": (None, False),
     "length_penalty": (None, 1.0, 1), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,), "priority": (None, 0),
-    "spaces_between_special_tokens": (None, True),
-    "return_tokens_as_token_ids": (None, False), "logits_processors": (None,),
+    "spaces_between_special_tokens": (None, True), "logits_processors": (None,),
 }
-_CHAT_UNHONOURED = {  # and those of chat requests
-    "echo": (None, False), "continue_final_message": (None, False), "add_special_tokens": (None, False),
-    "chat_template": (None,), "documents": (None,),
-}
-_COMPLETION_UNHONOURED = {"add_special_tokens": (None, True)}
 
 
 class StreamOptions(_Strict):
@@ -104,6 +100,9 @@ class _SamplingRequest(_Strict):
                                                                          "tokens (k >= 1, or -1: max_model_len)")
     allowed_token_ids: list[int] | None = Field(default=None, description="vLLM's: only these token ids may be "
                                                                           "generated")
+    return_tokens_as_token_ids: bool | None = Field(default=None, description="vLLM's: logprobs write each token "
+                                                                              "as 'token_id:<id>' (default: the "
+                                                                              "server's flag)")
     # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
     bad_words: Any = None
     use_beam_search: Any = None
@@ -115,7 +114,6 @@ class _SamplingRequest(_Strict):
     structured_outputs: Any = None
     priority: Any = None
     spaces_between_special_tokens: Any = None
-    return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
 
     def _check_unsupported(self) -> None:
@@ -184,7 +182,8 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    add_special_tokens: Any = None  # vLLM's: only true for text prompts (the default: the text gets BOS)
+    add_special_tokens: bool = Field(default=True, description="vLLM's: a text prompt gets the tokenizer's special "
+                                                                "tokens (BOS); token ids are taken as they are")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: strings or token-id lists."""
@@ -209,9 +208,13 @@ class CompletionRequest(_SamplingRequest):
             raise ParamError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", "best_of is not supported (only equal to n)")
-        texts = isinstance(self.prompt, str) or any(isinstance(p, str) for p in self.prompt)
-        if texts:  # token ids are taken as they are (vLLM's), whatever it says
-            _refuse_unhonoured(self, _COMPLETION_UNHONOURED)
+
+
+def check_final_message(body) -> None:
+    """vLLM's rule: a reply cannot both continue the last message and start a new one."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise ParamError("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
+                                                   "true (add_generation_prompt is true unless set to false)")
 
 
 class ContentPart(_Strict):
@@ -225,11 +228,12 @@ class ChatMessage(_Strict):
     name: Text | None = None
 
     def text(self) -> str:
+        """The content as the chat template gets it: text parts joined by newlines (vLLM's)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -244,19 +248,26 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     tools: list | None = None
     tool_choice: str | dict | None = None
-    # vLLM's chat fields mnemojax does not implement (refused unless neutral)
-    echo: Any = None
-    continue_final_message: Any = None
-    add_special_tokens: Any = None
-    chat_template: Any = None
-    documents: Any = None
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="vLLM's: more variables for the "
                                                                                    "chat template")
+    continue_final_message: bool = Field(default=False, description="vLLM's: the last message stays open and the "
+                                                                    "reply continues it (with add_generation_prompt "
+                                                                    "false)")
+    add_special_tokens: bool = Field(default=False, description="vLLM's: the templated text also gets the "
+                                                                "tokenizer's special tokens (BOS), on top of the "
+                                                                "template's own")
+    chat_template: Text | None = Field(default=None, description="vLLM's: a Jinja chat template for this request "
+                                                                 "(only with the server's "
+                                                                 "--trust_request_chat_template)")
+    documents: list[dict[str, Text]] | None = Field(default=None, description="vLLM's: documents for a template "
+                                                                              "that takes them (RAG)")
+    echo: bool = Field(default=False, description="vLLM's: the reply starts with the last message's content when "
+                                                  "that message has the reply's role")
 
     def check(self) -> None:
         if not self.messages:
             raise ParamError("messages", "messages must not be empty")
-        _refuse_unhonoured(self, _CHAT_UNHONOURED)
+        check_final_message(self)
         if self.tools:
             raise ParamError("tools", "tools are not supported (no tool calling)")
         if self.tool_choice not in (None, "none", "auto"):
@@ -279,23 +290,37 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(_Strict):
-    """POST /tokenize (vLLM's): a `prompt`, or chat `messages` through the chat template; not both."""
+    """POST /tokenize (vLLM's): a `prompt`, or chat `messages` through the chat template; not both. With messages,
+    the chat request's template fields too."""
 
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = Field(default=None, description="default: true with a prompt, false with "
+                                                                      "messages (vLLM's)")
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in a chat request
+    continue_final_message: bool = False
+    chat_template: Text | None = None
+    documents: list[dict[str, Text]] | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ParamError("prompt", "give exactly one of prompt and messages")
         if self.messages is not None and not self.messages:
             raise ParamError("messages", "messages must not be empty")
-        if self.chat_template_kwargs and self.messages is None:
-            raise ParamError("chat_template_kwargs", "chat_template_kwargs needs messages (it feeds the chat template)")
+        if self.messages is None:
+            for name in ("chat_template_kwargs", "continue_final_message", "chat_template", "documents"):
+                if getattr(self, name):
+                    raise ParamError(name, f"{name} needs messages (it is for the chat template)")
+        check_final_message(self)
+
+    @property
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens: `add_special_tokens`, by default true for a prompt and
+        false for messages (the chat template writes its own)."""
+        return self.messages is None if self.add_special_tokens is None else self.add_special_tokens
 
 
 class DetokenizeRequest(_Strict):

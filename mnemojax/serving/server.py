@@ -109,6 +109,7 @@ def main(argv):
     with usage_errors():
         config, mh = from_flags(EngineConfig), from_flags(MultiHostConfig)
         server = from_flags(ServerConfig).with_api_key(os.environ)
+        server.resolved_chat_template()  # a bad --chat_template fails here, before the model loads
     num_processes = _init_distributed(mh)
     from mnemojax.engine.async_llm import AsyncLLM
     from mnemojax.engine.llm_engine import LLMEngine
@@ -130,7 +131,8 @@ def main(argv):
     with usage_errors():
         engine = LLMEngine(config, channel=leader)
     llm = AsyncLLM(engine=engine, idle_tick=None if leader is None else leader.noop)
-    fastapi_app = build_app(llm, server)
+    with usage_errors():  # a --chat_template the model's tokenizer cannot take
+        fastapi_app = build_app(llm, server)
     _freeze_startup()
     logger.info("serving %r as %r on http://%s:%d (mesh kvp=%d spp=%d tp=%d, max_model_len %d%s)", config.model,
                 fastapi_app.state.server.served_model_name, server.host, server.port, config.kvp, config.spp,

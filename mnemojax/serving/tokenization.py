@@ -30,9 +30,9 @@ class ServingTokenization(OpenAIServing):
         except ParamError as e:
             raise bad_request(e) from None
         if body.messages is not None:
-            ids = self.chat.render(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+            ids = self.chat.render(body, body.special_tokens)
         else:
-            ids = list(self._tokenizer("prompt").encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            ids = list(self._tokenizer("prompt").encode(body.prompt, add_special_tokens=body.special_tokens))
         return {"count": len(ids), "max_model_len": self.llm.max_model_len, "tokens": ids,
                 "token_strs": [self.token_text(t) for t in ids] if body.return_token_strs else None}
 
@@ -47,13 +47,13 @@ class ServingTokenization(OpenAIServing):
         return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}
 
     def tokenizer_info(self) -> dict:
-        """The tokenizer's class, special tokens, vocabulary size, the model's length limit and (when it is a Jinja
-        template, as Hugging Face tokenizers have) the chat template."""
+        """The tokenizer's class, special tokens, vocabulary size, the model's length limit and the Jinja chat
+        template: the server's `--chat_template`, else the tokenizer's (the byte tokenizer's too: its Jinja twin)."""
         tok = self._tokenizer("model")
         info = {"tokenizer_class": type(tok).__name__, "bos_token": getattr(tok, "bos_token", None),
                 "eos_token": getattr(tok, "eos_token", None), "pad_token": getattr(tok, "pad_token", None),
                 "vocab_size": len(tok), "model_max_length": self.llm.max_model_len}
-        template = getattr(tok, "chat_template", None)
+        template = self.state.chat_template or getattr(tok, "chat_template", None)
         if isinstance(template, str):
             info["chat_template"] = template
         return info

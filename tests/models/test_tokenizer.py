@@ -84,6 +84,14 @@ def test_hf_twin_chat_template(hf_tok):
         assert hf_tok.apply_chat_template(MESSAGES, **kw) == tok.apply_chat_template(MESSAGES, **kw)
         kw = dict(add_generation_prompt=gen, tokenize=True, return_dict=False)
         assert hf_tok.apply_chat_template(MESSAGES, **kw) == tok.apply_chat_template(MESSAGES, **kw)
+    for last in ("Grüße 🙂", ""):  # the last message left open, as transformers renders it; an empty one too
+        msgs = MESSAGES[:-1] + [{"role": "assistant", "content": last}]
+        kw = dict(add_generation_prompt=False, continue_final_message=True, tokenize=False)
+        assert hf_tok.apply_chat_template(msgs, **kw) == tok.apply_chat_template(msgs, **kw)
+    with pytest.raises(ValueError, match="fixed chat template"):
+        tok.apply_chat_template(MESSAGES, chat_template="{{ messages }}")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tok.apply_chat_template(MESSAGES, add_generation_prompt=True, continue_final_message=True)
 
 
 def test_load_tokenizer(hf_dir, tmp_path):
