@@ -187,6 +187,13 @@ def token_bytes_fn(tokenizer) -> Callable[[int], bytes]:
     return token_bytes
 
 
+def has_hf_tokenizer(path_or_preset: str | os.PathLike) -> bool:
+    """Whether `load_tokenizer` gives a Hugging Face tokenizer for this model (read without loading it): a
+    directory with tokenizer files."""
+    path = os.fspath(path_or_preset)
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(path_or_preset: str | os.PathLike):
     """The tokenizer for a model: `"tiny"` -> `ByteTokenizer()`; a checkpoint directory with tokenizer files
     (`TOKENIZER_FILES`) -> `transformers.AutoTokenizer.from_pretrained(path)`; a directory without them ->
@@ -196,7 +203,7 @@ def load_tokenizer(path_or_preset: str | os.PathLike):
     path = os.fspath(path_or_preset)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no model preset or checkpoint directory named {path!r}")
-    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    if not has_hf_tokenizer(path):
         return None
     import transformers
 

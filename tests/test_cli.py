@@ -91,6 +91,10 @@ def test_a_name_in_two_configs_is_refused():
     (["mnemojax.serve", "--page_size=0"], "page_size must be a positive integer, got 0"),
     (["mnemojax.serve", "--shutdown_grace_s=nan"], "shutdown_grace_s must be >= 0, got nan"),
     (["mnemojax.serve", "--model=/nonexistent"], "'/nonexistent' is neither a preset"),  # found while loading
+    (["mnemojax.serve", "--chat_template=no/such/file"], "chat_template: 'no/such/file' is neither a file nor"),
+    (["mnemojax.serve", "--chat_template={{ messages }}"],  # before the model loads
+     "chat_template: model 'tiny' has no Hugging Face tokenizer"),
+    (["mnemojax.serve", "--response_role="], "response_role must not be empty"),
     (["mnemojax.engine", "--max_num_seqs=0"], "max_num_seqs"),
     (["mnemojax.engine", "--noprecompile", "--max_tokens=9000"], "max_tokens (9000) = 9017 exceeds max_model_len"),
     (["mnemojax.engine", "--predictor_profile=/nonexistent.json"], "predictor_profile is set, but no runtime predictor"),

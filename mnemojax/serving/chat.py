@@ -80,10 +80,10 @@ class ServingChat(OpenAIServing):
             param = "messages" if body.chat_template is None else "chat_template"
             raise APIError(400, f"{param}: the chat template failed: {e}", param) from None
 
-    @staticmethod
-    def reply_role(body: ChatCompletionRequest) -> str:
-        """vLLM's: the reply is the assistant's, or with `add_generation_prompt: false` the last message's role."""
-        return "assistant" if body.add_generation_prompt else body.messages[-1].role
+    def reply_role(self, body: ChatCompletionRequest) -> str:
+        """vLLM's: the reply's role is `--response_role` (the assistant's), or with `add_generation_prompt: false`
+        the last message's."""
+        return self.state.config.response_role if body.add_generation_prompt else body.messages[-1].role
 
     def echoed(self, body: ChatCompletionRequest) -> str:
         """vLLM's `echo`: the text a reply starts with, the last message's content when it has the reply's role."""

@@ -55,6 +55,9 @@ class ServerConfig:
     """Let a request's `chat_template` replace the server's (vLLM's flag); without it such a request is a 400."""
     return_tokens_as_token_ids: bool = False
     """Logprobs write each token as 'token_id:<id>' unless a request says otherwise (vLLM's flag)."""
+    response_role: str = "assistant"
+    """The role of a chat reply when the request adds a generation prompt (vLLM's --response-role); without one,
+    the reply takes the last message's role."""
 
     def __post_init__(self):
         for name in ("max_queue", "max_choices", "header_timeout_s", "body_timeout_s", "write_timeout_s"):
@@ -71,6 +74,8 @@ class ServerConfig:
             raise ValueError("give the API key by api_key or api_key_file, not both")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
+        if not self.response_role:
+            raise ValueError("response_role must not be empty")
 
     def resolved_chat_template(self) -> str | None:
         """The `chat_template` setting's template: a file's text, or the setting itself when it is a template

@@ -25,6 +25,7 @@ from absl import app, flags
 
 from mnemojax.cli import define_flags, from_flags, no_arguments, usage_errors
 from mnemojax.serving.config import MultiHostConfig, ServerConfig
+from models.tokenizer import has_hf_tokenizer
 
 logger = logging.getLogger("mnemojax.serve")
 FLAGS = flags.FLAGS
@@ -109,7 +110,10 @@ def main(argv):
     with usage_errors():
         config, mh = from_flags(EngineConfig), from_flags(MultiHostConfig)
         server = from_flags(ServerConfig).with_api_key(os.environ)
-        server.resolved_chat_template()  # a bad --chat_template fails here, before the model loads
+        if server.resolved_chat_template() is not None and not has_hf_tokenizer(config.model):
+            # before the model loads (the app checks it again, for the library's callers)
+            raise ValueError(f"chat_template: model {config.model!r} has no Hugging Face tokenizer, whose chat "
+                             f"template it would replace (the built-in tiny model's byte tokenizer has a fixed one)")
     num_processes = _init_distributed(mh)
     from mnemojax.engine.async_llm import AsyncLLM
     from mnemojax.engine.llm_engine import LLMEngine

@@ -102,6 +102,13 @@ def test_echo_starts_the_reply_with_the_last_message_of_its_role():
         # without a generation prompt the reply takes the last message's role, so it echoes it
         r = _chat(client, messages=users, echo=True, add_generation_prompt=False)["choices"][0]["message"]
         assert r["role"] == "user" and r["content"].startswith("Hi")
+    _, client = _serve(response_role="bot")  # vLLM's --response-role: the role a generation prompt's reply takes
+    with client:
+        assert _chat(client, messages=users)["choices"][0]["message"]["role"] == "bot"
+        assert _streamed(client, {"messages": users})[0]["role"] == "bot"
+        assert _chat(client, messages=users, add_generation_prompt=False)["choices"][0]["message"]["role"] == "user"
+    with pytest.raises(ValueError, match="response_role must not be empty"):
+        ServerConfig(response_role="")
 
 
 def test_a_requests_chat_template_needs_the_servers_trust():
