@@ -359,7 +359,7 @@ class AsyncLLM:
         for rid in e.last_failure_preempted:
             n = self._failures[rid] = self._failures.get(rid, 0) + 1
             if n >= self._failures_per_request and rid in e.requests:
-                e.abort(rid)
+                e.abort(rid, "error")  # vLLM's finish reason for a request its engine failed
                 failed = EngineStepError(rid, n)
                 failed.__cause__ = error
                 self._finish(rid, failed)  # the caller gets the error; the finished listeners its final output

@@ -396,10 +396,12 @@ class LLMEngine:
             self._detokenizers[rid] = Detokenizer(self.tokenizer, params, prompt_ids)
         return rid
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Ends a request that has not finished, freeing its pages; its finish reason is `reason` ("abort", or
+        vLLM's "error": ended by the engine's failures)."""
         req = self.requests.get(request_id)
         if req is not None and not req.is_finished:
-            self.scheduler.finish(req, "abort")
+            self.scheduler.finish(req, reason)
             self._close_detokenizer(req)
 
     def reset_prefix_cache(self) -> int:

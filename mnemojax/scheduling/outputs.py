@@ -31,7 +31,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # per generated token; always contains the sampled token
-    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (failed steps ended it); None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:

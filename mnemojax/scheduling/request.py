@@ -51,7 +51,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     logprobs: list[dict[int, float]] | None = None
     output_text: str = ""
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

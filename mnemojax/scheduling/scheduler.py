@@ -175,8 +175,9 @@ class Scheduler:
 
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None,
                now: float | None = None) -> None:
-        """Ends `request`: `reason` "stop" (`stop_reason`: the stop string or token id, None for EOS), "length" or
-        "abort". It leaves the queues; its pages are freed once nothing of it is in flight."""
+        """Ends `request`: `reason` "stop" (`stop_reason`: the stop string or token id, None for EOS), "length",
+        "abort" or "error" (vLLM's: the engine's failed steps ended it). It leaves the queues; its pages are freed
+        once nothing of it is in flight."""
         request.finish_reason, request.stop_reason = reason, stop_reason
         request.status = RequestStatus.FINISHED
         request.finished_time = self.clock() if now is None else now

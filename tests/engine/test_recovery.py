@@ -127,7 +127,8 @@ def _poisoned_launch(monkeypatch, poison: str, engine=None, wait_for: int = 0):
 def test_requests_running_in_two_failed_steps_are_ended_and_later_ones_served(monkeypatch):
     """A step that fails whenever it holds one request's chunk: the requests running in two failed steps (that one
     and those that run beside it: all four here) are ended with `EngineStepError`, the failure as its cause, and the
-    finished listeners hear of them as aborted; the engine serves on, exact, with every page back."""
+    finished listeners hear of them as ended by an error (vLLM's "error"); the engine serves on, exact, with every
+    page back."""
     want = LLM(model="tiny", **ASYNC_KW).generate(PROMPTS[:1], STREAMED)[0].outputs[0].token_ids
     llm = AsyncLLM("tiny", **ASYNC_KW, max_failed_steps_in_a_row=3)
     heard = []
@@ -138,7 +139,7 @@ def test_requests_running_in_two_failed_steps_are_ended_and_later_ones_served(mo
         assert all(isinstance(g, EngineStepError) and g.failures == 2 for g in got), got
         assert [g.request_id for g in got] == ["a", "b", "c", "poison"]
         assert all(str(g.__cause__) == "poison breaks the step" for g in got)
-        assert sorted(heard) == [("a", "abort"), ("b", "abort"), ("c", "abort"), ("poison", "abort")]
+        assert sorted(heard) == [("a", "error"), ("b", "error"), ("c", "error"), ("poison", "error")]
         assert llm.is_alive and llm.stats().step_failures == 2
         assert llm.engine.kv.num_used == 0 and not llm.engine.requests
         assert _streams(llm, PROMPTS[:1], STREAMED, ["later"]) == [want]
