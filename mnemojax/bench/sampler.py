@@ -5,7 +5,8 @@ reductions per cut, no sort). The baseline here, `sorted_filter`, is the filter 
 of every row, then the cuts by sorted position. Both give the same kept sets (tests/engine/test_sampler.py). Each
 is jitted alone and timed warm, median of `--repeats` runs, on `--rows` rows of `--vocab` random logits, for
 rows with top-k only, top-p only, both, and for the whole `sampler.sample` (its random draws included) on
-greedy-only, unfiltered and mixed batches, with either filter inside.
+greedy-only, unfiltered and mixed batches, with either filter inside. A second table times `sample` with the
+penalties' state (vLLM's presence / frequency / repetition penalties) against the same batch without it.
 
     python scripts/bench_sampler.py [--rows 32] [--vocab 128256] [--repeats 10]
 """
@@ -51,14 +52,17 @@ def _sample_args(rows: int) -> tuple:
 
 
 def time_ms(fn, args, repeats: int) -> float:
-    """Median wall ms of `fn(*args)` after one warm-up call (which compiles)."""
+    """Median wall ms of `fn(*args)` (`fn(**args)` for a dict) after one warm-up call (which compiles)."""
     import jax
 
-    jax.block_until_ready(fn(*args))
+    def call():
+        return fn(**args) if isinstance(args, dict) else fn(*args)
+
+    jax.block_until_ready(call())
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(call())
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
 
@@ -100,6 +104,51 @@ def measure(rows: int, vocab: int, repeats: int) -> list[tuple[str, float, float
     return out
 
 
+def measure_penalties(rows: int, vocab: int, repeats: int) -> list[tuple[str, float]]:
+    """(case, ms) of `sampler.sample` on a batch of `rows` sampled rows (temperature 0.8, top-k 50) with `rows`
+    sequence slots of penalty state ([rows + 1, vocab] counts and prompt tokens, as the engine keeps them): without
+    biases or penalty state (the baseline), with the state and no row penalized, with every row penalized
+    (presence, frequency and repetition), and with one biased row and no penalty, with and without the state."""
+    import jax
+
+    from mnemojax.engine import sampler
+
+    rng = np.random.default_rng(1)
+    logits = (rng.normal(size=(rows, vocab)) * 2).astype(np.float32)
+    base = (logits, np.full(rows, 0.8, np.float32), np.full(rows, 50, np.int32), np.ones(rows, np.float32),
+            np.arange(rows, dtype=np.uint32), np.zeros(rows, np.int32))
+    counts = rng.integers(0, 3, size=(rows + 1, vocab)).astype(np.int32) * (rng.random((rows + 1, vocab)) < 0.01)
+    in_prompt = rng.random((rows + 1, vocab)) < 0.01
+    slots = np.arange(rows, dtype=np.int32)
+    none, some = np.zeros(rows, np.float32), np.full(rows, 0.5, np.float32)
+    bias_ids = np.full((rows, 1), vocab, np.int32)  # an unused slot
+    bias_values = np.zeros((rows, 1), np.float32)
+    bias_ids[0, 0], bias_values[0, 0] = 7, 2.0
+
+    def penalties(p, f, r):
+        return sampler.Penalties(counts, in_prompt, slots, p, f, r)
+
+    fn = jax.jit(sampler.sample)
+    cases = {
+        "no biases, no penalty state": {},
+        "penalty state, no row penalized": {"penalties": penalties(none, none, np.ones(rows, np.float32))},
+        "every row penalized": {"penalties": penalties(some, some, np.full(rows, 1.2, np.float32))},
+        "one row biased, no penalty state": {"bias_ids": bias_ids, "bias_values": bias_values},
+        "one row biased, penalty state": {"bias_ids": bias_ids, "bias_values": bias_values,
+                                          "penalties": penalties(none, none, np.ones(rows, np.float32))},
+    }
+    return [(name, time_ms(lambda **kw: fn(*base, **kw), kw, repeats)) for name, kw in cases.items()]
+
+
+def penalties_table(results, rows: int, vocab: int) -> str:
+    lines = [f"sampler.sample, {rows} sampled rows x {vocab} vocab (temperature 0.8, top-k 50), {rows + 1} slots of "
+             f"penalty state; median ms per call, warm",
+             f"{'case':40s} {'ms':>9s} {'x baseline':>11s}"]
+    for name, ms in results:
+        lines.append(f"{name:40s} {ms:9.2f} {ms / results[0][1]:10.2f}x")
+    return "\n".join(lines)
+
+
 def table(results, rows: int, vocab: int) -> str:
     lines = [f"{rows} rows x {vocab} vocab, float32; median ms per call, warm",
              f"{'case':40s} {'sort':>9s} {'bisection':>10s} {'speed-up':>9s}"]
@@ -116,3 +165,5 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     print_header(argv)
     print(table(measure(args.rows, args.vocab, args.repeats), args.rows, args.vocab))
+    print()
+    print(penalties_table(measure_penalties(args.rows, args.vocab, args.repeats), args.rows, args.vocab))

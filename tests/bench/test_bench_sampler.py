@@ -8,3 +8,11 @@ def test_measure_small():
     assert [r[0] for r in results[:len(bench.CASES)]] == list(bench.CASES)
     assert all(r[2] > 0 for r in results)
     assert "speed-up" in bench.table(results, 4, 300)
+
+
+def test_measure_penalties_small():
+    results = bench.measure_penalties(rows=4, vocab=300, repeats=1)
+    assert [r[0] for r in results][:3] == ["no biases, no penalty state", "penalty state, no row penalized",
+                                           "every row penalized"]
+    assert len(results) == 5 and all(ms > 0 for _, ms in results)
+    assert "x baseline" in bench.penalties_table(results, 4, 300)
