@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 from mnemojax.scheduling.outputs import RequestOutput
@@ -80,3 +80,53 @@ class LLM:
                 engine.pop_finished(rid)
             raise
         return [engine.pop_finished(rid) for rid in ids]
+
+    def chat(self, messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, add_special_tokens: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages) or a list of them, each
+        through the tokenizer's chat template (`chat_template`: another Jinja template; `chat_template_kwargs`:
+        more template variables), then `generate` on the token ids; one `RequestOutput` per conversation. A
+        message's content is a string or a list of `{"type": "text", "text"}` parts, joined by newlines (vLLM's).
+        `continue_final_message` leaves the last message open for the reply to continue (not with
+        `add_generation_prompt`); `add_special_tokens` adds the tokenizer's special tokens (BOS) to the
+        template's own. Raises ParamError naming the argument for a bad one (the built-in tiny model's byte
+        tokenizer has a fixed template: another `chat_template` is one)."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ParamError("messages", f"model {self.engine.config.model!r} has no tokenizer, so no chat template; "
+                                         f"give token ids to generate")
+        if continue_final_message and add_generation_prompt:
+            raise ParamError("continue_final_message", "continue_final_message and add_generation_prompt cannot "
+                                                       "both be true")
+        if not messages:
+            raise ParamError("messages", "messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            if not conversation:
+                raise ParamError("messages", f"conversation {i} has no message")
+            rendered = [_template_message(m) for m in conversation]
+            try:
+                text = tok.apply_chat_template(rendered,
+                                               add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message,
+                                               chat_template=chat_template, tokenize=False,
+                                               **(chat_template_kwargs or {}))
+            except Exception as e:  # noqa: BLE001 - a template error is the caller's messages (or template)
+                param = "messages" if chat_template is None else "chat_template"
+                raise ParamError(param, f"conversation {i}: the chat template failed: {e}") from None
+            prompts.append(list(tok.encode(text, add_special_tokens=add_special_tokens)))
+        return self.generate(prompts, sampling_params)
+
+
+def _template_message(message: Mapping) -> dict:
+    """A message as a chat template reads it: its content a string (text parts joined by newlines, vLLM's)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        if any(not isinstance(p, Mapping) or p.get("type") != "text" for p in content):
+            raise ParamError("messages", "a message's content parts must all be {'type': 'text', 'text': ...}")
+        content = "\n".join(p["text"] for p in content)
+    return {**message, "content": "" if content is None else content}

@@ -676,3 +676,43 @@ def test_log_probs_are_fetched_only_when_a_row_asked_for_them(async_scheduling, 
     fetched.clear()
     e = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=0))[0]
     assert 5 in fetched and e.outputs[0].token_ids == a.token_ids and len(e.prompt_logprobs) == 3
+
+
+def test_chat_is_generate_on_the_chat_templates_ids(llm, ckpt):
+    """vLLM's `LLM.chat`: each conversation through the tokenizer's chat template (transformers' ids here), then
+    generate; one conversation or several; content parts joined by newlines; continue_final_message,
+    add_special_tokens, another template and template variables as transformers renders them; bad arguments raise
+    naming them."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    talk = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer"}]
+
+    def ids(messages, special=False, **kw):
+        return tok.encode(tok.apply_chat_template(messages, tokenize=False, **kw), add_special_tokens=special)
+
+    def tokens(outs):
+        return [o.outputs[0].token_ids for o in outs]
+
+    one = ids(talk[:1], add_generation_prompt=True)
+    two = ids(talk, add_generation_prompt=False, continue_final_message=True)
+    assert tokens(llm.chat(talk[:1], greedy)) == tokens(llm.generate([one], greedy))
+    got = llm.chat([talk[:1], talk], greedy, add_generation_prompt=False, continue_final_message=True)
+    assert [o.prompt_token_ids for o in got] == [ids(talk[:1], continue_final_message=True), two]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert llm.chat(parts, greedy)[0].prompt_token_ids == ids([{"role": "user", "content": "a\nb"}],
+                                                              add_generation_prompt=True)
+    assert llm.chat(talk[:1], greedy, add_special_tokens=True)[0].prompt_token_ids == [tok.bos_token_id] + one
+    template = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}|{% endfor %}{{ extra }}"
+    got = llm.chat(talk[:1], greedy, chat_template=template, chat_template_kwargs={"extra": "!"})
+    assert got[0].prompt_token_ids == list(b"user:Hi|!")
+    for kwargs, param in [(dict(continue_final_message=True), "continue_final_message"),
+                          (dict(messages=[]), "messages"),
+                          (dict(messages=[[]]), "messages"),
+                          (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
+                          (dict(chat_template="{% if %}"), "chat_template")]:
+        kwargs = {"messages": talk[:1], **kwargs}
+        with pytest.raises(ParamError) as e:
+            llm.chat(kwargs.pop("messages"), greedy, **kwargs)
+        assert e.value.param == param, (kwargs, e.value)
