@@ -187,6 +187,12 @@ def token_bytes_fn(tokenizer) -> Callable[[int], bytes]:
     return token_bytes
 
 
+RENDER_ARGUMENTS = frozenset({"conversation", "messages", "add_generation_prompt", "tokenize", "return_dict",
+                              "chat_template", "tools", "documents", "continue_final_message", "tokenizer_kwargs",
+                              "return_assistant_tokens_mask", "padding", "truncation", "max_length"})
+"""`apply_chat_template`'s own arguments: not template variables, so not for `chat_template_kwargs` to set."""
+
+
 def has_hf_tokenizer(path_or_preset: str | os.PathLike) -> bool:
     """Whether `load_tokenizer` gives a Hugging Face tokenizer for this model (read without loading it): a
     directory with tokenizer files."""

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 from mnemojax.scheduling.outputs import RequestOutput
 from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
+from models.tokenizer import RENDER_ARGUMENTS
 
 Prompt = str | Sequence[int]
 
@@ -103,6 +104,10 @@ class LLM:
                                                        "both be true")
         if not messages:
             raise ParamError("messages", "messages must not be empty")
+        reserved = sorted(set(chat_template_kwargs or ()) & RENDER_ARGUMENTS)
+        if reserved:
+            raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set {reserved}: they are this "
+                                                     f"call's own arguments")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         prompts = []
         for i, conversation in enumerate(conversations):
@@ -124,9 +129,12 @@ class LLM:
 
 def _template_message(message: Mapping) -> dict:
     """A message as a chat template reads it: its content a string (text parts joined by newlines, vLLM's)."""
+    if not isinstance(message, Mapping):
+        raise ParamError("messages", f"a message is a mapping with 'role' and 'content', got {type(message).__name__}")
     content = message.get("content")
     if isinstance(content, list):
-        if any(not isinstance(p, Mapping) or p.get("type") != "text" for p in content):
-            raise ParamError("messages", "a message's content parts must all be {'type': 'text', 'text': ...}")
+        if any(not isinstance(p, Mapping) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+               for p in content):
+            raise ParamError("messages", "a message's content parts must all be {'type': 'text', 'text': str}")
         content = "\n".join(p["text"] for p in content)
     return {**message, "content": "" if content is None else content}

@@ -204,7 +204,7 @@ class Choice:
             self.prompt_logprobs.extend(out.prompt_logprobs)
         if self.discard_output:
             co = out.outputs[0]
-            reason = co.finish_reason if co.finish_reason in (None, "abort") else "length"
+            reason = co.finish_reason if co.finish_reason in (None, "abort", "error") else "length"
             out = dataclasses.replace(out, outputs=[CompletionOutput(co.index, "", [], None, reason)])
         self.num_tokens += len(out.outputs[0].token_ids)
         self.num_cached_tokens = out.num_cached_tokens
@@ -406,9 +406,11 @@ class OpenAIServing:
             return chunk([data], usage={"prompt_tokens": n, "completion_tokens": c.num_tokens,
                                         "total_tokens": n + c.num_tokens})
 
-        for c in choices:
-            for pre in self.preamble(c):
-                yield choice_chunk(c, pre)
+        preambles = [self.preamble(c) for c in choices]  # vLLM's order: every choice's first chunk, then the next
+        for k in range(max(map(len, preambles), default=0)):
+            for c, pre in zip(choices, preambles):
+                if k < len(pre):
+                    yield choice_chunk(c, pre[k])
         async for _ in self.run(rid, choices, paced=True):
             for c in choices:
                 offset = c.taken_chars

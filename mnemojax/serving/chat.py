@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages through the tokenizer's chat template, an assistant message out."""
+"""POST /v1/chat/completions: messages through the chat template (`--chat_template`, else the tokenizer's), a reply
+message out (the assistant's, `--response_role`, or the last message's role without a generation prompt)."""
 from __future__ import annotations
 
 from fastapi import Request
@@ -7,11 +8,8 @@ from mnemojax.scheduling.outputs import CompletionOutput
 from mnemojax.scheduling.sampling_params import ParamError, truncate_prompt
 from mnemojax.serving.base import APIError, Choice, OpenAIServing, bad_request
 from mnemojax.serving.protocol import ChatCompletionRequest
+from models.tokenizer import RENDER_ARGUMENTS
 
-_RENDER_ARGUMENTS = frozenset({"conversation", "messages", "add_generation_prompt", "tokenize", "return_dict",
-                               "chat_template", "tools", "documents", "continue_final_message", "tokenizer_kwargs",
-                               "return_assistant_tokens_mask", "padding", "truncation", "max_length"})
-"""`apply_chat_template`'s own arguments: not template variables, so not for `chat_template_kwargs` to set."""
 
 
 class ServingChat(OpenAIServing):
@@ -59,7 +57,7 @@ class ServingChat(OpenAIServing):
             raise APIError(400, f"model {self.state.served_model_name!r} has no tokenizer, so no chat template; "
                                 "use /v1/completions with token ids", "messages")
         template_kwargs = body.chat_template_kwargs or {}
-        reserved = sorted(set(template_kwargs) & _RENDER_ARGUMENTS)
+        reserved = sorted(set(template_kwargs) & RENDER_ARGUMENTS)
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {reserved}: the request's own fields do",
                            "chat_template_kwargs")

@@ -8,7 +8,7 @@ plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `i
 Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
-honour (`suffix`, `best_of`, `echo` or `prompt_logprobs` with `stream`, vLLM's guided decoding, beam
+honour (`suffix`, `best_of`, completions' `echo` or `prompt_logprobs` with `stream`, vLLM's guided decoding, beam
 search and the other fields in `_UNHONOURED`, a `response_format` other than text, `tools`, a `tool_choice` other
 than none or auto) are accepted in the schema and rejected with a 400 naming them when set, never silently
 dropped; so is `stream_options` without `stream`. Range checks live in
@@ -312,7 +312,8 @@ class TokenizeRequest(_Strict):
             raise ParamError("messages", "messages must not be empty")
         if self.messages is None:
             for name in ("chat_template_kwargs", "continue_final_message", "chat_template", "documents"):
-                if getattr(self, name):
+                value = getattr(self, name)
+                if value is not None and value is not False and value != {} and value != []:  # not left neutral
                     raise ParamError(name, f"{name} needs messages (it is for the chat template)")
         check_final_message(self)
 

@@ -113,7 +113,8 @@ def main(argv):
         if server.resolved_chat_template() is not None and not has_hf_tokenizer(config.model):
             # before the model loads (the app checks it again, for the library's callers)
             raise ValueError(f"chat_template: model {config.model!r} has no Hugging Face tokenizer, whose chat "
-                             f"template it would replace (the built-in tiny model's byte tokenizer has a fixed one)")
+                             f"template it would replace (a preset has none, or the tiny model's fixed one; a "
+                             f"checkpoint directory needs its tokenizer files)")
     num_processes = _init_distributed(mh)
     from mnemojax.engine.async_llm import AsyncLLM
     from mnemojax.engine.llm_engine import LLMEngine

@@ -711,6 +711,9 @@ def test_chat_is_generate_on_the_chat_templates_ids(llm, ckpt):
                           (dict(messages=[]), "messages"),
                           (dict(messages=[[]]), "messages"),
                           (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
+                          (dict(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages"),
+                          (dict(messages=[["not a message"]]), "messages"),
+                          (dict(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
                           (dict(chat_template="{% if %}"), "chat_template")]:
         kwargs = {"messages": talk[:1], **kwargs}
         with pytest.raises(ParamError) as e:

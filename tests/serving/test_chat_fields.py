@@ -94,11 +94,21 @@ def test_echo_starts_the_reply_with_the_last_message_of_its_role():
         deltas = _streamed(client, body)
         assert deltas[:2] == [{"role": "assistant", "content": ""}, {"content": "The answer is"}]
         assert "".join(d.get("content", "") for d in deltas) == "The answer istuv"
+        # n = 2: vLLM's order, every choice's role chunk first, then every choice's echo
+        usage = {"include_usage": True, "continuous_usage_stats": True}
+        two = {**body, "max_tokens": 2, "n": 2, "stream": True, "stream_options": usage}
+        with client.stream("POST", "/v1/chat/completions", json=two) as r:
+            events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line and "[DONE]" not in line]
+        firsts = [(e["choices"][0]["index"], e["choices"][0]["delta"], e["usage"]["completion_tokens"])
+                  for e in events[:4]]
+        role, echo = {"role": "assistant", "content": ""}, {"content": "The answer is"}
+        assert firsts == [(0, role, 0), (1, role, 0), (0, echo, 0), (1, echo, 0)]
         # the reply is the assistant's, the last message the user's: nothing to echo
         users = [{"role": "user", "content": "Hi"}]
         r = _chat(client, messages=users, echo=True)["choices"][0]["message"]
         assert r["role"] == "assistant" and not r["content"].startswith("Hi")
-        assert len(_streamed(client, {"messages": users, "echo": True})[1]) == 1  # no echo chunk: content only
+        deltas = _streamed(client, {"messages": users, "echo": True})
+        assert "".join(d.get("content", "") for d in deltas) == r["content"] and deltas[1] != {"content": "Hi"}
         # without a generation prompt the reply takes the last message's role, so it echoes it
         r = _chat(client, messages=users, echo=True, add_generation_prompt=False)["choices"][0]["message"]
         assert r["role"] == "user" and r["content"].startswith("Hi")
