@@ -13,6 +13,7 @@ penalties' state (vLLM's presence / frequency / repetition penalties) against th
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -52,17 +53,14 @@ def _sample_args(rows: int) -> tuple:
 
 
 def time_ms(fn, args, repeats: int) -> float:
-    """Median wall ms of `fn(*args)` (`fn(**args)` for a dict) after one warm-up call (which compiles)."""
+    """Median wall ms of `fn(*args)` after one warm-up call (which compiles)."""
     import jax
 
-    def call():
-        return fn(**args) if isinstance(args, dict) else fn(*args)
-
-    jax.block_until_ready(call())
+    jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(call())
+        jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
 
@@ -137,7 +135,7 @@ def measure_penalties(rows: int, vocab: int, repeats: int) -> list[tuple[str, fl
         "one row biased, penalty state": {"bias_ids": bias_ids, "bias_values": bias_values,
                                           "penalties": penalties(none, none, np.ones(rows, np.float32))},
     }
-    return [(name, time_ms(lambda **kw: fn(*base, **kw), kw, repeats)) for name, kw in cases.items()]
+    return [(name, time_ms(functools.partial(fn, **kw), base, repeats)) for name, kw in cases.items()]
 
 
 def penalties_table(results, rows: int, vocab: int) -> str:

@@ -99,32 +99,50 @@ class LLM:
         if tok is None:
             raise ParamError("messages", f"model {self.engine.config.model!r} has no tokenizer, so no chat template; "
                                          f"give token ids to generate")
-        if continue_final_message and add_generation_prompt:
-            raise ParamError("continue_final_message", "continue_final_message and add_generation_prompt cannot "
-                                                       "both be true")
         if not messages:
             raise ParamError("messages", "messages must not be empty")
-        reserved = sorted(set(chat_template_kwargs or ()) & RENDER_ARGUMENTS)
-        if reserved:
-            raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set {reserved}: they are this "
-                                                     f"call's own arguments")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         prompts = []
         for i, conversation in enumerate(conversations):
             if not conversation:
                 raise ParamError("messages", f"conversation {i} has no message")
-            rendered = [_template_message(m) for m in conversation]
             try:
-                text = tok.apply_chat_template(rendered,
-                                               add_generation_prompt=add_generation_prompt,
-                                               continue_final_message=continue_final_message,
-                                               chat_template=chat_template, tokenize=False,
-                                               **(chat_template_kwargs or {}))
-            except Exception as e:  # noqa: BLE001 - a template error is the caller's messages (or template)
-                param = "messages" if chat_template is None else "chat_template"
-                raise ParamError(param, f"conversation {i}: the chat template failed: {e}") from None
-            prompts.append(list(tok.encode(text, add_special_tokens=add_special_tokens)))
+                prompts.append(render_chat(tok, [_template_message(m) for m in conversation],
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message,
+                                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                                           add_special_tokens=add_special_tokens,
+                                           template_field="messages" if chat_template is None else "chat_template"))
+            except ParamError as e:
+                raise ParamError(e.param, f"conversation {i}: {e}") from None
         return self.generate(prompts, sampling_params)
+
+
+def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template: str | None = None, documents=None,
+                chat_template_kwargs: dict | None = None, add_special_tokens: bool = False,
+                template_field: str = "messages") -> list[int]:
+    """The token ids of `messages` (`{"role", "content"}` with string content) through `tokenizer`'s chat template
+    (`chat_template`: another one), as vLLM renders a chat: `apply_chat_template` to text, then `encode` with
+    `add_special_tokens` (false: the template writes BOS itself). `LLM.chat` and the server's chat and /tokenize
+    share it. Raises ParamError naming `chat_template_kwargs` (a key that is one of the call's own arguments),
+    `continue_final_message` (with `add_generation_prompt`, vLLM's rule), or `template_field` for a template that
+    fails (the caller's field to blame: `messages`, or `chat_template` when the caller gave the template)."""
+    reserved = sorted(set(chat_template_kwargs or ()) & RENDER_ARGUMENTS)
+    if reserved:
+        raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set {reserved}: they are the chat "
+                                                 f"template call's own arguments")
+    if continue_final_message and add_generation_prompt:
+        raise ParamError("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
+                                                   "true (add_generation_prompt is true unless set to false)")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, documents=documents,
+                                             chat_template=chat_template, tokenize=False,
+                                             **(chat_template_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 - a template error is the caller's messages (or template)
+        raise ParamError(template_field, f"{template_field}: the chat template failed: {e}") from None
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _template_message(message: Mapping) -> dict:

@@ -8,7 +8,7 @@ from mnemojax.scheduling.outputs import CompletionOutput
 from mnemojax.scheduling.sampling_params import ParamError, truncate_prompt
 from mnemojax.serving.base import APIError, Choice, OpenAIServing, bad_request
 from mnemojax.serving.protocol import ChatCompletionRequest
-from models.tokenizer import RENDER_ARGUMENTS
+from mnemojax.engine.llm import render_chat
 
 
 
@@ -56,11 +56,6 @@ class ServingChat(OpenAIServing):
         if self.tokenizer is None:
             raise APIError(400, f"model {self.state.served_model_name!r} has no tokenizer, so no chat template; "
                                 "use /v1/completions with token ids", "messages")
-        template_kwargs = body.chat_template_kwargs or {}
-        reserved = sorted(set(template_kwargs) & RENDER_ARGUMENTS)
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {reserved}: the request's own fields do",
-                           "chat_template_kwargs")
         template = self.state.chat_template
         if body.chat_template is not None:
             if not self.state.config.trust_request_chat_template:
@@ -68,15 +63,14 @@ class ServingChat(OpenAIServing):
                                     "with --trust_request_chat_template)", "chat_template")
             template = body.chat_template
         try:
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
-                                                      add_generation_prompt=body.add_generation_prompt,
-                                                      continue_final_message=body.continue_final_message,
-                                                      documents=body.documents, chat_template=template,
-                                                      tokenize=False, **template_kwargs)
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        except Exception as e:  # noqa: BLE001 - a template error is the caller's messages (or template)
-            param = "messages" if body.chat_template is None else "chat_template"
-            raise APIError(400, f"{param}: the chat template failed: {e}", param) from None
+            return render_chat(self.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages],
+                               add_generation_prompt=body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message, chat_template=template,
+                               documents=body.documents, chat_template_kwargs=body.chat_template_kwargs,
+                               add_special_tokens=add_special_tokens,
+                               template_field="messages" if body.chat_template is None else "chat_template")
+        except ParamError as e:
+            raise bad_request(e) from None
 
     def reply_role(self, body: ChatCompletionRequest) -> str:
         """vLLM's: the reply's role is `--response_role` (the assistant's), or with `add_generation_prompt: false`

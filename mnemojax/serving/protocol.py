@@ -210,13 +210,6 @@ class CompletionRequest(_SamplingRequest):
             raise ParamError("best_of", "best_of is not supported (only equal to n)")
 
 
-def check_final_message(body) -> None:
-    """vLLM's rule: a reply cannot both continue the last message and start a new one."""
-    if body.continue_final_message and body.add_generation_prompt:
-        raise ParamError("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
-                                                   "true (add_generation_prompt is true unless set to false)")
-
-
 class ContentPart(_Strict):
     type: Literal["text"]
     text: Text
@@ -267,7 +260,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def check(self) -> None:
         if not self.messages:
             raise ParamError("messages", "messages must not be empty")
-        check_final_message(self)
         if self.tools:
             raise ParamError("tools", "tools are not supported (no tool calling)")
         if self.tool_choice not in (None, "none", "auto"):
@@ -315,7 +307,6 @@ class TokenizeRequest(_Strict):
                 value = getattr(self, name)
                 if value is not None and value is not False and value != {} and value != []:  # not left neutral
                     raise ParamError(name, f"{name} needs messages (it is for the chat template)")
-        check_final_message(self)
 
     @property
     def special_tokens(self) -> bool:
