@@ -29,6 +29,11 @@ samples there (every stage samples the same tokens, so the stages' copies stay e
 only when such a request takes it (cleared; its prompt's distinct tokens; a preempted request's generated tokens),
 by a small jitted scatter before the step, like the page table's.
 
+Bad words are decided on the host, where every generated token is but (with async scheduling) the one the step
+before sampled: a ban whose word's prefix ends in that token is sent as a conditional bias slot (`bias_cond`), which
+the step keeps only where the row's input token is the prefix's last (with a pipeline, the host decides it by the
+time the micro-batch leaves, when that token has reached it).
+
 Async scheduling: `launch` runs a step without waiting for it and `collect` fetches its results later, so the
 host schedules and prepares step N+1 while step N runs. `collect` waits for its step to end even when it has no
 token to fetch, so the host is never more than one step ahead of the device. A token step N samples stays on the
@@ -93,6 +98,8 @@ class RowSampling:
     presence: jax.Array  # f32[R] presence_penalty (0: none)
     frequency: jax.Array  # f32[R] frequency_penalty (0: none)
     repetition: jax.Array  # f32[R] repetition_penalty (1: none)
+    bias_cond: jax.Array  # i32[R, W] a slot counts only when the row's input token is this one (-1: always): the ban
+    # of a bad word whose last prefix token was sampled by the previous step, still on the device when prepared
 
 
 class RowRef(NamedTuple):
@@ -117,6 +124,9 @@ class MicroBatch:
     refs: list[RowRef]
     src: np.ndarray  # i32[kvp, T] where a row's input token is in the previous step's `sampled` (-1: in `batch`)
     logprobs: bool = False  # some logits row needs log-probs (a request's `logprobs`, or a prompt log-prob row)
+    # the conditional bans (`RowSampling.bias_cond`) as (rank, row, slot, request, position of the row's input):
+    # with a pipeline, resolved by the host when the micro-batch leaves (the step's input tokens are another's)
+    pending: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -135,6 +145,46 @@ def _logprob_dict(top_ids: np.ndarray, top_lps: np.ndarray, k: int, token: int, 
     d = {int(i): float(lp) for i, lp in zip(top_ids[:k], top_lps[:k])}
     d[token] = token_lp
     return d
+
+
+def _bad_word_bans(req, step: int) -> list[tuple[int, int]]:
+    """The bans of `req`'s bad words of several tokens in the row that samples its generated token `step`, as
+    (token, condition) pairs: the token is banned where the `step` tokens generated before it end with the word's
+    prefix (vLLM's rule: the prompt's tokens never match). The host knows every one of them but, with async
+    scheduling, the last: sampled by the step before, it is still on the device. Then the ban's condition is the
+    prefix's last token, which the step compares with the row's input token; else it is -1 (banned outright)."""
+    out = req.output_token_ids
+    known = len(out)
+    if not known <= step <= known + 1:
+        raise RuntimeError(f"request {req.request_id}: a row samples token {step} of its output, but {known} "
+                           f"tokens are on the host")
+    bans = []
+    for prefix, last in req.bad_words:
+        k = len(prefix)
+        if k > step:
+            continue
+        if step == known:
+            if tuple(out[step - k:]) == prefix:
+                bans.append((last, -1))
+        elif tuple(out[step - k:known]) == prefix[:-1]:
+            bans.append((last, prefix[-1]))
+    return bans
+
+
+def _resolve_bans(mb: MicroBatch) -> None:
+    """Turns the conditional bans of `mb` into plain ones (or none) on the host, from each row's input token, known
+    by the time a micro-batch leaves a pipeline (its request's token was sampled at least two steps before; the
+    host fetches every step's tokens before it launches the step after next)."""
+    samp = mb.sampling
+    for r, row, j, req, q in mb.pending:
+        if q < req.num_tokens:
+            if req.token_at(q) != samp.bias_cond[r, row, j]:
+                samp.bias_ids[r, row, j], samp.bias_values[r, row, j] = sampler.NO_TOKEN, 0.0
+        elif not req.is_finished:  # a finished request's row is thrown away
+            raise RuntimeError(f"request {req.request_id}: token {q} is not on the host when its row leaves the "
+                               f"pipeline")
+        samp.bias_cond[r, row, j] = -1
+    mb.pending = []
 
 
 assert DUMMY_PAGE == 0, "the device page table starts as zeros: unused entries read the dummy page"
@@ -352,8 +402,16 @@ class Executor:
             logits, k_cache, v_cache, x = forward(spec, params, k_cache, v_cache, register[0, 0], batch, rows, kind)
             penalties = sampler.Penalties(counts[0], in_prompt[0], samp.penalty_slot, samp.presence, samp.frequency,
                                           samp.repetition)
+            # A conditional slot (a bad word's ban) counts where the row's input token is its condition. Without a
+            # pipeline that is the row's own input (a max over the one stage: the same values, which the sampler's
+            # cond needs to know do not vary over it); with one, the host has resolved every condition (all -1).
+            bias_ids, bias_values = samp.bias_ids, samp.bias_values
+            if self.spp == 1:
+                on = (samp.bias_cond < 0) | (samp.bias_cond == lax.pmax(given[rows], SPP)[:, None])
+                bias_ids = jnp.where(on, bias_ids, sampler.NO_TOKEN)
+                bias_values = jnp.where(on, bias_values, 0.0)
             tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps,
-                                    samp.min_p, samp.bias_ids, samp.bias_values, samp.allow_only, penalties)
+                                    samp.min_p, bias_ids, bias_values, samp.allow_only, penalties)
             # this rank's sampled tokens of requests with penalties counted in their slots (the others' rows
             # name no slot: dropped). Every stage samples the same tokens (the last stage's logits), so the
             # stages' copies stay equal.
@@ -575,7 +633,8 @@ class Executor:
         rows: list[list[int]] = [[] for _ in range(K)]
         samp: list[list[tuple]] = [[] for _ in range(K)]
         refs: list[RowRef] = []
-        biases: list[tuple[int, int, tuple]] = []  # (rank, row, (its slots' ids, biases, allow-only))
+        # (rank, row, (its slots' ids, biases, allow-only), its bad words' bans, request, position of its input)
+        biases: list[tuple] = []
         penalized: list[tuple[int, int, tuple]] = []  # (rank, row, (its slot, presence, frequency, repetition))
         logprobs = False
 
@@ -596,7 +655,8 @@ class Executor:
             if is_sample and req.bias_early is not None:
                 bias = req.bias_early if step < p.min_tokens else req.bias  # its stop tokens cannot end it yet
                 if bias is not None:
-                    biases.append((rank, len(rows[rank]) - 1, bias))
+                    bans = _bad_word_bans(req, step) if req.bad_words else ()
+                    biases.append((rank, len(rows[rank]) - 1, bias, bans, req, token_index - 1))
             if is_sample and p.penalized:
                 penalized.append((rank, len(rows[rank]) - 1,
                                   (slot, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)))
@@ -663,27 +723,38 @@ class Executor:
         R = self.logits_rows(T, max(len(x) for x in rows))
         pad_rows = np.zeros((K, R), np.int32)
         W = self.bias_slots
-        cols = [np.zeros((K, R) + {3: (2,), 8: (W,), 9: (W,)}.get(j, ()), d)  # seeds: (high, low) words
+        cols = [np.zeros((K, R) + {3: (2,), 8: (W,), 9: (W,), 15: (W,)}.get(j, ()), d)  # seeds: (high, low) words
                 for j, d in enumerate((np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool,
                                        np.float32, np.int32, np.float32, bool, np.int32, np.float32, np.float32,
-                                       np.float32))]
+                                       np.float32, np.int32))]
         cols[2][:] = 1.0  # top_p
         cols[5][:] = -1  # targets
         cols[11][:] = B + 1  # penalty_slot: none
         cols[14][:] = 1.0  # repetition
+        cols[15][:] = -1  # bias_cond: none
+        pending = []
         for r in range(K):
             pad_rows[r, :len(rows[r])] = rows[r]
             for j, values in enumerate(zip(*samp[r])) if samp[r] else []:
                 cols[j][r, :len(values)] = values
-        for r, row, (ids, values, only) in biases:  # every slot of the row: a request's are arrays of W
+        for r, row, (ids, values, only), bans, req, q in biases:  # every slot of the row: a request's are W long
             cols[8][r, row], cols[9][r, row], cols[10][r, row] = ids, values, only
+            if bans:  # after the request's own slots (`LLMEngine.validate` counted them in max_logit_bias)
+                used = int(np.count_nonzero(ids != sampler.NO_TOKEN))
+                if used + len(bans) > W:
+                    raise RuntimeError(f"request {req.request_id}: {used} slots and {len(bans)} bad words' bans "
+                                       f"are more than the row's {W}")
+                for j, (token, cond) in enumerate(bans, used):
+                    cols[8][r, row, j], cols[9][r, row, j], cols[15][r, row, j] = token, -np.inf, cond
+                    if cond >= 0:
+                        pending.append((r, row, j, req, q))
         for r, row, (slot, presence, frequency, repetition) in penalized:
             cols[11][r, row], cols[12][r, row], cols[13][r, row], cols[14][r, row] = slot, presence, frequency, \
                 repetition
         batch = StepBatch(token_ids=tok, write_pages=wpage, write_slots=wslot, shared=shared,
                           attn=AttentionMetadata(seq_ids=seq, positions=pos, page_table=table, kv_lens=kv_lens,
                                                  kv_start=kv_start))
-        return MicroBatch(plan, batch, pad_rows, RowSampling(*cols), refs, src, logprobs)
+        return MicroBatch(plan, batch, pad_rows, RowSampling(*cols), refs, src, logprobs, pending)
 
     def logits_rows(self, T: int, n: int) -> int:
         """Logits rows R of a step of T token rows whose busiest rank has n of them: a power of two up to one row
@@ -739,6 +810,8 @@ class Executor:
         entering = self.prepare(plan)
         T = entering.src.shape[1]
         leaving = self.in_flight.push(entering, lambda: self.prepare(StepPlan([], []), T))
+        if self.spp > 1 and leaving.pending:
+            _resolve_bans(leaving)
         # Stage s works on the micro-batch that entered s steps ago: stack them along the spp axis.
         stages = jax.tree.map(lambda *a: np.stack(a, axis=1) if len(a) > 1 else a[0][:, None],  # spp 1: a view
                               *(m.batch for m in self.in_flight))

@@ -105,7 +105,8 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
     (none: SamplingParams' and the OpenAI API's own defaults), or a directory holding a generation_config.json."""
     max_logit_bias: int = 16
     """The most tokens one request's sampling may bias in a step: its logit_bias entries, plus, until min_tokens
-    tokens are generated, the stop tokens min_tokens bans (EOS and stop_token_ids). Every step carries this many
+    tokens are generated, the stop tokens min_tokens bans (EOS and stop_token_ids), plus its bad words' bans (a
+    token for each word of one token, a slot for each longer one). Every step carries this many
     (token, bias) slots per logits row; a request needing more is refused, naming the field and this limit."""
     compilation_cache_dir: str = "~/.cache/mnemojax/jax"
     """JAX's persistent compilation cache, so a restart loads compiled steps instead of compiling them again;
@@ -160,6 +161,21 @@ def detect_hardware() -> str:
         return "cpu"
     raise ValueError(f"no runtime predictor preset for device {kind!r}: pass hardware= (a100, h100, h200, cpu)")
 
+
+
+def bad_word_sequences(tokenizer, words: Sequence[str]) -> list[tuple[int, ...]]:
+    """The token sequences of bad `words`, as vLLM's `SamplingParams.update_from_tokenizer` makes them: each word, its
+    leading spaces stripped, encoded without special tokens (the word at the start of a text); and once more after
+    one space, kept when that gives as many tokens and another first one (the word inside a text, for a tokenizer
+    whose words carry their leading space)."""
+    seqs = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        seqs.append(tuple(plain))
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            seqs.append(tuple(spaced))
+    return seqs
 
 class LLMEngine:
     """Requests in, outputs out: a scheduler, a KV page manager and an executor over loaded parts.
@@ -333,20 +349,56 @@ class LLMEngine:
         biased = set(params.logit_bias or ())
         banned = set(self._stop_ids(params)) if params.min_tokens else set()
         allowed = params.allowed_token_ids
+        words, sequences = self.bad_words(params)
+        limit = self.config.max_logit_bias
         if allowed is not None:  # its slots are the allowed tokens; biases and bans elsewhere change nothing
-            if len(allowed) > self.config.max_logit_bias:
+            if len(allowed) > limit:
                 raise ParamError("allowed_token_ids", f"allowed_token_ids ({len(allowed)} tokens) are more than "
-                                                      f"max_logit_bias ({self.config.max_logit_bias}, an engine "
-                                                      f"setting: each is a slot of the logits row)")
+                                                      f"max_logit_bias ({limit}, an engine setting: each is a slot "
+                                                      f"of the logits row)")
             if banned and set(allowed) <= banned:
                 raise ParamError("allowed_token_ids", f"every allowed token is a stop token that min_tokens "
                                                       f"({params.min_tokens}) bans until then, so none could be "
                                                       f"generated")
-        elif len(biased | banned) > self.config.max_logit_bias:
-            field = "logit_bias" if biased else "min_tokens"
-            raise ParamError(field, f"logit_bias ({len(biased)} tokens) and the stop tokens min_tokens bans "
-                                    f"({len(banned)}) bias {len(biased | banned)} tokens, more than max_logit_bias "
-                                    f"({self.config.max_logit_bias}, an engine setting)")
+            if words and set(allowed) <= words:
+                raise ParamError("allowed_token_ids", "every allowed token is a bad word, so none could be generated")
+            if len(allowed) + len(sequences) > limit:
+                raise ParamError("bad_words", f"allowed_token_ids ({len(allowed)} tokens) and the bad words of more "
+                                              f"than one token ending in one of them ({len(sequences)}) need "
+                                              f"{len(allowed) + len(sequences)} slots, more than max_logit_bias "
+                                              f"({limit}, an engine setting)")
+        elif len(biased | banned | words) + len(sequences) > limit:
+            field = "bad_words" if words or sequences else "logit_bias" if biased else "min_tokens"
+            extra = f", the bad words' single tokens ({len(words)}) and sequences ({len(sequences)})" \
+                if field == "bad_words" else ""
+            raise ParamError(field, f"logit_bias ({len(biased)} tokens){extra} and the stop tokens min_tokens bans "
+                                    f"({len(banned)}) bias {len(biased | banned | words) + len(sequences)} tokens, "
+                                    f"more than max_logit_bias ({limit}, an engine setting)")
+
+    def bad_words(self, params: SamplingParams) -> tuple[set[int], list[tuple[tuple[int, ...], int]]]:
+        """The bans of `params.bad_words` and `bad_words_token_ids`: (the tokens banned always, the sequences of
+        more than one token as (prefix, last token), the last token banned where the tokens generated just before
+        are the prefix). A sequence ending in an always-banned token, or (with `allowed_token_ids`) in a token not
+        allowed, is left out: that token is never drawn anyway. A word becomes token sequences as vLLM's
+        `SamplingParams.update_from_tokenizer` makes them: its leading spaces stripped, encoded without special
+        tokens; and once more after a space, kept when that gives as many tokens and another first one
+        (`bad_word_sequences`)."""
+        seqs = [tuple(q) for q in params.bad_words_token_ids or ()]
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ParamError("bad_words", f"model {self.config.model!r} has no tokenizer, so bad words cannot be "
+                                              f"tokenized: use bad_words_token_ids")
+            seqs += bad_word_sequences(self.tokenizer, params.bad_words)
+            vocab = self.model_config.vocab_size
+            outside = sorted({t for q in seqs for t in q if not 0 <= t < vocab})
+            if outside:  # a tokenizer larger than the model's embedding (vLLM's check)
+                raise ParamError("bad_words", f"bad_words give token ids outside the vocabulary [0, {vocab}): "
+                                              f"{outside}")
+        words = {q[0] for q in seqs if len(q) == 1}
+        allowed = params.allowed_token_ids
+        sequences = sorted({(q[:-1], q[-1]) for q in seqs if len(q) > 1 and q[-1] not in words
+                            and (allowed is None or q[-1] in allowed)})
+        return words, sequences
 
     def _bias_slots(self, bias: dict[int, float], allowed: list[int] | None) -> tuple[np.ndarray, np.ndarray, bool]:
         """`bias` as a logits row's (token ids, biases, allow-only) slots, all of them: unused ones are `NO_TOKEN`,
@@ -385,11 +437,13 @@ class LLMEngine:
         req = Request(rid, prompt_ids, params, now if arrival_time is None else arrival_time, seed,
                       prompt=prompt if isinstance(prompt, str) else None)
         allowed = params.allowed_token_ids
-        if params.logit_bias or params.min_tokens or allowed is not None:
-            bias = dict(params.logit_bias or {})
+        words, req.bad_words = self.bad_words(params)
+        if params.logit_bias or params.min_tokens or allowed is not None or words or req.bad_words:
+            bias = {**(params.logit_bias or {}), **dict.fromkeys(words, -math.inf)}  # -inf + a bias is -inf
             early = {**bias, **dict.fromkeys(self._stop_ids(params), -math.inf)} if params.min_tokens else bias
-            req.bias, req.bias_early = (self._bias_slots(b, allowed) if b or allowed is not None else None
-                                        for b in (bias, early))
+            # a request with bad words of several tokens has slots even without a bias: `prepare` adds their bans
+            req.bias, req.bias_early = (self._bias_slots(b, allowed) if b or allowed is not None or req.bad_words
+                                        else None for b in (bias, early))
         self.scheduler.add(req)
         self.requests[rid] = req
         if self.tokenizer is not None:

@@ -4,7 +4,8 @@ One row is one sequence's next-token distribution. Every per-row parameter is an
 compiled step serves any mix of greedy and sampled requests.
 
 Semantics (vLLM's, stated exactly):
-  * every row's logit biases are added first (`logit_bias`, and -inf for the stop tokens `min_tokens` bans); a row
+  * every row's logit biases are added first (`logit_bias`, and -inf for the stop tokens `min_tokens` bans and the
+    tokens bad words ban in this row: the executor decides which); a row
     that allows only its slots' tokens (`allowed_token_ids`) has every other logit -inf first;
   * then the penalties (`apply_penalties`, vLLM's order and OpenAI's definitions), greedy rows' too: a token of the
     prompt or generated so far has its logit divided by `repetition_penalty` where positive, multiplied by it

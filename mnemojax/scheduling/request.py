@@ -64,6 +64,9 @@ class Request:
     # None: no bias.
     bias: tuple | None = None
     bias_early: tuple | None = None
+    # Bad words of more than one token (`LLMEngine.bad_words`): (prefix, last token) pairs, the token banned in a
+    # step whose row follows generated tokens equal to the prefix (the executor checks it when it prepares the row).
+    bad_words: list = dataclasses.field(default_factory=list)
     # TTFT deadline (same clock as arrival_time) and its duration; set by the scheduler when it is added.
     ttft_deadline: float | None = None
     deadline_duration: float | None = None

@@ -105,6 +105,14 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     """vLLM's: only these token ids may be generated (every other logit is -inf, greedy rows too; `logit_bias` and
     min_tokens' bans apply among them); None: any. At most the engine's `max_logit_bias` distinct ids."""
+    bad_words: list[str] | None = None
+    """vLLM's: words that may not be generated. The engine's tokenizer turns each into token sequences as vLLM
+    does (the word with its leading spaces stripped, and with one space before it where that gives as many tokens,
+    the first another: the word inside a text), and the sampler bans a sequence's last token wherever the tokens
+    generated just before it are the rest of the sequence (the prompt's tokens do not count: vLLM's rule)."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """Token sequences banned the same way, as token ids (transformers' `bad_words_ids`, with vLLM's rule that only
+    generated tokens match); beside those of `bad_words`."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: keep only the prompt's last k tokens (left truncation), k >= 1, or -1 for the model's length
     (`max_model_len`); None keeps the whole prompt. The engine truncates before it checks the prompt's length
@@ -142,6 +150,10 @@ class SamplingParams:
             self.truncate_prompt_tokens = int(self.truncate_prompt_tokens)
         if self.allowed_token_ids is not None:  # distinct, in the order given
             self.allowed_token_ids = list(dict.fromkeys(int(t) for t in self.allowed_token_ids))
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [[int(t) for t in seq] for seq in self.bad_words_token_ids]
 
     @property
     def penalized(self) -> bool:
@@ -228,6 +240,23 @@ class SamplingParams:
                 bad = sorted({t for t in allowed if t >= vocab_size})
                 raise ParamError("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab_size}) (the "
                                                       f"vocabulary), got {bad}")
+
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+                raise ParamError("bad_words", f"bad_words must be a list of strings, got {words!r}")
+            if any(not w.strip() for w in words):  # vLLM's tokenization of one fails (an IndexError)
+                raise ParamError("bad_words", f"bad_words must not be empty or only spaces, got {words!r}")
+        seqs = self.bad_words_token_ids
+        if seqs is not None:
+            if not isinstance(seqs, (list, tuple)) or not all(
+                    isinstance(q, (list, tuple)) and q and all(_is_int(t) and t >= 0 for t in q) for q in seqs):
+                raise ParamError("bad_words_token_ids", f"bad_words_token_ids must be a list of non-empty lists of "
+                                                        f"token ids (ints >= 0), got {seqs!r}")
+            if vocab_size is not None and any(t >= vocab_size for q in seqs for t in q):
+                bad = sorted({t for q in seqs for t in q if t >= vocab_size})
+                raise ParamError("bad_words_token_ids", f"bad_words_token_ids must be in [0, {vocab_size}) (the "
+                                                        f"vocabulary), got {bad}")
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)

@@ -59,7 +59,7 @@ def _refuse_unhonoured(body: BaseModel, fields: dict[str, tuple]) -> None:
 
 
 _UNHONOURED = {  # vLLM's request fields mnemojax does not implement, and the values that change nothing
-    "bad_words": (None, []), "use_beam_search": (None, False),
+    "use_beam_search": (None, False),
     "length_penalty": (None, 1.0, 1), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,), "priority": (None, 0),
     "spaces_between_special_tokens": (None, True), "logits_processors": (None,),
@@ -103,8 +103,9 @@ class _SamplingRequest(_Strict):
     return_tokens_as_token_ids: bool | None = Field(default=None, description="vLLM's: logprobs write each token "
                                                                               "as 'token_id:<id>' (default: the "
                                                                               "server's flag)")
+    bad_words: list[str] | None = Field(default=None, description="vLLM's: words that may not be generated (each "
+                                                                  "as vLLM tokenizes it)")
     # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
-    bad_words: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     guided_json: Any = None
@@ -151,7 +152,8 @@ class _SamplingRequest(_Strict):
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            truncate_prompt_tokens=self.truncate_prompt_tokens, allowed_token_ids=self.allowed_token_ids)
+            truncate_prompt_tokens=self.truncate_prompt_tokens, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's `logit_bias`: token ids (as strings) to biases (`SamplingParams` checks them)."""

@@ -305,6 +305,91 @@ def test_allowed_token_ids_match_hf_generate_banning_every_other_token(llm, ckpt
     assert outs[6].outputs[0].token_ids == llm.generate([prompt], free)[0].outputs[0].token_ids
 
 
+class _VllmBadWords:
+    """vLLM's bad words as a transformers logits processor, written from its rule: a sequence's last token is -inf
+    where the tokens generated so far (not the prompt's) end with the rest of the sequence."""
+
+    def __init__(self, prompt_len: int, sequences: list[list[int]]):
+        self.prompt_len, self.sequences = prompt_len, sequences
+
+    def __call__(self, input_ids, scores):
+        generated = input_ids[0, self.prompt_len:].tolist()
+        scores = scores.clone()
+        for seq in self.sequences:
+            prefix = seq[:-1]
+            if len(prefix) <= len(generated) and generated[len(generated) - len(prefix):] == prefix:
+                scores[0, seq[-1]] = -torch.inf
+        return scores
+
+
+def test_bad_words_match_vllms_rule(llm, ckpt):
+    """bad_words_token_ids, greedy: the tokens equal HF's `generate` with vLLM's rule as a logits processor, for bans
+    of one, two and three tokens each of which changes the output where the one before did not, with async
+    scheduling (a ban's prefix ends in a token the device sampled the step before) and without it, batched with a
+    request without bans. A sequence whose prefix is the prompt's last token bans nothing (only generated tokens
+    match: vLLM's rule, not transformers'). Seeded sampling never draws a banned token."""
+    import transformers
+
+    hf = load_hf_model(ckpt)
+    prompt = _prompts((9,), seed=31)[0]
+    ids = torch.tensor([prompt])
+
+    def hf_generate(sequences):
+        extra = transformers.LogitsProcessorList([_VllmBadWords(len(prompt), sequences)])
+        with torch.no_grad():
+            return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                               pad_token_id=0, eos_token_id=None, logits_processor=extra)[0, len(prompt):].tolist()
+
+    plain = hf_generate([])
+    one = [[plain[0]]]
+    out1 = hf_generate(one)
+    two = one + [[out1[2], out1[3]]]
+    out2 = hf_generate(two)
+    three = two + [[out2[4], out2[5], out2[6]]]
+    out3 = hf_generate(three)
+    assert out1[0] != plain[0] and out2[:3] == out1[:3] != out2 and out3[:6] == out2[:6] != out3
+    straddling = three + [[prompt[-1], out3[0]]]
+    assert hf_generate(straddling) == out3
+    # a word whose last token is the greedy second token, after another first one: nothing is banned there
+    elsewhere = [[(plain[0] + 1) % 256, plain[1]]]
+    out4 = hf_generate(elsewhere)
+    assert out4[:2] == plain[:2]
+    cases = [(one, out1), (two, out2), (three, out3), (straddling, out3), (elsewhere, out4)]
+    greedy = dict(max_tokens=10, temperature=0, ignore_eos=True)
+    sync = LLM(model=ckpt, page_size=4, chunk_size=16, max_model_len=256, max_num_batched_tokens=64,
+               async_scheduling=False, precompile=False)
+    for engine in (llm, sync):
+        outs = engine.generate([prompt] * 6, [SamplingParams(**greedy, bad_words_token_ids=seqs) for seqs, _ in cases]
+                               + [SamplingParams(**greedy)])
+        assert [o.outputs[0].token_ids for o in outs] == [want for _, want in cases] + [plain]
+    hot = dict(max_tokens=12, temperature=1.5, ignore_eos=True)
+    free = [o.outputs[0].token_ids for o in llm.generate([prompt] * 4, [SamplingParams(**hot, seed=s)
+                                                                         for s in range(4)])]
+    banned = sorted({t for toks in free for t in toks})[:5]
+    got = [o.outputs[0].token_ids for o in llm.generate([prompt] * 4, [
+        SamplingParams(**hot, seed=s, bad_words_token_ids=[[t] for t in banned]) for s in range(4)])]
+    assert not set(banned) & {t for toks in got for t in toks}
+
+
+def test_bad_words_become_vllms_token_sequences(llm):
+    """A word and, when that gives as many tokens starting with another one, the word after a space (vLLM's
+    `update_from_tokenizer`); the byte tokenizer's words are their bytes, one more with the space."""
+    from mnemojax.engine.llm_engine import bad_word_sequences
+
+    class Words:  # a tokenizer whose words carry their leading space, as SentencePiece's and Llama-3's do
+        def encode(self, text, add_special_tokens=True):
+            assert not add_special_tokens
+            return {"foo": [5, 6], " foo": [7, 6], "bar": [8], " bar": [8], "a b": [9, 10], " a b": [11]}[text]
+
+    assert bad_word_sequences(Words(), ["  foo", "bar", "a b"]) == [(5, 6), (7, 6), (8,), (9, 10)]
+    words, sequences = llm.engine.bad_words(SamplingParams(bad_words=["ab", " c"], bad_words_token_ids=[[3, 4, 5]]))
+    assert words == {ord("c")} and sequences == [((3, 4), 5), ((ord("a"),), ord("b"))]
+    # a sequence ending in an always-banned token needs no slot; with allowed_token_ids, nor one ending elsewhere
+    words, sequences = llm.engine.bad_words(SamplingParams(bad_words_token_ids=[[7], [1, 7], [1, 8], [2, 9]],
+                                                           allowed_token_ids=[9, 10]))
+    assert words == {7} and sequences == [((2,), 9)]
+
+
 def test_logit_bias_and_min_tokens_beyond_the_slots_are_refused(ckpt):
     llm = LLM(model=ckpt, page_size=4, max_model_len=64, max_logit_bias=3, precompile=False)
     llm.engine.validate([1, 2], SamplingParams(logit_bias={1: 1.0, 2: 2.0}, min_tokens=1))  # + EOS: 3 slots
@@ -329,6 +414,22 @@ def test_logit_bias_and_min_tokens_beyond_the_slots_are_refused(ckpt):
         llm.engine.validate([1, 2], SamplingParams(allowed_token_ids=[5, EOS_ID], stop_token_ids=[5], min_tokens=2))
     with pytest.raises(ParamError, match=r"allowed_token_ids must be in \[0, 320\) \(the vocabulary\), got \[320\]"):
         llm.engine.validate([1, 2], SamplingParams(allowed_token_ids=[3, 320]))
+    # bad words: one token takes a slot, as a bias does (shared with a bias of the same token), a longer sequence one
+    # of its own (for its last token)
+    llm.engine.validate([1, 2], SamplingParams(logit_bias={1: 1.0}, bad_words_token_ids=[[1], [2], [4, 5]]))
+    with pytest.raises(ParamError, match=r"the bad words' single tokens \(2\) and sequences \(2\) .* bias 4 tokens, "
+                                         r"more than max_logit_bias \(3,") as e:
+        llm.engine.validate([1, 2], SamplingParams(bad_words_token_ids=[[1], [2], [4, 5], [6, 5]]))
+    assert e.value.param == "bad_words"
+    with pytest.raises(ParamError, match="every allowed token is a bad word") as e:
+        llm.engine.validate([1, 2], SamplingParams(allowed_token_ids=[4, 6], bad_words_token_ids=[[4], [6]]))
+    assert e.value.param == "allowed_token_ids"
+    with pytest.raises(ParamError, match=r"allowed_token_ids \(2 tokens\) and the bad words of more than one token "
+                                         r"ending in one of them \(2\) need 4 slots") as e:
+        llm.engine.validate([1, 2], SamplingParams(allowed_token_ids=[4, 5], bad_words_token_ids=[[1, 4], [2, 5]]))
+    assert e.value.param == "bad_words"
+    with pytest.raises(ParamError, match=r"bad_words_token_ids must be in \[0, 320\) \(the vocabulary\), got \[320\]"):
+        llm.engine.validate([1, 2], SamplingParams(bad_words_token_ids=[[1, 320]]))
     none = LLM(model=ckpt, page_size=4, max_model_len=64, max_logit_bias=0, precompile=False)
     with pytest.raises(ParamError, match=r"bias 1 tokens, more than max_logit_bias \(0,"):
         none.engine.validate([1, 2], SamplingParams(logit_bias={1: 1.0}))

@@ -114,24 +114,39 @@ PENALIZED = {"long": dict(repetition_penalty=1.3, frequency_penalty=0.5), "a": d
 
 @pytest.fixture(scope="module")
 def penalized_reference(ckpt, reference):
-    outs, _ = run_workload(ckpt, sampling=PENALIZED)
-    changed = [name for name in PENALIZED if outs[name].outputs[0].token_ids != reference[name].outputs[0].token_ids]
+    """(Sampling by request name, its outputs on one device): PENALIZED, and bad words for "long" (three tokens) and
+    "c" (one and two), taken from the penalized tokens so that each ban fires (with async scheduling, a ban whose
+    prefix ends in the token the step before sampled: decided on the device, or on the host by the time a pipeline's
+    micro-batch leaves it)."""
+    free, _ = run_workload(ckpt, sampling=PENALIZED)
+    changed = [name for name in PENALIZED if free[name].outputs[0].token_ids != reference[name].outputs[0].token_ids]
     assert len(changed) >= 2, changed  # the penalties change what is generated, so the shapes below can differ
-    assert outs["b"].outputs[0].token_ids == reference["b"].outputs[0].token_ids  # a request without them: its own
-    return outs
+    assert free["b"].outputs[0].token_ids == reference["b"].outputs[0].token_ids  # a request without them: its own
+    long, c = (free[name].outputs[0].token_ids for name in ("long", "c"))
+    sampling = {**PENALIZED, "long": {**PENALIZED["long"], "bad_words_token_ids": [long[5:8]]},
+                "c": {**PENALIZED["c"], "bad_words_token_ids": [c[1:3]] + [[t] for t in c[4:] if t not in c[:3]][:1]}}
+    outs, _ = run_workload(ckpt, sampling=sampling)
+    for name in ("long", "c"):
+        got, was = outs[name].outputs[0].token_ids, free[name].outputs[0].token_ids
+        assert got != was, name
+    assert outs["long"].outputs[0].token_ids[:7] == long[:7]
+    assert outs["c"].outputs[0].token_ids[:2] == c[:2]  # the single token is not among the first three
+    return sampling, outs
 
 
 # (the 4x2x1 mesh, a KVP span of three ranks and two stages, in the default suite; the others with the slow tests,
 # ~20 s each on 2 cores)
 @pytest.mark.parametrize("shape, async_scheduling", [pytest.param((2, 2, 2), True, marks=pytest.mark.slow),
                                                       ((4, 2, 1), True),
-                                                      pytest.param((4, 1, 2), False, marks=pytest.mark.slow)],
+                                                      pytest.param((4, 1, 2), False, marks=pytest.mark.slow),
+                                                      pytest.param((2, 1, 1), True, marks=pytest.mark.slow)],
                          ids=str)
 def test_penalties_on_a_mesh_match_one_device(ckpt, penalized_reference, shape, async_scheduling):
-    """Presence, frequency and repetition penalties give on each mesh shape (KVP spans of three ranks, pipeline
-    stages, tensor parallelism; with and without async scheduling) the tokens they give on one device."""
-    outs, _ = run_workload(ckpt, *shape, sampling=PENALIZED, async_scheduling=async_scheduling)
-    _check_same(outs, penalized_reference)
+    """Presence, frequency and repetition penalties and bad words give on each mesh shape (KVP spans of three ranks,
+    pipeline stages, tensor parallelism; with and without async scheduling) the tokens they give on one device."""
+    sampling, want = penalized_reference
+    outs, _ = run_workload(ckpt, *shape, sampling=sampling, async_scheduling=async_scheduling)
+    _check_same(outs, want)
 
 
 @pytest.mark.slow

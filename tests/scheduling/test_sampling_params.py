@@ -174,3 +174,22 @@ def test_allowed_token_ids_are_distinct_ints_in_the_vocabulary():
     p.validate(vocab_size=10)
     with pytest.raises(ParamError, match=re.escape("allowed_token_ids must be in [0, 9) (the vocabulary), got [9]")):
         p.validate(vocab_size=9)
+
+
+def test_bad_words_are_strings_with_text_and_their_token_ids_lists_in_the_vocabulary():
+    p = SamplingParams(bad_words=("foo", " bar"), bad_words_token_ids=[(np.int64(3), 4), [5]])
+    assert p.bad_words == ["foo", " bar"] and p.bad_words_token_ids == [[3, 4], [5]]
+    assert all(type(t) is int for q in p.bad_words_token_ids for t in q)
+    p.validate(vocab_size=6)
+    with pytest.raises(ParamError, match=re.escape("bad_words_token_ids must be in [0, 5) (the vocabulary), got [5]")):
+        p.validate(vocab_size=5)
+    for words in ("foo", ["foo", 3]):
+        with pytest.raises(ParamError, match="bad_words must be a list of strings") as e:
+            SamplingParams(bad_words=words)
+        assert e.value.param == "bad_words"
+    with pytest.raises(ParamError, match="bad_words must not be empty or only spaces"):
+        SamplingParams(bad_words=["ok", " \n"])
+    for seqs in ([[]], [3], [[1, -1]], [[1.0]]):
+        with pytest.raises(ParamError, match="bad_words_token_ids must be a list of non-empty lists") as e:
+            SamplingParams(bad_words_token_ids=seqs)
+        assert e.value.param == "bad_words_token_ids"

@@ -269,7 +269,6 @@ def test_bad_chat_input_is_400(client):
 
 @pytest.mark.parametrize("endpoint, field, value", [
     ("completions", "guided_json", {"type": "object"}), ("completions", "guided_choice", ["yes", "no"]),
-    ("completions", "bad_words", ["x"]),
     ("completions", "use_beam_search", True), ("completions", "structured_outputs", {"regex": "a+"}),
     ("completions", "priority", 5),
     ("completions", "spaces_between_special_tokens", False), ("chat", "guided_regex", "a+"),
@@ -283,7 +282,7 @@ def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, 
     with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as e:
         create(**kw, extra_body={field: value})
     assert e.value.body["param"] == field
-    neutral = {"bad_words": [], "use_beam_search": False, "priority": 0, "spaces_between_special_tokens": True}
+    neutral = {"use_beam_search": False, "priority": 0, "spaces_between_special_tokens": True}
     if field in neutral:
         assert create(**kw, extra_body={field: neutral[field]}).usage.completion_tokens == 2
 
@@ -336,6 +335,29 @@ def test_allowed_token_ids_reach_the_engine(client, offline, url):
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 2,
                                                       "allowed_token_ids": value}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", value
+        assert message in r.json()["error"]["message"], (value, r.json())
+
+
+def test_bad_words_reach_the_engine(client, offline, url):
+    """vLLM's bad_words: the same tokens as the library with the same words (greedy and seeded), without the banned
+    sequence (the tiny model's tokens are bytes: "WW" is two); a word of only spaces, a string for the list, or more
+    bans than the rows' slots are a 400 naming the field."""
+    ids = [256, 71, 105]  # the tiny model's greedy output starts with "WWWWW"
+    plain = offline.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert plain.text.startswith("WW")
+    for kw in (dict(temperature=0), dict(temperature=1.4, seed=5)):
+        ref = offline.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, bad_words=["WW"],
+                                                     **kw))[0].outputs[0]
+        got = client.completions.create(model="tiny", prompt=ids, max_tokens=8, **kw,
+                                        extra_body={"ignore_eos": True, "bad_words": ["WW"]})
+        assert got.choices[0].text == ref.text and "WW" not in ref.text
+        if kw["temperature"] == 0:
+            assert ref.text[0] == "W"  # the ban starts at the second token
+    for value, message in (([" "], "must not be empty or only spaces"), ("ab", "valid list"),
+                           ([chr(65 + i) for i in range(17)], "more than max_logit_bias (16")):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 2,
+                                                      "bad_words": value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", value
         assert message in r.json()["error"]["message"], (value, r.json())
 
 
