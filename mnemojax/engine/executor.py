@@ -171,20 +171,22 @@ def _bad_word_bans(req, step: int) -> list[tuple[int, int]]:
     return bans
 
 
-def _resolve_bans(mb: MicroBatch) -> None:
-    """Turns the conditional bans of `mb` into plain ones (or none) on the host, from each row's input token, known
-    by the time a micro-batch leaves a pipeline (its request's token was sampled at least two steps before; the
-    host fetches every step's tokens before it launches the step after next)."""
-    samp = mb.sampling
+def _resolved(mb: MicroBatch) -> MicroBatch:
+    """`mb` with its conditional bans made plain ones (or none) on the host, from each row's input token, known by
+    the time a micro-batch leaves a pipeline (its request's token was sampled at least two steps before; the host
+    fetches every step's tokens before it launches the step after next). A copy: `mb` itself is unchanged (as
+    `Executor.lower` needs)."""
+    ids, values, cond = (a.copy() for a in (mb.sampling.bias_ids, mb.sampling.bias_values, mb.sampling.bias_cond))
     for r, row, j, req, q in mb.pending:
         if q < req.num_tokens:
-            if req.token_at(q) != samp.bias_cond[r, row, j]:
-                samp.bias_ids[r, row, j], samp.bias_values[r, row, j] = sampler.NO_TOKEN, 0.0
+            if req.token_at(q) != cond[r, row, j]:
+                ids[r, row, j], values[r, row, j] = sampler.NO_TOKEN, 0.0
         elif not req.is_finished:  # a finished request's row is thrown away
             raise RuntimeError(f"request {req.request_id}: token {q} is not on the host when its row leaves the "
                                f"pipeline")
-        samp.bias_cond[r, row, j] = -1
-    mb.pending = []
+        cond[r, row, j] = -1
+    sampling = dataclasses.replace(mb.sampling, bias_ids=ids, bias_values=values, bias_cond=cond)
+    return dataclasses.replace(mb, sampling=sampling, pending=[])
 
 
 assert DUMMY_PAGE == 0, "the device page table starts as zeros: unused entries read the dummy page"
@@ -811,7 +813,7 @@ class Executor:
         T = entering.src.shape[1]
         leaving = self.in_flight.push(entering, lambda: self.prepare(StepPlan([], []), T))
         if self.spp > 1 and leaving.pending:
-            _resolve_bans(leaving)
+            leaving = _resolved(leaving)
         # Stage s works on the micro-batch that entered s steps ago: stack them along the spp axis.
         stages = jax.tree.map(lambda *a: np.stack(a, axis=1) if len(a) > 1 else a[0][:, None],  # spp 1: a view
                               *(m.batch for m in self.in_flight))

@@ -356,12 +356,10 @@ class LLMEngine:
                 raise ParamError("allowed_token_ids", f"allowed_token_ids ({len(allowed)} tokens) are more than "
                                                       f"max_logit_bias ({limit}, an engine setting: each is a slot "
                                                       f"of the logits row)")
-            if banned and set(allowed) <= banned:
-                raise ParamError("allowed_token_ids", f"every allowed token is a stop token that min_tokens "
-                                                      f"({params.min_tokens}) bans until then, so none could be "
-                                                      f"generated")
-            if words and set(allowed) <= words:
-                raise ParamError("allowed_token_ids", "every allowed token is a bad word, so none could be generated")
+            if (banned or words) and set(allowed) <= banned | words:
+                why = " or ".join(([f"a stop token that min_tokens ({params.min_tokens}) bans until then"]
+                                   if banned else []) + (["a bad word"] if words else []))
+                raise ParamError("allowed_token_ids", f"every allowed token is {why}, so none could be generated")
             if len(allowed) + len(sequences) > limit:
                 raise ParamError("bad_words", f"allowed_token_ids ({len(allowed)} tokens) and the bad words of more "
                                               f"than one token ending in one of them ({len(sequences)}) need "

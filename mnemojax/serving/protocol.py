@@ -103,8 +103,8 @@ class _SamplingRequest(_Strict):
     return_tokens_as_token_ids: bool | None = Field(default=None, description="vLLM's: logprobs write each token "
                                                                               "as 'token_id:<id>' (default: the "
                                                                               "server's flag)")
-    bad_words: list[str] | None = Field(default=None, description="vLLM's: words that may not be generated (each "
-                                                                  "as vLLM tokenizes it)")
+    bad_words: list[Text] = Field(default_factory=list, description="vLLM's: words that may not be generated "
+                                                                    "(each as vLLM tokenizes it)")
     # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
     use_beam_search: Any = None
     length_penalty: Any = None

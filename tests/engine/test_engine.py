@@ -354,14 +354,21 @@ def test_bad_words_match_vllms_rule(llm, ckpt):
     elsewhere = [[(plain[0] + 1) % 256, plain[1]]]
     out4 = hf_generate(elsewhere)
     assert out4[:2] == plain[:2]
-    cases = [(one, out1), (two, out2), (three, out3), (straddling, out3), (elsewhere, out4)]
+    # with allowed_token_ids (every other token a one-token bad word for transformers), and with min_tokens (its
+    # bans of EOS beside the bad words' until then: EOS is not among the first tokens anyway)
+    allowed = sorted(set(out2) | set(plain[:3]))
+    vocab = hf.config.vocab_size
+    out5 = hf_generate(two + [[t] for t in range(vocab) if t not in allowed])
+    assert out5 != plain and EOS_ID not in out2[:5]
+    cases = [(one, out1, {}), (two, out2, {}), (three, out3, {}), (straddling, out3, {}), (elsewhere, out4, {}),
+             (two, out5, dict(allowed_token_ids=allowed)), (two, out2, dict(min_tokens=5))]
     greedy = dict(max_tokens=10, temperature=0, ignore_eos=True)
     sync = LLM(model=ckpt, page_size=4, chunk_size=16, max_model_len=256, max_num_batched_tokens=64,
                async_scheduling=False, precompile=False)
     for engine in (llm, sync):
-        outs = engine.generate([prompt] * 6, [SamplingParams(**greedy, bad_words_token_ids=seqs) for seqs, _ in cases]
-                               + [SamplingParams(**greedy)])
-        assert [o.outputs[0].token_ids for o in outs] == [want for _, want in cases] + [plain]
+        outs = engine.generate([prompt] * (len(cases) + 1), [SamplingParams(**greedy, **kw, bad_words_token_ids=seqs)
+                                                             for seqs, _, kw in cases] + [SamplingParams(**greedy)])
+        assert [o.outputs[0].token_ids for o in outs] == [want for _, want, _ in cases] + [plain]
     hot = dict(max_tokens=12, temperature=1.5, ignore_eos=True)
     free = [o.outputs[0].token_ids for o in llm.generate([prompt] * 4, [SamplingParams(**hot, seed=s)
                                                                          for s in range(4)])]
@@ -424,6 +431,10 @@ def test_logit_bias_and_min_tokens_beyond_the_slots_are_refused(ckpt):
     with pytest.raises(ParamError, match="every allowed token is a bad word") as e:
         llm.engine.validate([1, 2], SamplingParams(allowed_token_ids=[4, 6], bad_words_token_ids=[[4], [6]]))
     assert e.value.param == "allowed_token_ids"
+    with pytest.raises(ParamError, match=r"every allowed token is a stop token that min_tokens \(2\) bans until then "
+                                         r"or a bad word"):
+        llm.engine.validate([1, 2], SamplingParams(allowed_token_ids=[5, EOS_ID], min_tokens=2,
+                                                   bad_words_token_ids=[[5]]))
     with pytest.raises(ParamError, match=r"allowed_token_ids \(2 tokens\) and the bad words of more than one token "
                                          r"ending in one of them \(2\) need 4 slots") as e:
         llm.engine.validate([1, 2], SamplingParams(allowed_token_ids=[4, 5], bad_words_token_ids=[[1, 4], [2, 5]]))
