@@ -176,12 +176,13 @@ def _waited_fetch(log: dict, fetch, inner: list):
 
 def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16,
             async_scheduling: bool = False, freeze_gc: bool = False, output_kind: str = "delta",
-            logit_bias: bool = False) -> dict[str, float]:
+            logit_bias: bool = False, bad_words: bool = False) -> dict[str, float]:
     """Median ms per decode step of each part and of `step` (the whole `LLMEngine.step`); `host`: the host parts
     (with the dispatch in `run` when async, whose `run` does not wait); `full_gc`: ms in full (generation 2)
     garbage collections during all the measured steps together. `freeze_gc`: the server's
     `freeze_startup_objects()` after the warm-up. `output_kind`: a `RequestOutputKind` value, the requests'.
-    `logit_bias`: every request fills its logits row's 16 bias slots."""
+    `logit_bias`: every request fills its logits row's 16 bias slots. `bad_words`: every request bans 8 sequences of
+    two tokens, which the host checks in every step (with async scheduling each is then a conditional slot)."""
     from mnemojax.engine.llm_engine import freeze_startup_objects
     from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams
 
@@ -200,6 +201,8 @@ def measure(requests: int, steps: int, max_model_len: int, page_size: int = 16,
     rng = np.random.default_rng(0)
     # --logit_bias: every request fills its row's slots (15 biases, and until the run's end min_tokens's EOS ban)
     bias = dict(min_tokens=steps + 8, logit_bias={t: 0.5 for t in range(1, 16)}) if logit_bias else {}
+    if bad_words:  # --bad_words: 8 two-token sequences each
+        bias["bad_words_token_ids"] = [[t, t + 1] for t in range(300, 316, 2)]
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True,
                             output_kind=RequestOutputKind(output_kind), **bias)
     for _ in range(requests):
@@ -274,11 +277,13 @@ def main(argv=None) -> None:
                    help="the requests' output kind (delta: the server's; final_only: LLM.generate's)")
     p.add_argument("--logit_bias", action="store_true",
                    help="every request biases 16 tokens (15 logit_bias entries and min_tokens' EOS ban)")
+    p.add_argument("--bad_words", action="store_true",
+                   help="every request bans 8 sequences of two tokens (bad_words_token_ids)")
     args = p.parse_args(argv)
     print_header(argv)
     widths = sorted({8192, args.max_model_len})
     rows = {(w, a): measure(args.requests, args.steps, w, async_scheduling=a, freeze_gc=args.freeze_gc,
-                            output_kind=args.output_kind, logit_bias=args.logit_bias)
+                            output_kind=args.output_kind, logit_bias=args.logit_bias, bad_words=args.bad_words)
             for w in widths for a in (False, True)}
     print(table(rows, args.requests, args.output_kind))
     n = args.max_model_len - 128

@@ -124,8 +124,8 @@ class MicroBatch:
     refs: list[RowRef]
     src: np.ndarray  # i32[kvp, T] where a row's input token is in the previous step's `sampled` (-1: in `batch`)
     logprobs: bool = False  # some logits row needs log-probs (a request's `logprobs`, or a prompt log-prob row)
-    # the conditional bans (`RowSampling.bias_cond`) as (rank, row, slot, request, position of the row's input):
-    # with a pipeline, resolved by the host when the micro-batch leaves (the step's input tokens are another's)
+    # with a pipeline, the conditional bans (`RowSampling.bias_cond`) as (rank, row, slot, request, position of the
+    # row's input), which the host resolves when the micro-batch leaves (the step's input tokens are another's)
     pending: list = dataclasses.field(default_factory=list)
 
 
@@ -746,10 +746,12 @@ class Executor:
                 if used + len(bans) > W:
                     raise RuntimeError(f"request {req.request_id}: {used} slots and {len(bans)} bad words' bans "
                                        f"are more than the row's {W}")
-                for j, (token, cond) in enumerate(bans, used):
-                    cols[8][r, row, j], cols[9][r, row, j], cols[15][r, row, j] = token, -np.inf, cond
-                    if cond >= 0:
-                        pending.append((r, row, j, req, q))
+                tokens, conds = zip(*bans)
+                end = used + len(bans)
+                cols[8][r, row, used:end], cols[9][r, row, used:end], cols[15][r, row, used:end] = \
+                    tokens, -np.inf, conds
+                if self.spp > 1:  # a pipeline's host resolves the conditions when the micro-batch leaves
+                    pending += [(r, row, j, req, q) for j, cond in enumerate(conds, used) if cond >= 0]
         for r, row, (slot, presence, frequency, repetition) in penalized:
             cols[11][r, row], cols[12][r, row], cols[13][r, row], cols[14][r, row] = slot, presence, frequency, \
                 repetition

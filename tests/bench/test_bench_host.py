@@ -76,3 +76,15 @@ def test_delivery_to_callers_is_timed_per_step(monkeypatch):
     assert host.delivery_ms(4, tokens=3) > 0
     assert calls["_send"] >= 2 * 4 * 3  # two runs (warm-up and measured) of 4 streams of 3 tokens
     assert 0 < calls["_deliver"] < calls["_send"]
+
+
+@pytest.mark.slow  # an engine of 8,192 positions with async scheduling: ~10 s on 2 cores cold
+def test_bad_words_reach_the_requests(monkeypatch):
+    from mnemojax.engine import executor
+
+    banned = []
+    bans = executor._bad_word_bans
+    monkeypatch.setattr(executor, "_bad_word_bans", lambda req, step: banned.append(len(req.bad_words))
+                        or bans(req, step))
+    m = host.measure(requests=4, steps=3, max_model_len=8192, async_scheduling=True, bad_words=True)
+    assert m["arrays"] > 0 and banned and set(banned) == {8}
