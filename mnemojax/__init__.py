@@ -8,6 +8,7 @@ import importlib
 _EXPORTS = {
     "LLM": "mnemojax.engine.llm",
     "SamplingParams": "mnemojax.scheduling.sampling_params",
+    "BeamSearchParams": "mnemojax.scheduling.sampling_params",
     "RequestOutput": "mnemojax.scheduling.outputs",
     "CompletionOutput": "mnemojax.scheduling.outputs",
     "RequestMetrics": "mnemojax.scheduling.outputs",

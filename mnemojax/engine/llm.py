@@ -5,9 +5,10 @@ import dataclasses
 import numbers
 from collections.abc import Mapping, Sequence
 
+from mnemojax.engine import beam_search as _beam
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 from mnemojax.scheduling.outputs import RequestOutput
-from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams
+from mnemojax.scheduling.sampling_params import BeamSearchParams, ParamError, RequestOutputKind, SamplingParams
 from models.tokenizer import RENDER_ARGUMENTS
 
 Prompt = str | Sequence[int]
@@ -81,6 +82,36 @@ class LLM:
                 engine.pop_finished(rid)
             raise
         return [engine.pop_finished(rid) for rid in ids]
+
+    def beam_search(self, prompts: Prompt | Mapping | Sequence[Prompt | Mapping],
+                    params: BeamSearchParams) -> list[_beam.BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `params.beam_width` best sequences of each prompt (`mnemojax.engine.
+        beam_search` has the algorithm), one `BeamSearchOutput` per prompt, in prompt order. A prompt is a string,
+        token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`. EOS is the tokenizer's
+        `eos_token_id`, as vLLM's (without a tokenizer, the model's first EOS). Each prompt must leave room for
+        `max_tokens` tokens within max_model_len (a ParamError naming `prompts[i]`, as `generate`'s)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ParamError("params", f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, Mapping)) or getattr(prompts, "ndim", None) == 1 or (
+                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)):
+            prompts = [prompts]
+        engine, token_ids = self.engine, []
+        longest = SamplingParams(max_tokens=params.max_tokens)
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, Mapping):
+                if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+                    raise ParamError("prompts", f"prompts[{i}]: a dict prompt has one of 'prompt' and "
+                                                f"'prompt_token_ids', got {sorted(prompt)}")
+                prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+            try:
+                token_ids.append(engine.tokenize(prompt))
+                engine.validate(token_ids[-1], longest)  # room for every step's prompt: the beam's tokens
+            except ValueError as e:
+                raise ParamError(getattr(e, "param", None), f"prompts[{i}]: {e}") from None
+        tok = engine.tokenizer
+        eos = tok.eos_token_id if tok is not None else next(iter(engine.model_config.eos_token_ids), None)
+        decode = None if tok is None else (lambda ids: tok.decode(ids, skip_special_tokens=False))
+        return _beam.beam_search(self.generate, token_ids, params, eos, decode)
 
     def chat(self, messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

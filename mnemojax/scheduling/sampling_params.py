@@ -276,6 +276,41 @@ class SamplingParams:
                 raise ParamError(name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value!r}")
 
 
+@dataclasses.dataclass
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams`, for `LLM.beam_search`: keep the `beam_width` best sequences of up to `max_tokens`
+    generated tokens. Each step extends every beam by the top 2 x beam_width tokens of its next-token distribution
+    (the raw model's log-probs), sampled with `temperature` (0: greedy, whose token is among them; a sampled token
+    outside them is a candidate too, as in vLLM). A beam ends at EOS unless `ignore_eos`; sequences rank by
+    cumulative log-prob / length ** `length_penalty`, the length counting the prompt's tokens and not a final EOS
+    (vLLM's `get_beam_search_score`). `include_stop_str_in_output` is vLLM's field, for its server; the library
+    returns every token."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
+            raise ParamError("beam_width", f"beam_width must be an int from 1 to {MAX_LOGPROBS // 2} (each step asks "
+                                           f"for 2 x beam_width log-probs, at most {MAX_LOGPROBS}), got "
+                                           f"{self.beam_width!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ParamError("max_tokens", f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ParamError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ParamError("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParamError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
+        self.beam_width, self.max_tokens = int(self.beam_width), int(self.max_tokens)
+        self.temperature, self.length_penalty = float(self.temperature), float(self.length_penalty)
+
+
 def check_truncate_prompt_tokens(k) -> None:
     """Raises a ParamError unless `k` is None, -1 or an int >= 1 (vLLM's `truncate_prompt_tokens`)."""
     if k is not None and (not _is_int(k) or not (k == -1 or k >= 1)):
