@@ -1,12 +1,14 @@
 """Beam search as vLLM's `LLM.beam_search` does it: on top of `generate`, one token per step for every beam.
 
 Each step asks every live beam's next-token distribution for its top 2 x beam_width log-probs (one request per
-beam, its prompt the beam's tokens, `max_tokens=1`; the prefix cache computes only what the beam added since its
-parent's step), makes a candidate of each, and keeps the beam_width best of a prompt's candidates by
-`beam_search_score`; a candidate ending in EOS is put aside as completed (unless `ignore_eos`). After
-`max_tokens` steps (or when no beam is left), the completed and live beams of each prompt are ranked once more and
-the beam_width best returned. Sorting is Python's stable sort, so equal scores keep the order the candidates were
-made in (beam by beam, each beam's tokens by descending log-prob, lower id first on ties), as in vLLM.
+beam, its prompt the beam's tokens, `max_tokens=1`; with prefix caching, on by default, the pages its parent's
+step filled are not computed again), makes a candidate of each, puts every candidate ending in EOS aside as
+completed (unless `ignore_eos`) and keeps the beam_width best of the others of a prompt by `beam_search_score`.
+After `max_tokens` steps (or when no beam is left), the completed and live beams of each prompt are ranked once
+more and the beam_width best returned. Sorting is Python's stable sort, so equal scores keep the order the
+candidates were made in: beam by beam, each beam's tokens by descending log-prob (lower id first on ties), then the
+sampled token if it is not among them. At temperature 0 that is vLLM's order; at a higher temperature vLLM puts the
+sampled token first, which only matters for exactly equal scores.
 """
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ class LLM:
                     params: BeamSearchParams) -> list[_beam.BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: the `params.beam_width` best sequences of each prompt (`mnemojax.engine.
         beam_search` has the algorithm), one `BeamSearchOutput` per prompt, in prompt order. A prompt is a string,
-        token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`. EOS is the tokenizer's
+        token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` (the ids when both are there). EOS is the tokenizer's
         `eos_token_id`, as vLLM's (without a tokenizer, the model's first EOS). Each prompt must leave room for
         `max_tokens` tokens within max_model_len (a ParamError naming `prompts[i]`, as `generate`'s)."""
         if not isinstance(params, BeamSearchParams):
@@ -98,11 +98,11 @@ class LLM:
         engine, token_ids = self.engine, []
         longest = SamplingParams(max_tokens=params.max_tokens)
         for i, prompt in enumerate(prompts):
-            if isinstance(prompt, Mapping):
-                if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-                    raise ParamError("prompts", f"prompts[{i}]: a dict prompt has one of 'prompt' and "
-                                                f"'prompt_token_ids', got {sorted(prompt)}")
-                prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+            if isinstance(prompt, Mapping):  # vLLM's TokensPrompt (its ids win over a "prompt" beside them) or TextPrompt
+                if "prompt" not in prompt and "prompt_token_ids" not in prompt:
+                    raise ParamError("prompts", f"prompts[{i}]: a dict prompt has 'prompt' or 'prompt_token_ids', "
+                                                f"got {sorted(prompt)}")
+                prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
             try:
                 token_ids.append(engine.tokenize(prompt))
                 engine.validate(token_ids[-1], longest)  # room for every step's prompt: the beam's tokens

@@ -110,9 +110,11 @@ def test_beam_search_text_and_bad_input():
     """The tiny model's sequences carry their text (prompt and special tokens included, vLLM's decode); a text prompt
     is tokenized with BOS; bad parameters and prompts with no room are errors naming them."""
     llm = LLM("tiny", max_model_len=32, page_size=4, precompile=False)
-    out = llm.beam_search(["Hi", {"prompt": "Hi"}], BeamSearchParams(beam_width=2, max_tokens=3))
     tok = llm.get_tokenizer()
-    assert out[0] == out[1] and len(out[0].sequences) == 2
+    ids = tok.encode("Hi")
+    out = llm.beam_search(["Hi", {"prompt": "Hi"}, {"prompt": "x", "prompt_token_ids": ids}],
+                          BeamSearchParams(beam_width=2, max_tokens=3))
+    assert out[0] == out[1] == out[2] and len(out[0].sequences) == 2
     for s in out[0].sequences:
         assert s.tokens[:3] == [tok.bos_token_id, ord("H"), ord("i")]
         assert s.text == tok.decode(s.tokens, skip_special_tokens=False) and s.text.startswith("<|begin_of_text|>Hi")
@@ -124,7 +126,7 @@ def test_beam_search_text_and_bad_input():
         assert e.value.param == field
     with pytest.raises(ParamError, match=r"prompts\[1\]: .*exceeds max_model_len \(32\)"):
         llm.beam_search(["a", list(range(30))], BeamSearchParams(beam_width=2, max_tokens=3))
-    with pytest.raises(ParamError, match="one of 'prompt' and 'prompt_token_ids'"):
+    with pytest.raises(ParamError, match="a dict prompt has 'prompt' or 'prompt_token_ids'"):
         llm.beam_search([{"text": "a"}], BeamSearchParams(beam_width=2, max_tokens=3))
     assert llm.engine.kv.num_used == 0
 
