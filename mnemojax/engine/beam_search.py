@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from mnemojax.scheduling.sampling_params import SamplingParams
+
 
 @dataclasses.dataclass
 class BeamSearchSequence:
@@ -51,8 +53,6 @@ def beam_search(generate: Callable, prompts: list[list[int]], params, eos_token_
     """The beam search of each prompt (token ids). `generate(token_id_lists, sampling_params)` runs one step's
     requests and returns their `RequestOutput`s; `params` a `BeamSearchParams`; `decode` writes each returned
     sequence's text."""
-    from mnemojax.scheduling.sampling_params import SamplingParams
-
     width = params.beam_width
     step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width)
 

@@ -14,6 +14,15 @@ from models.tokenizer import RENDER_ARGUMENTS
 Prompt = str | Sequence[int]
 
 
+def _prompt_list(prompts, one: tuple = (str,)) -> list:
+    """`prompts` as a list: one prompt (an instance of `one`, or token ids: Python or numpy integers, or a 1-D
+    array) becomes a list of it."""
+    if isinstance(prompts, one) or getattr(prompts, "ndim", None) == 1 or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)):
+        return [prompts]
+    return list(prompts)
+
+
 class LLM:
     """Generates text for a list of prompts, batching them continuously.
 
@@ -46,10 +55,7 @@ class LLM:
         `prompts` is a string, a list of token ids, or a list of either. Every prompt is validated before any
         is queued: a bad one raises ValueError (naming the field and the limit) and nothing is left behind.
         """
-        if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1 or (
-                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]  # one prompt (token ids: Python or numpy integers, or a 1-D array)
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         default = sampling_params is None  # then each prompt's own (`LLMEngine.default_sampling_params`)
         params = [None] * len(prompts) if default else list(sampling_params) \
             if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
@@ -87,18 +93,16 @@ class LLM:
                     params: BeamSearchParams) -> list[_beam.BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: the `params.beam_width` best sequences of each prompt (`mnemojax.engine.
         beam_search` has the algorithm), one `BeamSearchOutput` per prompt, in prompt order. A prompt is a string,
-        token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` (the ids when both are there). EOS is the tokenizer's
-        `eos_token_id`, as vLLM's (without a tokenizer, the model's first EOS). Each prompt must leave room for
-        `max_tokens` tokens within max_model_len (a ParamError naming `prompts[i]`, as `generate`'s)."""
+        token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` (the ids when both are there). EOS is
+        the tokenizer's `eos_token_id`, as vLLM's (without a tokenizer, the model's first EOS). Each prompt must
+        leave room for `max_tokens` tokens within max_model_len (a ParamError naming `prompts[i]`, as `generate`'s)."""
         if not isinstance(params, BeamSearchParams):
             raise ParamError("params", f"params must be a BeamSearchParams, got {type(params).__name__}")
-        if isinstance(prompts, (str, Mapping)) or getattr(prompts, "ndim", None) == 1 or (
-                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts, (str, Mapping))
         engine, token_ids = self.engine, []
         longest = SamplingParams(max_tokens=params.max_tokens)
         for i, prompt in enumerate(prompts):
-            if isinstance(prompt, Mapping):  # vLLM's TokensPrompt (its ids win over a "prompt" beside them) or TextPrompt
+            if isinstance(prompt, Mapping):  # vLLM's TokensPrompt (its ids win over a "prompt" beside them)
                 if "prompt" not in prompt and "prompt_token_ids" not in prompt:
                     raise ParamError("prompts", f"prompts[{i}]: a dict prompt has 'prompt' or 'prompt_token_ids', "
                                                 f"got {sorted(prompt)}")

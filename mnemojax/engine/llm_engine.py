@@ -162,7 +162,6 @@ def detect_hardware() -> str:
     raise ValueError(f"no runtime predictor preset for device {kind!r}: pass hardware= (a100, h100, h200, cpu)")
 
 
-
 def bad_word_sequences(tokenizer, words: Sequence[str]) -> list[tuple[int, ...]]:
     """The token sequences of bad `words`, as vLLM's `SamplingParams.update_from_tokenizer` makes them: each word, its
     leading spaces stripped, encoded without special tokens (the word at the start of a text); and once more after
@@ -176,6 +175,7 @@ def bad_word_sequences(tokenizer, words: Sequence[str]) -> list[tuple[int, ...]]
         if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
             seqs.append(tuple(spaced))
     return seqs
+
 
 class LLMEngine:
     """Requests in, outputs out: a scheduler, a KV page manager and an executor over loaded parts.
@@ -377,10 +377,8 @@ class LLMEngine:
         """The bans of `params.bad_words` and `bad_words_token_ids`: (the tokens banned always, the sequences of
         more than one token as (prefix, last token), the last token banned where the tokens generated just before
         are the prefix). A sequence ending in an always-banned token, or (with `allowed_token_ids`) in a token not
-        allowed, is left out: that token is never drawn anyway. A word becomes token sequences as vLLM's
-        `SamplingParams.update_from_tokenizer` makes them: its leading spaces stripped, encoded without special
-        tokens; and once more after a space, kept when that gives as many tokens and another first one
-        (`bad_word_sequences`)."""
+        allowed, is left out: that token is never drawn anyway. Words become token sequences by
+        `bad_word_sequences` (vLLM's rule)."""
         seqs = [tuple(q) for q in params.bad_words_token_ids or ()]
         if params.bad_words:
             if self.tokenizer is None:
