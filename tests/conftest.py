@@ -13,9 +13,24 @@ os.environ.setdefault("MNEMOJAX_PRECOMPILE", "0")
 # hung on 2 cores and ran with NPROC=8 (`mosaic_attention.check_interpreter_threads`). It sizes the pool for every
 # test; the default suite's time with it is in docs/benchmarks.md (seventeenth session)
 os.environ.setdefault("NPROC", "8")
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# On the CPU, XLA's compiles are most of a cold run's time (an empty compilation cache: CI's fresh clone). So the
+# tests compile without LLVM's optimisations (`--xla_backend_optimization_level=0`), and JAX's persistent cache keeps
+# every executable, not only those that took over a second to compile (the same small programs compile in many test
+# files and in the servers the tests start, which inherit both settings), in the engine's cache directory. With an
+# empty cache the default suite on the 2-core VM took 941 s before and 574 s after, four mesh shapes also moved to the
+# slow tests (docs/benchmarks.md, forty-second session). The flag changes how fast the compiled code is made and runs,
+# not what it computes: no fast-math either way, and the tests that ask two programs for the same bits pass under it.
+# (XLA's older elemental emitters as well, `--xla_cpu_use_fusion_emitters=false`, were faster still, but with both
+# flags a kernel's lse differed by an ulp between launches that do the same arithmetic.) The flag only on the CPU: a
+# GPU run (JAX_PLATFORMS=cuda,cpu) compiles as a user's would. What the environment already sets wins.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/mnemojax/jax"))
+_FLAGS = ["--xla_force_host_platform_device_count=8"]
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    _FLAGS.append("--xla_backend_optimization_level=0")
+for _flag in _FLAGS:
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
