@@ -60,7 +60,7 @@ def timed_steps(llm, lengths: list[int], max_tokens: int, rng) -> list[tuple[int
         for _ in range(2):  # the first compiles this workload's shapes
             log.clear()
             compiled.clear()
-            llm.generate([rng.integers(0, 256, n).tolist() for n in lengths], params)
+            llm.generate([rng.integers(0, 256, n).tolist() for n in lengths], params, use_tqdm=False)
     finally:
         ex.launch, ex.run = launch, run
     if compiled:

@@ -13,9 +13,14 @@ sampled token first, which only matters for exactly equal scores.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 
+from tqdm import tqdm
+
 from mnemojax.scheduling.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -49,10 +54,10 @@ def beam_search_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: i
 
 
 def beam_search(generate: Callable, prompts: list[list[int]], params, eos_token_id: int | None,
-                decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
+                decode: Callable[[list[int]], str] | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
     """The beam search of each prompt (token ids). `generate(token_id_lists, sampling_params)` runs one step's
     requests and returns their `RequestOutput`s; `params` a `BeamSearchParams`; `decode` writes each returned
-    sequence's text."""
+    sequence's text; `use_tqdm`: a progress bar over the `max_tokens` steps on stderr (vLLM's, with its warning)."""
     width = params.beam_width
     step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width)
 
@@ -61,7 +66,12 @@ def beam_search(generate: Callable, prompts: list[list[int]], params, eos_token_
 
     beams = [[BeamSearchSequence(list(p), [])] for p in prompts]
     completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
+    steps = range(params.max_tokens)
+    if use_tqdm:
+        steps = tqdm(steps, desc="Beam search", unit="token", unit_scale=False)
+        log.warning("The progress bar shows the upper bound on token steps and may finish early due to stopping "
+                    "conditions. It does not reflect instance-level progress.")
+    for _ in steps:
         live = [b for bs in beams for b in bs]
         if not live:
             break
@@ -78,6 +88,8 @@ def beam_search(generate: Callable, prompts: list[list[int]], params, eos_token_
                     else:
                         candidates.append(new)
             beams[i] = sorted(candidates, key=score, reverse=True)[:width]
+    if use_tqdm:
+        steps.close()
     results = []
     for bs, done in zip(beams, completed):
         best = sorted(done + bs, key=score, reverse=True)[:width]

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import numbers
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from tqdm import tqdm
 
 from mnemojax.engine import beam_search as _beam
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
@@ -12,6 +17,35 @@ from mnemojax.scheduling.sampling_params import BeamSearchParams, ParamError, Re
 from models.tokenizer import RENDER_ARGUMENTS
 
 Prompt = str | Sequence[int]
+log = logging.getLogger(__name__)
+
+
+class _Progress:
+    """`generate`'s progress bar (vLLM's): finished prompts of `total`, and the input (prompt) and output tokens per
+    second of the finished ones since the call began. `use_tqdm`: True (a `tqdm` on stderr), a callable that makes
+    the bar from tqdm's keyword arguments, or False (nothing)."""
+
+    def __init__(self, use_tqdm, total: int):
+        self.bar = None
+        if use_tqdm:
+            make = use_tqdm if callable(use_tqdm) else tqdm
+            self.bar = make(total=total, desc="Processed prompts", dynamic_ncols=True,
+                            postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self.start, self.tokens_in, self.tokens_out = time.perf_counter(), 0, 0
+
+    def finished(self, requests) -> None:
+        if self.bar is None or not requests:
+            return
+        self.tokens_in += sum(len(r.prompt_token_ids) for r in requests)
+        self.tokens_out += sum(len(r.output_token_ids) for r in requests)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.postfix = (f"est. speed input: {self.tokens_in / elapsed:.2f} toks/s, "
+                            f"output: {self.tokens_out / elapsed:.2f} toks/s")
+        self.bar.update(len(requests))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _prompt_list(prompts, one: tuple = (str,)) -> list:
@@ -49,11 +83,14 @@ class LLM:
         return self.engine.default_sampling_params()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in prompt order.
 
         `prompts` is a string, a list of token ids, or a list of either. Every prompt is validated before any
         is queued: a bad one raises ValueError (naming the field and the limit) and nothing is left behind.
+        `use_tqdm` (vLLM's): True shows a progress bar of the finished prompts on stderr, with the input and output
+        tokens per second so far; a callable (`functools.partial(tqdm, leave=False)`) makes the bar; False none.
         """
         prompts = _prompt_list(prompts)
         default = sampling_params is None  # then each prompt's own (`LLMEngine.default_sampling_params`)
@@ -77,27 +114,43 @@ class LLM:
         ids = [engine.add_request(prompt, p, prompt_token_ids=t)
                for prompt, p, t in zip(prompts, params, token_ids)]
         pending = set(ids)
+        bar = _Progress(use_tqdm, len(ids))
         try:
             while pending:
                 engine.step()
-                pending = {rid for rid in pending if not engine.requests[rid].is_finished}
+                done = [rid for rid in pending if engine.requests[rid].is_finished]
+                pending.difference_update(done)
+                bar.finished([engine.requests[rid] for rid in done])
             engine.drain()  # a step launched after the last one finished computed nothing anyone needs: let it end
         except BaseException:  # a failed step (the engine has recovered) or a KeyboardInterrupt: this call's
             for rid in ids:    # requests end here, their pages back, and the next call starts clean
                 engine.abort(rid)
                 engine.pop_finished(rid)
             raise
+        finally:
+            bar.close()
         return [engine.pop_finished(rid) for rid in ids]
 
-    def beam_search(self, prompts: Prompt | Mapping | Sequence[Prompt | Mapping],
-                    params: BeamSearchParams) -> list[_beam.BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | Mapping | Sequence[Prompt | Mapping], params: BeamSearchParams,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[_beam.BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: the `params.beam_width` best sequences of each prompt (`mnemojax.engine.
         beam_search` has the algorithm), one `BeamSearchOutput` per prompt, in prompt order. A prompt is a string,
         token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` (the ids when both are there). EOS is
         the tokenizer's `eos_token_id`, as vLLM's (without a tokenizer, the model's first EOS). Each prompt must
-        leave room for `max_tokens` tokens within max_model_len (a ParamError naming `prompts[i]`, as `generate`'s)."""
+        leave room for `max_tokens` tokens within max_model_len (a ParamError naming `prompts[i]`, as `generate`'s).
+        `concurrency_limit` (vLLM's): search that many prompts at a time, each group to its end before the next
+        (None: all at once); `use_tqdm`: a bar over each group's steps (vLLM's: off with a `concurrency_limit`, with
+        a warning)."""
         if not isinstance(params, BeamSearchParams):
             raise ParamError("params", f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
+                                              or not isinstance(concurrency_limit, numbers.Integral)
+                                              or concurrency_limit < 1):
+            raise ParamError("concurrency_limit", f"concurrency_limit must be None or an integer >= 1, got "
+                                                  f"{concurrency_limit!r}")
+        if use_tqdm and concurrency_limit is not None:
+            log.warning("Progress bar is not supported when using concurrency_limit. Disabling progress bar.")
+            use_tqdm = False
         prompts = _prompt_list(prompts, (str, Mapping))
         engine, token_ids = self.engine, []
         longest = SamplingParams(max_tokens=params.max_tokens)
@@ -115,13 +168,18 @@ class LLM:
         tok = engine.tokenizer
         eos = tok.eos_token_id if tok is not None else next(iter(engine.model_config.eos_token_ids), None)
         decode = None if tok is None else (lambda ids: tok.decode(ids, skip_special_tokens=False))
-        return _beam.beam_search(self.generate, token_ids, params, eos, decode)
+        generate = functools.partial(self.generate, use_tqdm=False)  # one step: no bar of its own (vLLM's)
+        limit = concurrency_limit or max(len(token_ids), 1)
+        return [out for start in range(0, len(token_ids), limit)
+                for out in _beam.beam_search(generate, token_ids[start:start + limit], params, eos, decode,
+                                             use_tqdm=use_tqdm)]
 
     def chat(self, messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, add_special_tokens: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, use_tqdm: bool | Callable[..., tqdm] = True
+             ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages) or a list of them, each
         through the tokenizer's chat template (`chat_template`: another Jinja template; `chat_template_kwargs`:
         more template variables), then `generate` on the token ids; one `RequestOutput` per conversation. A
@@ -129,7 +187,7 @@ class LLM:
         `continue_final_message` leaves the last message open for the reply to continue (not with
         `add_generation_prompt`); `add_special_tokens` adds the tokenizer's special tokens (BOS) to the
         template's own. Raises ParamError naming the argument for a bad one (the built-in tiny model's byte
-        tokenizer has a fixed template: another `chat_template` is one)."""
+        tokenizer has a fixed template: another `chat_template` is one). `use_tqdm` as `generate`'s."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ParamError("messages", f"model {self.engine.config.model!r} has no tokenizer, so no chat template; "
@@ -150,7 +208,7 @@ class LLM:
                                            template_field="messages" if chat_template is None else "chat_template"))
             except ParamError as e:
                 raise ParamError(e.param, f"conversation {i}: {e}") from None
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
