@@ -17,8 +17,8 @@ os.environ.setdefault("NPROC", "8")
 # tests compile without LLVM's optimisations (`--xla_backend_optimization_level=0`), and JAX's persistent cache keeps
 # every executable, not only those that took over a second to compile (the same small programs compile in many test
 # files and in the servers the tests start, which inherit both settings), in the engine's cache directory. With an
-# empty cache the default suite on the 2-core VM took 941 s before and 574 s after, four mesh shapes also moved to the
-# slow tests (docs/benchmarks.md, forty-second session). The flag changes how fast the compiled code is made and runs,
+# empty cache the default suite on the 2-core VM took 794 s without these and 574 s with them, the same day and the
+# same tests (docs/benchmarks.md, forty-second session). The flag changes how fast the compiled code is made and runs,
 # not what it computes: no fast-math either way, and the tests that ask two programs for the same bits pass under it.
 # (XLA's older elemental emitters as well, `--xla_cpu_use_fusion_emitters=false`, were faster still, but with both
 # flags a kernel's lse differed by an ulp between launches that do the same arithmetic.) The flag only on the CPU: a

@@ -102,8 +102,8 @@ def _check_shape(ckpt, reference, shape):
 
 
 # The four shapes that combine two or three axes in the default suite; one axis alone (and every other shape)
-# with the slow tests: each of tp, spp and kvp is in at least two of the four (~50 s of the default suite cold on
-# 2 cores, forty-second session).
+# with the slow tests: each of tp, spp and kvp is in at least two of the four (the four moved: ~50 worker-seconds of
+# the default suite cold on 2 cores, forty-second session).
 @pytest.mark.parametrize("shape", [pytest.param(s, marks=[] if sum(n > 1 for n in s) > 1 else [pytest.mark.slow])
                                    for s in REQUIRED], ids=str)
 def test_mesh_shape_matches_one_device(ckpt, reference, shape):
