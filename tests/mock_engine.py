@@ -37,6 +37,7 @@ class MockEngine:
         self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
         self.tokens = tokens  # (last prompt token, max_tokens) -> the output's tokens
         self.default_sampling = default_sampling or {}  # the model's generation_config.json defaults
+        self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.max_model_len = max_model_len
         self.max_request_tokens = max_model_len if kv_tokens is None else min(max_model_len, kv_tokens)
         self.token_delay_s = token_delay_s

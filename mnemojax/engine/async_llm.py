@@ -114,6 +114,7 @@ class EngineClient(Protocol):
     max_model_len: int
     max_request_tokens: int  # the most tokens (prompt + output) one request can hold: max_model_len or the KV pages
     default_sampling: dict  # SamplingParams fields the model's generation_config.json sets for requests that don't
+    eos_token_id: int | None  # the EOS a beam of the server's `use_beam_search` ends at (`LLMEngine.eos_token_id`)
     is_alive: bool
     num_waiting: int  # callers' requests with no output yet
     num_active: int  # requests whose callers are still listening
@@ -194,6 +195,11 @@ class AsyncLLM:
     @property
     def default_sampling(self) -> dict:
         return self.engine.default_sampling
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """`LLMEngine.eos_token_id`."""
+        return self.engine.eos_token_id
 
     @property
     def max_request_tokens(self) -> int:

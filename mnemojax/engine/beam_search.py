@@ -53,48 +53,83 @@ def beam_search_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: i
     return cum_logprob / max(length, 1) ** length_penalty
 
 
+class BeamSearch:
+    """The search of some prompts (token ids), one step at a time, for a caller that runs the steps itself (the
+    library's `beam_search` below; the server's `use_beam_search`, which awaits them): `live()` is the beams whose
+    next-token log-probs the next step needs, prompt by prompt; each is one request of `token_ids()` with
+    `step_params`, and `advance(outputs)` takes their `CompletionOutput`s in that order. `done` once `max_tokens`
+    steps have run or no beam is left; `results()` then ranks them. `num_logprobs`: each step's requests also
+    return that many top log-probs (a server request's `logprobs` that exceed 2 x beam_width); the candidates are
+    still each beam's top 2 x beam_width tokens (and the sampled one)."""
+
+    def __init__(self, prompts: list[list[int]], params, eos_token_id: int | None, num_logprobs: int = 0):
+        self.params, self.eos_token_id = params, eos_token_id
+        self.step_params = SamplingParams(max_tokens=1, temperature=params.temperature,
+                                          logprobs=max(2 * params.beam_width, num_logprobs))
+        self.beams = [[BeamSearchSequence(list(p), [])] for p in prompts]
+        self.completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+
+    def score(self, beam: BeamSearchSequence) -> float:
+        return beam_search_score(beam.tokens, beam.cum_logprob, self.eos_token_id, self.params.length_penalty)
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.params.max_tokens or not any(self.beams)
+
+    def live(self) -> list[BeamSearchSequence]:
+        return [b for bs in self.beams for b in bs]
+
+    def advance(self, outputs: Sequence) -> None:
+        """One step: `outputs[k]` is the `CompletionOutput` of `live()[k]`'s request."""
+        width, outputs = self.params.beam_width, iter(outputs)
+        for i, bs in enumerate(self.beams):
+            candidates = []
+            for beam in bs:
+                out = next(outputs)
+                top = out.logprobs[0]
+                tokens = list(top)[:2 * width]  # the top entries come first, in order
+                if out.token_ids[0] not in tokens:  # the sampled token (at temperature 0 among them)
+                    tokens.append(out.token_ids[0])
+                for token in tokens:
+                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [top], beam.cum_logprob + top[token])
+                    if token == self.eos_token_id and not self.params.ignore_eos:
+                        self.completed[i].append(new)
+                    else:
+                        candidates.append(new)
+            self.beams[i] = sorted(candidates, key=self.score, reverse=True)[:width]
+        self.steps += 1
+
+    def results(self, decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
+        """Each prompt's beam_width best of its completed and live beams, best first; `decode` writes their text."""
+        results = []
+        for bs, done in zip(self.beams, self.completed):
+            best = sorted(done + bs, key=self.score, reverse=True)[:self.params.beam_width]
+            if decode is not None:
+                for beam in best:
+                    beam.text = decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
+
+
 def beam_search(generate: Callable, prompts: list[list[int]], params, eos_token_id: int | None,
                 decode: Callable[[list[int]], str] | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
     """The beam search of each prompt (token ids). `generate(token_id_lists, sampling_params)` runs one step's
     requests and returns their `RequestOutput`s; `params` a `BeamSearchParams`; `decode` writes each returned
     sequence's text; `use_tqdm`: a progress bar over the `max_tokens` steps on stderr (vLLM's, with its warning)."""
-    width = params.beam_width
-    step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width)
-
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, params.length_penalty)
-
-    beams = [[BeamSearchSequence(list(p), [])] for p in prompts]
-    completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    steps = range(params.max_tokens)
+    search = BeamSearch(prompts, params, eos_token_id)
+    bar = None
     if use_tqdm:
-        steps = tqdm(steps, desc="Beam search", unit="token", unit_scale=False)
+        bar = tqdm(total=params.max_tokens, desc="Beam search", unit="token", unit_scale=False)
         log.warning("The progress bar shows the upper bound on token steps and may finish early due to stopping "
                     "conditions. It does not reflect instance-level progress.")
-    for _ in steps:
-        live = [b for bs in beams for b in bs]
-        if not live:
-            break
-        outputs = iter(generate([b.tokens for b in live], step))
-        for i, bs in enumerate(beams):
-            candidates = []
-            for beam in bs:
-                out = next(outputs).outputs[0]
-                top = out.logprobs[0]
-                for token, lp in top.items():
-                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [top], beam.cum_logprob + lp)
-                    if token == eos_token_id and not params.ignore_eos:
-                        completed[i].append(new)
-                    else:
-                        candidates.append(new)
-            beams[i] = sorted(candidates, key=score, reverse=True)[:width]
-    if use_tqdm:
-        steps.close()
-    results = []
-    for bs, done in zip(beams, completed):
-        best = sorted(done + bs, key=score, reverse=True)[:width]
-        if decode is not None:
-            for beam in best:
-                beam.text = decode(beam.tokens)
-        results.append(BeamSearchOutput(best))
-    return results
+    try:
+        while not search.done:
+            outputs = generate([b.tokens for b in search.live()], search.step_params)
+            search.advance([out.outputs[0] for out in outputs])
+            if bar is not None:
+                bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
+    return search.results(decode)

@@ -165,8 +165,7 @@ class LLM:
                 engine.validate(token_ids[-1], longest)  # room for every step's prompt: the beam's tokens
             except ValueError as e:
                 raise ParamError(getattr(e, "param", None), f"prompts[{i}]: {e}") from None
-        tok = engine.tokenizer
-        eos = tok.eos_token_id if tok is not None else next(iter(engine.model_config.eos_token_ids), None)
+        tok, eos = engine.tokenizer, engine.eos_token_id
         decode = None if tok is None else (lambda ids: tok.decode(ids, skip_special_tokens=False))
         generate = functools.partial(self.generate, use_tqdm=False)  # one step: no bar of its own (vLLM's)
         limit = concurrency_limit or max(len(token_ids), 1)

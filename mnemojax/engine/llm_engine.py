@@ -278,6 +278,14 @@ class LLMEngine:
         return SamplingParams(**defaults)
 
     @property
+    def eos_token_id(self) -> int | None:
+        """The EOS a beam ends at (vLLM's beam search: the tokenizer's `eos_token_id`); without a tokenizer, the
+        model's first EOS."""
+        if self.tokenizer is not None:
+            return self.tokenizer.eos_token_id
+        return next(iter(self.model_config.eos_token_ids), None)
+
+    @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + max_tokens) one request can hold: `max_model_len`, or fewer when the KV pages
         (a request's rank, or kvp x max_tokens_per_kvp_rank) hold fewer."""

@@ -25,9 +25,11 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from mnemojax.engine.async_llm import EngineClient, EngineDeadError, EngineStepError
+from mnemojax.engine.beam_search import BeamSearch, BeamSearchSequence
 from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.scheduling.outputs import CompletionOutput, RequestOutput
-from mnemojax.scheduling.sampling_params import MAX_SEED, ParamError, RequestOutputKind, SamplingParams
+from mnemojax.scheduling.sampling_params import (MAX_SEED, BeamSearchParams, ParamError, RequestOutputKind,
+                                                 SamplingParams)
 from mnemojax.serving.config import ServerConfig
 from mnemojax.serving.metrics import ServerMetrics
 from models.tokenizer import ByteTokenizer, is_byte_level, special_ids, token_bytes_fn
@@ -130,6 +132,18 @@ class TextOffsets:
         return start
 
 
+async def _all(coros):
+    """The coroutines' results, run concurrently; the first failure (or a cancellation) cancels the others, and
+    none is left running when this returns or raises."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -152,6 +166,8 @@ class ServerState:
         self.draining = False
         self._drain_started: asyncio.Future | None = None
         self.num_admitted = 0  # choices admitted whose engine request has not started yet (see `OpenAIServing.admit`)
+        self.num_searches = 0  # beam searches running (`OpenAIServing.run_beams`): between steps no request runs
+        self.aborting = False  # draining's grace is over: what is in flight is aborted, and no search takes a step
         self.metrics = ServerMetrics(llm.stats, self.served_model_name)
         self.created = int(time.time())
 
@@ -188,6 +204,7 @@ class Choice:
     echoed: str = ""  # chat's `echo`: the text the reply starts with
     token_ids_as_text: bool = False  # vLLM's `return_tokens_as_token_ids`: logprobs write tokens as "token_id:<id>"
     pending: RequestOutput | None = None  # received, not taken: the DELTA outputs added up
+    whole: CompletionOutput | None = None  # a beam search's output, not taken (`finish`)
     prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)  # received so far
     num_tokens: int = 0  # generated so far
     num_cached_tokens: int = 0  # prompt tokens the engine's prefix cache gave it
@@ -214,9 +231,16 @@ class Choice:
         else:
             self.pending.add(out)
 
+    def finish(self, whole: CompletionOutput, num_cached_tokens: int) -> None:
+        """Its whole output at once (a beam search's sequence, `OpenAIServing.run_beams`), for `take`."""
+        self.whole, self.num_tokens, self.num_cached_tokens = whole, len(whole.token_ids), num_cached_tokens
+
     def take(self) -> CompletionOutput | None:
         """What arrived since the last take (text, tokens, log-probs, finish reason), or None if nothing did. The
         engine's text never shows what a later token could still change, so text taken is never taken back."""
+        if self.whole is not None:
+            co, self.whole = self.whole, None
+            return co
         if self.pending is None:
             return None
         co, self.pending = self.pending.outputs[0], None
@@ -353,10 +377,88 @@ class OpenAIServing:
             for c in choices:
                 c.unreserve()  # a task cancelled before it started
 
-    async def run_to_end(self, request: Request, rid: str, choices: list[Choice]) -> bool:
-        """Runs the choices of a non-streaming request to the end; False if the client went away first (watched
-        through `http.disconnect`), which aborts them."""
+    async def run_beams(self, rid: str, choices: list[Choice], beam: BeamSearchParams) -> None:
+        """vLLM's `use_beam_search`: each prompt's search (`mnemojax.engine.beam_search.BeamSearch`), the prompts
+        concurrently. A step sends the engine one request per live beam at once (the beam's tokens as the prompt,
+        one token, the top 2 x beam_width log-probs, or the request's `logprobs` if more); with prefix caching the
+        pages a beam's parent filled are not computed again. A prompt's choices (beam_width of them, in order)
+        receive its best sequences, best first (`beam_output`). A step request that ends without a token (aborted)
+        ends its prompt's search, each of its choices with that finish reason and nothing else."""
+        eos = self.llm.eos_token_id
+
+        async def step(request_id: str, tokens: list[int], params: SamplingParams, started: Callable[[], None]):
+            started()  # no await between: the engine counts the request waiting from the generator's first step on
+            last = None
+            async for out in self.llm.generate(None, params, request_id, prompt_token_ids=tokens):
+                last = out
+            return last
+
+        async def search(group: list[Choice]) -> None:
+            first = group[0]
+
+            def started():  # the prompt's places in the queue, held since admission, go at its first step
+                for c in group:
+                    c.unreserve()
+
+            params = dataclasses.replace(beam, max_tokens=first.params.max_tokens)  # the room `admit` gave it
+            s = BeamSearch([first.prompt_ids], params, eos, first.params.logprobs or 0)
+            head = None  # the first step's output: the prompt's cached tokens
+            while not s.done:
+                outs = [] if self.state.aborting else await _all(
+                    step(f"{rid}-{first.prompt_index}-{s.steps}-{k}", b.tokens, s.step_params,
+                         started if s.steps == 0 else lambda: None) for k, b in enumerate(s.live()))
+                head = head or (outs[0] if outs else None)
+                cached = 0 if head is None else head.num_cached_tokens
+                cut = next((o.outputs[0].finish_reason for o in outs if not o.outputs[0].token_ids), None)
+                if cut is not None or not outs:
+                    for c in group:
+                        c.finish(CompletionOutput(0, "", [], None, cut or "abort"), cached)
+                    return
+                s.advance([o.outputs[0] for o in outs])
+            for c, seq in zip(group, s.results()[0].sequences):
+                c.finish(self.beam_output(c, seq, params, eos), head.num_cached_tokens)
+
+        n = beam.beam_width
+        self.state.num_searches += 1
+        try:
+            await _all(search(choices[i:i + n]) for i in range(0, len(choices), n))
+        except Exception as e:  # noqa: BLE001 - as the client should see it
+            raise _api_error(e) from None
+        finally:
+            self.state.num_searches -= 1
+            for c in choices:
+                c.done = True
+                c.unreserve()  # a search cancelled before its first step
+
+    def beam_output(self, c: Choice, seq: BeamSearchSequence, beam: BeamSearchParams,
+                    eos: int | None) -> CompletionOutput:
+        """A returned sequence as its choice's output (vLLM's): the generated tokens, a final EOS left out unless
+        `include_stop_str_in_output` (finish reason "stop", the EOS its stop reason; else "length"); the text of
+        the generated tokens without that EOS, made as the engine makes a request's text (the choice's
+        `skip_special_tokens`); `logprobs` top entries per token from its step's log-probs."""
+        gen, lps = seq.tokens[len(c.prompt_ids):], seq.logprobs
+        stopped = not beam.ignore_eos and bool(gen) and gen[-1] == eos
+        text = ""
+        if self.tokenizer is not None:
+            detok = Detokenizer(self.tokenizer, SamplingParams(skip_special_tokens=c.params.skip_special_tokens),
+                                c.prompt_ids)
+            for t in gen[:-1] if stopped else gen:  # a token at a time, as the engine's steps add them
+                detok.add([t])
+            detok.flush()
+            text = detok.text
+        if stopped and not beam.include_stop_str_in_output:
+            gen, lps = gen[:-1], lps[:-1]
+        top = None if c.params.logprobs is None else [dict(top_entries(d, c.params.logprobs, t))
+                                                      for t, d in zip(gen, lps)]
+        return CompletionOutput(0, text, gen, top, "stop" if stopped else "length", eos if stopped else None)
+
+    async def run_to_end(self, request: Request, rid: str, choices: list[Choice],
+                         beam: BeamSearchParams | None = None) -> bool:
+        """Runs the choices of a non-streaming request to the end (`beam`: by beam search, `run_beams`); False if
+        the client went away first (watched through `http.disconnect`), which aborts them."""
         async def collect():
+            if beam is not None:
+                return await self.run_beams(rid, choices, beam)
             async for _ in self.run(rid, choices):
                 pass
 
@@ -380,16 +482,17 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ responses
     async def respond(self, request: Request, stream: bool, include_usage: bool, choices: list[Choice],
-                      continuous_usage: bool = False):
+                      continuous_usage: bool = False, beam: BeamSearchParams | None = None):
         """The whole response, or a stream of chunks ending with [DONE] (`continuous_usage`: each chunk with its
-        choice's usage so far, vLLM's `continuous_usage_stats`)."""
+        choice's usage so far, vLLM's `continuous_usage_stats`); `beam`: the choices are a beam search's (never
+        streamed: the request's check refuses that)."""
         rid, created = f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": self.state.served_model_name}
         if stream:
             return StreamingResponse(self._guarded(self._events(rid, head, choices, include_usage, continuous_usage)),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        if not await self.run_to_end(request, rid, choices):
+        if not await self.run_to_end(request, rid, choices, beam):
             return Response(status_code=499)  # the client is gone; nobody reads this
         return {**head, "object": self.object_name, "choices": [self.whole_choice(c, c.take()) for c in choices],
                 "usage": self.usage(choices), **self.response_fields(choices)}

@@ -34,6 +34,7 @@ class ServingChat(OpenAIServing):
         try:
             params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                                           defaults=self.llm.default_sampling)
+            beam = body.beam_search_params(params) if body.use_beam_search else None
         except ValueError as e:
             raise bad_request(e) from None
         try:
@@ -45,7 +46,7 @@ class ServingChat(OpenAIServing):
                 raise
             # the prompt is the messages through the chat template: name the field the client sent
             raise APIError(e.status, f"messages (through the chat template): {e.message}", "messages") from None
-        return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage)
+        return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage, beam)
 
     def render(self, body, add_special_tokens: bool) -> list[int]:
         """The token ids of `body.messages` through the chat template (the request's `chat_template` where the

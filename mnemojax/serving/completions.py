@@ -36,6 +36,7 @@ class ServingCompletion(OpenAIServing):
             wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
             params = body.sampling_params(max(max_tokens, 1), body.logprobs, max(wanted) if wanted else None,
                                           self.llm.default_sampling)
+            beam = body.beam_search_params(params) if body.use_beam_search else None
         except ValueError as e:
             raise bad_request(e) from None
         if body.echo and self.tokenizer is None:
@@ -47,7 +48,7 @@ class ServingCompletion(OpenAIServing):
         choices = self.admit(prompts, params, body.n, rest_of_context=rest, show_prompt_logprobs=body.prompt_logprobs,
                              echo=body.echo, discard_output=max_tokens == 0,
                              token_ids_as_text=self.token_ids_as_text(body))
-        return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage)
+        return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage, beam)
 
     def logprobs(self, c: Choice, ids: list[int], lps: list[dict | None], offsets: list[int]) -> dict | None:
         """OpenAI's completion logprobs of tokens `ids`, whose text starts at `offsets` of the choice's text; an entry

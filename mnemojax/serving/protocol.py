@@ -3,15 +3,16 @@
 Field names, types and defaults follow the OpenAI API (`logit_bias` included: token ids to biases in [-100, 100]),
 plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`,
-`return_tokens_as_token_ids`, `add_special_tokens`, and chat's `continue_final_message`, `chat_template`,
-`documents`, `echo`).
+`return_tokens_as_token_ids`, `add_special_tokens`, `use_beam_search` with `length_penalty`, and chat's
+`continue_final_message`, `chat_template`, `documents`, `echo`).
 Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
-honour (`suffix`, `best_of`, completions' `echo` or `prompt_logprobs` with `stream`, vLLM's guided decoding, beam
-search and the other fields in `_UNHONOURED`, a `response_format` other than text, `tools`, a `tool_choice` other
-than none or auto) are accepted in the schema and rejected with a 400 naming them when set, never silently
-dropped; so is `stream_options` without `stream`. Range checks live in
+honour (`suffix`, `best_of`, completions' `echo` or `prompt_logprobs` with `stream`, vLLM's guided decoding and
+the other fields in `_UNHONOURED`, with `use_beam_search` the fields in `_NOT_WITH_BEAMS` that vLLM's beam search
+ignores, `length_penalty` without it, a `response_format` other than text, `tools`, a `tool_choice` other than
+none or auto) are accepted in the schema and rejected with a 400 naming them when set, never silently dropped; so
+is `stream_options` without `stream`. Range checks live in
 `SamplingParams` and the engine, so the server and the library share one set of limits and messages.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from mnemojax.scheduling.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
+from mnemojax.scheduling.sampling_params import MAX_LOGPROBS, BeamSearchParams, ParamError, SamplingParams
 
 MAX_N = 8
 """Most choices (`n`) one request may ask for."""
@@ -48,21 +49,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-def _refuse_unhonoured(body: BaseModel, fields: dict[str, tuple]) -> None:
+def _refuse_unhonoured(body: BaseModel, fields: dict[str, tuple], where: str = "") -> None:
     """400 (a `ParamError` naming it) for the first of `fields` set to something other than its neutral values: a
-    field that would change the output is refused, never silently dropped."""
+    field that would change the output is refused, never silently dropped. `where`: the case it is refused in
+    (" with use_beam_search")."""
     for name, neutral in fields.items():
         value = getattr(body, name)
         if not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
             shown = ", ".join(repr(n) for n in neutral if n is not None) or "unset"
-            raise ParamError(name, f"{name} is not supported (only {shown})")
+            raise ParamError(name, f"{name} is not supported{where} (only {shown})")
 
 
 _UNHONOURED = {  # vLLM's request fields mnemojax does not implement, and the values that change nothing
-    "use_beam_search": (None, False),
-    "length_penalty": (None, 1.0, 1), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,), "priority": (None, 0),
     "spaces_between_special_tokens": (None, True), "logits_processors": (None,),
+}
+
+_NOT_WITH_BEAMS = {  # what beam search does not honour (vLLM's ignores them), and the values that change nothing
+    "stream": (False,), "seed": (None,), "top_p": (None, 1.0, 1), "top_k": (None, -1, 0), "min_p": (None, 0.0, 0),
+    "presence_penalty": (None, 0.0, 0), "frequency_penalty": (None, 0.0, 0), "repetition_penalty": (None, 1.0, 1),
+    "min_tokens": (None, 0), "stop": (None, []), "stop_token_ids": (None, []), "logit_bias": (None, {}),
+    "allowed_token_ids": (None,), "bad_words": ([],), "prompt_logprobs": (None,),
 }
 
 
@@ -105,9 +113,12 @@ class _SamplingRequest(_Strict):
                                                                               "server's flag)")
     bad_words: list[Text] = Field(default_factory=list, description="vLLM's: words that may not be generated "
                                                                     "(each as vLLM tokenizes it)")
+    use_beam_search: bool = Field(default=False, description="vLLM's: beam search with n beams, the n best "
+                                                             "sequences the choices (not with stream or the "
+                                                             "sampling fields; see the README)")
+    length_penalty: float = Field(default=1.0, description="vLLM's, with use_beam_search: sequences rank by "
+                                                           "cumulative log-prob / length ** length_penalty")
     # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
-    use_beam_search: Any = None
-    length_penalty: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -128,6 +139,18 @@ class _SamplingRequest(_Strict):
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise ParamError("response_format", f"response_format {self.response_format.get('type')!r} is not "
                                                 f"supported (no structured output; only 'text')")
+        if self.use_beam_search:
+            _refuse_unhonoured(self, _NOT_WITH_BEAMS, " with use_beam_search")
+        elif self.length_penalty != 1:
+            raise ParamError("length_penalty", f"length_penalty only applies with use_beam_search, got "
+                                               f"{self.length_penalty}")
+
+    def beam_search_params(self, params: SamplingParams) -> BeamSearchParams:
+        """vLLM's `to_beam_search_params`: `n` beams of up to `params.max_tokens` tokens at `params.temperature`
+        (this request's `sampling_params`: the request's, else the model's default)."""
+        return BeamSearchParams(beam_width=self.n, max_tokens=params.max_tokens, ignore_eos=self.ignore_eos,
+                                temperature=params.temperature, length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                         defaults: dict | None = None) -> SamplingParams:
@@ -210,6 +233,8 @@ class CompletionRequest(_SamplingRequest):
             raise ParamError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", "best_of is not supported (only equal to n)")
+        if self.use_beam_search and self.echo:
+            raise ParamError("echo", "echo is not supported with use_beam_search (only False)")
 
 
 class ContentPart(_Strict):

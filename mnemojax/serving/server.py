@@ -75,8 +75,12 @@ class _Server:
     async def _wait_for_requests(self, seconds: float) -> None:
         """Until no request is in flight, `seconds` pass, or (the grace only) a second signal comes."""
         deadline = time.monotonic() + seconds
-        while self.llm.num_active and time.monotonic() < deadline and not self.hurry.is_set():
+        while self._busy() and time.monotonic() < deadline and not self.hurry.is_set():
             await asyncio.sleep(0.05)
+
+    def _busy(self) -> bool:
+        """Requests in flight, or beam searches (between their steps no request runs)."""
+        return bool(self.llm.num_active or self.app.state.server.num_searches)
 
     async def drain(self) -> None:
         state = self.app.state.server
@@ -84,8 +88,9 @@ class _Server:
         logger.info("draining: no new requests; %d in flight get up to %.0f s (a second signal aborts them now)",
                     self.llm.num_active, self.grace_s)
         await self._wait_for_requests(self.grace_s)
-        if self.llm.num_active:
+        if self._busy():
             logger.info("aborting %d requests still in flight", self.llm.num_active)
+            state.aborting = True  # a beam search between its steps takes no more
             self.llm.abort_all()
             self.hurry.clear()
             await self._wait_for_requests(5.0)

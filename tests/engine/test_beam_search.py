@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mnemojax import LLM, BeamSearchParams
-from mnemojax.engine.beam_search import beam_search_score
+from mnemojax.engine.beam_search import BeamSearch, beam_search_score
+from mnemojax.scheduling.outputs import CompletionOutput
 from mnemojax.scheduling.sampling_params import ParamError
 from tests.hf_utils import load_hf_model, make_hf_checkpoint
 
@@ -135,3 +136,24 @@ def test_the_score_counts_the_prompt_and_not_a_final_eos():
     assert beam_search_score([1, 2, 3, 4], -2.0, eos_token_id=4) == pytest.approx(-2.0 / 3)
     assert beam_search_score([1, 2, 3, 4], -2.0, eos_token_id=9, length_penalty=0.5) == pytest.approx(-1.0)
     assert beam_search_score([4], -1.0, eos_token_id=4) == -1.0  # at least 1
+
+
+def _step_output(top: dict[int, float], sampled: int) -> CompletionOutput:
+    return CompletionOutput(0, "", [sampled], [top], "length")
+
+
+def test_the_candidates_are_each_beams_top_2_x_width_and_its_sampled_token():
+    """A step's requests may return more top log-probs than the search takes (the server's `logprobs`): the
+    candidates are still each beam's top 2 x beam_width tokens and its sampled one, whatever else is there."""
+    top = {10: -0.1, 11: -0.2, 12: -0.3, 13: -0.4, 14: -0.5}
+    params = BeamSearchParams(beam_width=2, max_tokens=1)
+    for eos, ended in ((13, True), (14, False)):  # EOS 4th (a candidate) or 5th (not one)
+        s = BeamSearch([[1, 2]], params, eos, num_logprobs=5)
+        assert s.step_params.logprobs == 5 and [b.tokens for b in s.live()] == [[1, 2]]
+        s.advance([_step_output(top, 10)])
+        assert s.done and [b.tokens[-1] for b in s.completed[0]] == ([13] if ended else [])
+        assert [b.tokens[-1] for b in s.beams[0]] == [10, 11]
+    s = BeamSearch([[1, 2]], params, 30)  # a sampled token (temperature > 0) outside the top entries
+    assert s.step_params.logprobs == 4
+    s.advance([_step_output({**top, 30: -7.0}, 30)])
+    assert [(b.tokens, b.cum_logprob) for b in s.completed[0]] == [([1, 2, 30], -7.0)]

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server_utils import ServeProcess, free_port, start_serve, wait_healthy
+from tests.server_utils import ServeProcess, free_port, metrics, start_serve, wait_for, wait_healthy
 
 
 def _stream_lines(url, body, lines, first_events: threading.Event):
@@ -25,6 +25,8 @@ def _stream_lines(url, body, lines, first_events: threading.Event):
 
 
 def test_sigterm_stops_intake_answers_in_flight_and_exits_0():
+    """SIGTERM: new requests are refused; a stream and a beam search in flight (their steps take turns with the
+    stream's) outlive the grace and are answered, aborted; the process exits 0."""
     with ServeProcess(["--max_model_len", "4096", "--shutdown_grace_s", "0.5"]) as served:
         url, proc = served.url, served.proc
         lines, started = [], threading.Event()
@@ -32,6 +34,11 @@ def test_sigterm_stops_intake_answers_in_flight_and_exits_0():
         t = threading.Thread(target=_stream_lines, args=(url, body, lines, started))
         t.start()
         assert started.wait(60)
+        beams: list = []
+        searching = threading.Thread(target=_whole, args=(url, {"prompt": "beams", "max_tokens": 3000, "n": 2,
+                                                                "ignore_eos": True, "use_beam_search": True}, beams))
+        searching.start()
+        wait_for(lambda: metrics(url)["mnemojax_num_requests_running"] >= 2, what="the search's steps running")
         proc.send_signal(signal.SIGTERM)
         # intake stops: a new request is refused (503 while draining, or no listener once closed)
         try:
@@ -40,12 +47,15 @@ def test_sigterm_stops_intake_answers_in_flight_and_exits_0():
             status = None
         assert status in (503, None)
         t.join(60)
+        searching.join(60)
         assert proc.wait(60) == 0
     output = served.output
     # the stream in flight got a final message (aborted: 4000 tokens do not fit in the 0.5 s grace) and [DONE]
     assert lines[-1] == "data: [DONE]", output[-3000:]
     final = json.loads(lines[-2][6:])["choices"][0]
     assert final["finish_reason"] == "abort"
+    (status, ctype, text), = beams
+    assert status == 200 and [c["finish_reason"] for c in json.loads(text)["choices"]] == ["abort"] * 2, text
     assert "draining" in output and "Traceback" not in output, output[-3000:]
     assert "objects of start-up out of the garbage collector's reach" in output  # no full-GC pauses while serving
 

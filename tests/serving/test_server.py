@@ -17,7 +17,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from mnemojax import LLM, SamplingParams
+from mnemojax import LLM, BeamSearchParams, SamplingParams
 from mnemojax.serving.app import build_app
 from mnemojax.engine.async_llm import AsyncLLM
 from models.tokenizer import ByteTokenizer
@@ -269,7 +269,7 @@ def test_bad_chat_input_is_400(client):
 
 @pytest.mark.parametrize("endpoint, field, value", [
     ("completions", "guided_json", {"type": "object"}), ("completions", "guided_choice", ["yes", "no"]),
-    ("completions", "use_beam_search", True), ("completions", "structured_outputs", {"regex": "a+"}),
+    ("completions", "structured_outputs", {"regex": "a+"}),
     ("completions", "priority", 5),
     ("completions", "spaces_between_special_tokens", False), ("chat", "guided_regex", "a+"),
 ])
@@ -282,9 +282,107 @@ def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, 
     with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as e:
         create(**kw, extra_body={field: value})
     assert e.value.body["param"] == field
-    neutral = {"use_beam_search": False, "priority": 0, "spaces_between_special_tokens": True}
+    neutral = {"priority": 0, "spaces_between_special_tokens": True}
     if field in neutral:
         assert create(**kw, extra_body={field: neutral[field]}).usage.completion_tokens == 2
+
+
+# ---------------------------------------------------------------- beam search (vLLM's use_beam_search)
+# The first prompt's search ends some beams at EOS (found by running the library's), the second's runs to the length.
+BEAM_PROMPTS = ["~7U-)_$cm/`EtvVUcVf2jQgQ=(Q}#VJ Si", "Gqn* )B*'8]Q:zb\\yj,#rF%MDHH=NN|a"]
+
+
+def _beam_choices(offline, prompts, params, include_stop=False):
+    """What the server's choices must hold, from the library's `LLM.beam_search` as vLLM's server shows its
+    sequences: (text, token ids, finish reason, stop reason, the tokens' log-probs), prompt by prompt, best first.
+    A sequence ending in EOS finished with "stop" (EOS its stop reason), its EOS in the token ids only with
+    include_stop_str_in_output and never in the text; the text is the byte tokenizer's decode."""
+    tok = offline.get_tokenizer()
+    eos, out = tok.eos_token_id, []
+    for prompt, res in zip(prompts, offline.beam_search(prompts, params)):
+        start = len(prompt) if isinstance(prompt, list) else len(tok.encode(prompt))
+        for s in res.sequences:
+            gen = s.tokens[start:]
+            stop = not params.ignore_eos and gen[-1] == eos
+            ids = gen if include_stop or not stop else gen[:-1]
+            out.append((tok.decode(gen[:-1] if stop else gen, skip_special_tokens=True), ids,
+                        "stop" if stop else "length", eos if stop else None, [d[t] for d, t in zip(s.logprobs, ids)]))
+    return out
+
+
+@pytest.mark.parametrize("length_penalty, include_stop", [(1.0, False), (0.5, True)])
+def test_beam_search_completions_are_the_librarys_sequences(client, offline, length_penalty, include_stop):
+    """use_beam_search with n = 3 over two prompts: each prompt's 3 choices are the library's 3 best sequences, best
+    first (text, tokens, finish and stop reasons, log-probs with their top entries); usage counts the tokens
+    returned. A sequence that ended at EOS shows it among its tokens only with include_stop_str_in_output."""
+    params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=length_penalty)
+    want = _beam_choices(offline, BEAM_PROMPTS, params, include_stop)
+    got = client.completions.create(model="tiny", prompt=BEAM_PROMPTS, n=3, max_tokens=6, temperature=0, logprobs=2,
+                                    extra_body={"use_beam_search": True, "length_penalty": length_penalty,
+                                                "include_stop_str_in_output": include_stop,
+                                                "return_tokens_as_token_ids": True})
+    assert [c.index for c in got.choices] == list(range(6))
+    assert [(c.text, c.finish_reason, c.stop_reason) for c in got.choices] == [w[:1] + w[2:4] for w in want]
+    assert {c.finish_reason for c in got.choices[:3]} == {"stop"} and {c.finish_reason for c in got.choices[3:]} == {
+        "length"}
+    for c, (_, ids, _, _, lps) in zip(got.choices, want):
+        assert c.logprobs.tokens == [f"token_id:{t}" for t in ids]
+        np.testing.assert_allclose(c.logprobs.token_logprobs, lps, rtol=0, atol=1e-6)
+        for t, top in zip(ids, c.logprobs.top_logprobs):  # the top 2, and the token's own when not among them
+            assert len(top) == 2 + (f"token_id:{t}" not in list(top)[:2])
+    tok = offline.get_tokenizer()
+    assert got.usage.prompt_tokens == sum(len(tok.encode(p)) for p in BEAM_PROMPTS)
+    assert got.usage.completion_tokens == sum(len(w[1]) for w in want)
+
+
+def test_one_beam_without_eos_is_greedy(client):
+    """One beam with ignore_eos keeps the most likely token at every step: the greedy completion, its text and its
+    log-probs (top 4, more than the 2 candidates a step of one beam takes)."""
+    kw = dict(model="tiny", prompt=BEAM_PROMPTS[1], max_tokens=8, temperature=0, logprobs=4)
+    greedy = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0]
+    beam = client.completions.create(**kw, extra_body={"ignore_eos": True, "use_beam_search": True}).choices[0]
+    assert (beam.text, beam.finish_reason) == (greedy.text, "length")
+    assert beam.logprobs.tokens == greedy.logprobs.tokens
+    assert beam.logprobs.text_offset == greedy.logprobs.text_offset
+    np.testing.assert_allclose(beam.logprobs.token_logprobs, greedy.logprobs.token_logprobs, rtol=0, atol=1e-6)
+    for b, g in zip(beam.logprobs.top_logprobs, greedy.logprobs.top_logprobs):
+        assert list(b) == list(g)
+        np.testing.assert_allclose(list(b.values()), list(g.values()), rtol=0, atol=1e-6)
+
+
+def test_beam_search_chat_is_the_librarys_on_the_templated_prompt(client, offline, url):
+    """Chat's use_beam_search searches from the messages through the chat template; the reply messages are the
+    library's sequences of those token ids, with their log-probs."""
+    messages = [{"role": "user", "content": "Hello there"}]
+    ids = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"]
+    want = _beam_choices(offline, [ids], BeamSearchParams(beam_width=2, max_tokens=5))
+    got = client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=5, temperature=0,
+                                         logprobs=True, top_logprobs=1, extra_body={"use_beam_search": True})
+    assert [(c.message.role, c.message.content, c.finish_reason) for c in got.choices] == [
+        ("assistant", w[0], w[2]) for w in want]
+    for c, w in zip(got.choices, want):
+        np.testing.assert_allclose([t.logprob for t in c.logprobs.content], w[4], rtol=0, atol=1e-6)
+        assert all(len(t.top_logprobs) == 1 for t in c.logprobs.content)
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), sum(len(w[1]) for w in want))
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stream": True}, "stream"), ({"seed": 3}, "seed"), ({"stop": ["a"]}, "stop"), ({"top_p": 0.5}, "top_p"),
+    ({"echo": True}, "echo"), ({"min_tokens": 2}, "min_tokens"), ({"n": 11}, "n"),
+    ({"use_beam_search": False, "length_penalty": 0.5}, "length_penalty"),
+])
+def test_beam_search_refuses_what_it_does_not_honour(client, extra, param):
+    """What vLLM's beam search ignores (streaming, sampling fields, stop strings, echo) is a 400 naming the field
+    with use_beam_search, and so is length_penalty without it; their neutral values pass."""
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": 0, "use_beam_search": True, **extra}
+    stream = body.pop("stream", False)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{k: body.pop(k) for k in ("model", "prompt", "max_tokens", "temperature")},
+                                  stream=stream, extra_body=body)
+    assert e.value.body["param"] == param
+    got = client.completions.create(model="tiny", prompt="ab", max_tokens=2, n=2, top_p=1.0, seed=None,
+                                    extra_body={"use_beam_search": True, "length_penalty": 1.0, "stop": []})
+    assert len(got.choices) == 2 and got.usage.completion_tokens == 4
 
 
 def test_truncate_prompt_tokens_counts_only_the_tokens_kept(client, offline, url):
@@ -490,6 +588,26 @@ def test_client_disconnects_abort_and_free_pages(url, llm, monkeypatch):
 
 
 @pytest.mark.slow  # ~15 s on 2 cores; tests/engine/test_async_llm.py streams concurrently by default
+def test_a_beam_search_whose_client_leaves_is_aborted(url, llm, monkeypatch):
+    """A client that leaves a beam search ends it: the step running then is aborted, nothing runs on, and every
+    page is free again."""
+    step = llm.engine.step
+
+    def slow_step():  # 100 steps take over a second
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
+    idle, aborted = metrics(url)["mnemojax_kv_pages_used"], _aborted(url)
+    body = {"model": "tiny", "prompt": "disconnect me", "max_tokens": 100, "ignore_eos": True, "n": 4,
+            "use_beam_search": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
+    wait_for(lambda: _aborted(url) > aborted, what="an aborted step")
+    wait_for(lambda: metrics(url)["mnemojax_kv_pages_used"] == idle, what="pages back to idle")
+    assert llm.stats().running == 0 and llm.num_active == 0
+
+
 def test_64_concurrent_streaming_clients(url, llm, caplog):
     caplog.set_level(logging.INFO)
     prompts = _prompts(64 * 3, seed=1)
