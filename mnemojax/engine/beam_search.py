@@ -92,7 +92,8 @@ class BeamSearch:
                 if out.token_ids[0] not in tokens:  # the sampled token (at temperature 0 among them)
                     tokens.append(out.token_ids[0])
                 for token in tokens:
-                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [top], beam.cum_logprob + top[token])
+                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [top],
+                                             beam.cum_logprob + top[token])
                     if token == self.eos_token_id and not self.params.ignore_eos:
                         self.completed[i].append(new)
                     else:

@@ -203,6 +203,8 @@ class Choice:
     role: str = "assistant"  # chat: the reply's role
     echoed: str = ""  # chat's `echo`: the text the reply starts with
     token_ids_as_text: bool = False  # vLLM's `return_tokens_as_token_ids`: logprobs write tokens as "token_id:<id>"
+    return_token_ids: bool = False  # vLLM's `return_token_ids`: the response shows the prompt's and its token ids
+    sent_prompt_ids: bool = False  # a stream's: the prompt's token ids have gone out
     pending: RequestOutput | None = None  # received, not taken: the DELTA outputs added up
     whole: CompletionOutput | None = None  # a beam search's output, not taken (`finish`)
     prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)  # received so far
@@ -502,18 +504,18 @@ class OpenAIServing:
         def chunk(choices_, **extra):
             return sse({**head, "object": self.stream_object, "choices": choices_, **extra})
 
-        def choice_chunk(c: Choice, data: dict):
+        def choice_chunk(c: Choice, data: dict, **extra):
             if not continuous_usage:
-                return chunk([data])
+                return chunk([data], **extra)
             n = len(c.prompt_ids)  # vLLM's: the choice's prompt and the tokens it has streamed so far
             return chunk([data], usage={"prompt_tokens": n, "completion_tokens": c.num_tokens,
-                                        "total_tokens": n + c.num_tokens})
+                                        "total_tokens": n + c.num_tokens}, **extra)
 
         preambles = [self.preamble(c) for c in choices]  # vLLM's order: every choice's first chunk, then the next
         for k in range(max(map(len, preambles), default=0)):
             for c, pre in zip(choices, preambles):
                 if k < len(pre):
-                    yield choice_chunk(c, pre[k])
+                    yield choice_chunk(c, pre[k], **(self.first_chunk_fields(c) if k == 0 else {}))
         async for _ in self.run(rid, choices, paced=True):
             for c in choices:
                 offset = c.taken_chars
@@ -543,6 +545,10 @@ class OpenAIServing:
 
     def preamble(self, c: Choice) -> list[dict]:
         return []
+
+    def first_chunk_fields(self, c: Choice) -> dict:
+        """Fields beside the choices of a choice's first preamble chunk."""
+        return {}
 
     def response_fields(self, choices: list[Choice]) -> dict:
         """Fields a whole response has besides id, created, model, object, choices and usage."""

@@ -40,7 +40,8 @@ class ServingChat(OpenAIServing):
         try:
             choices = self.admit([prompt_ids], params, body.n, show_prompt_logprobs=body.prompt_logprobs,
                                  role=self.reply_role(body), echoed=self.echoed(body),
-                                 token_ids_as_text=self.token_ids_as_text(body))
+                                 token_ids_as_text=self.token_ids_as_text(body),
+                                 return_token_ids=bool(body.return_token_ids))
         except APIError as e:
             if e.param != "prompt":
                 raise
@@ -84,8 +85,14 @@ class ServingChat(OpenAIServing):
         return last.text() if body.echo and last.role == self.reply_role(body) else ""
 
     def response_fields(self, choices: list[Choice]) -> dict:
-        """vLLM's chat response has `prompt_logprobs` once, beside the choices (their prompt is the same)."""
-        return {"prompt_logprobs": self.prompt_logprobs(choices[0])}
+        """vLLM's chat response has `prompt_logprobs` once, beside the choices (their prompt is the same), and
+        with `return_token_ids` the prompt's token ids."""
+        ids = {"prompt_token_ids": choices[0].prompt_ids} if choices[0].return_token_ids else {}
+        return {"prompt_logprobs": self.prompt_logprobs(choices[0]), **ids}
+
+    def first_chunk_fields(self, c: Choice) -> dict:
+        """vLLM's: with `return_token_ids`, a choice's role chunk carries the prompt's token ids."""
+        return {"prompt_token_ids": c.prompt_ids} if c.return_token_ids else {}
 
     def logprobs(self, c: Choice, ids: list[int], lps: list[dict]) -> dict | None:
         if c.params.logprobs is None:
@@ -106,11 +113,13 @@ class ServingChat(OpenAIServing):
         return first
 
     def stream_choice(self, c: Choice, new: CompletionOutput, offset: int) -> dict:
+        ids = {"token_ids": new.token_ids} if c.return_token_ids else {}
         return {"index": c.index, "delta": {"content": new.text} if new.text else {},
                 "logprobs": self.logprobs(c, new.token_ids, new.logprobs or []),
-                "finish_reason": new.finish_reason, "stop_reason": new.stop_reason}
+                "finish_reason": new.finish_reason, "stop_reason": new.stop_reason, **ids}
 
     def whole_choice(self, c: Choice, whole: CompletionOutput) -> dict:
+        ids = {"token_ids": whole.token_ids} if c.return_token_ids else {}
         return {"index": c.index, "message": {"role": c.role, "content": c.echoed + whole.text},
                 "logprobs": self.logprobs(c, whole.token_ids, whole.logprobs or []),
-                "finish_reason": whole.finish_reason, "stop_reason": whole.stop_reason}
+                "finish_reason": whole.finish_reason, "stop_reason": whole.stop_reason, **ids}

@@ -47,7 +47,8 @@ class ServingCompletion(OpenAIServing):
                        for p in prompts]
         choices = self.admit(prompts, params, body.n, rest_of_context=rest, show_prompt_logprobs=body.prompt_logprobs,
                              echo=body.echo, discard_output=max_tokens == 0,
-                             token_ids_as_text=self.token_ids_as_text(body))
+                             token_ids_as_text=self.token_ids_as_text(body),
+                             return_token_ids=bool(body.return_token_ids))
         return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage, beam)
 
     def logprobs(self, c: Choice, ids: list[int], lps: list[dict | None], offsets: list[int]) -> dict | None:
@@ -92,8 +93,13 @@ class ServingCompletion(OpenAIServing):
             ready, c.held = c.held[:n], c.held[n:]
             lps = self.logprobs(c, [t for t, _, _ in ready], [d for _, d, _ in ready],
                                 [min(at, end) for _, _, at in ready])
-        return {"index": c.index, "text": new.text, "logprobs": lps, "finish_reason": new.finish_reason,
-                "stop_reason": new.stop_reason}
+        out = {"index": c.index, "text": new.text, "logprobs": lps, "finish_reason": new.finish_reason,
+               "stop_reason": new.stop_reason}
+        if c.return_token_ids:  # vLLM's: the chunk's new ids, the prompt's in the choice's first chunk
+            out["token_ids"] = new.token_ids
+            if not c.sent_prompt_ids:
+                out["prompt_token_ids"], c.sent_prompt_ids = c.prompt_ids, True
+        return out
 
     def whole_choice(self, c: Choice, whole: CompletionOutput) -> dict:
         prompt = self.tokenizer.decode(c.prompt_ids, skip_special_tokens=c.params.skip_special_tokens) if c.echo else ""
@@ -111,5 +117,6 @@ class ServingCompletion(OpenAIServing):
                 at = self.offsets(self.text_offsets(c.params), c.prompt_ids, 0, 0, len(prompt))
                 echoed = self.logprobs(c, c.prompt_ids, plps, at)
                 lps = {k: echoed[k] + lps[k] for k in lps}
+        ids = {"token_ids": whole.token_ids, "prompt_token_ids": c.prompt_ids} if c.return_token_ids else {}
         return {"index": c.index, "text": text, "logprobs": lps, "finish_reason": whole.finish_reason,
-                "stop_reason": whole.stop_reason, "prompt_logprobs": self.prompt_logprobs(c)}
+                "stop_reason": whole.stop_reason, "prompt_logprobs": self.prompt_logprobs(c), **ids}

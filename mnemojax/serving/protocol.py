@@ -3,8 +3,8 @@
 Field names, types and defaults follow the OpenAI API (`logit_bias` included: token ids to biases in [-100, 100]),
 plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`,
-`return_tokens_as_token_ids`, `add_special_tokens`, `use_beam_search` with `length_penalty`, and chat's
-`continue_final_message`, `chat_template`, `documents`, `echo`).
+`return_tokens_as_token_ids`, `return_token_ids`, `add_special_tokens`, `use_beam_search` with
+`length_penalty`, and chat's `continue_final_message`, `chat_template`, `documents`, `echo`).
 Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
@@ -113,6 +113,11 @@ class _SamplingRequest(_Strict):
                                                                               "server's flag)")
     bad_words: list[Text] = Field(default_factory=list, description="vLLM's: words that may not be generated "
                                                                     "(each as vLLM tokenizes it)")
+    return_token_ids: bool | None = Field(default=None, description="vLLM's: each choice's generated token ids "
+                                                                    "(`token_ids`) and the prompt's "
+                                                                    "(`prompt_token_ids`); streamed, each chunk's "
+                                                                    "new ids, the prompt's in a choice's first "
+                                                                    "chunk")
     use_beam_search: bool = Field(default=False, description="vLLM's: beam search with n beams, the n best "
                                                              "sequences the choices (not with stream or the "
                                                              "sampling fields; see the README)")

@@ -287,6 +287,40 @@ def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, 
         assert create(**kw, extra_body={field: neutral[field]}).usage.completion_tokens == 2
 
 
+def test_return_token_ids_shows_the_prompts_and_each_choices_ids(client, offline, url):
+    """vLLM's return_token_ids: completions' choices carry the prompt's ids (BOS included) and their generated ids,
+    whole or streamed (each chunk its new ids, the prompt's in a choice's first chunk only); chat's response carries
+    the templated prompt's ids (streamed: each choice's role chunk), its choices their ids; without it, none."""
+    tok = offline.get_tokenizer()
+    prompts = _prompts(2, seed=7)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ref = [out.outputs[0].token_ids for out in offline.generate(prompts, greedy)]
+    kw = dict(model="tiny", prompt=prompts, max_tokens=6, temperature=0, n=2)
+    body = {"ignore_eos": True, "return_token_ids": True}
+    got = client.completions.create(**kw, extra_body=body)
+    assert [(c.token_ids, c.prompt_token_ids) for c in got.choices] == [
+        (ref[i // 2], tok.encode(prompts[i // 2])) for i in range(4)]
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].model_extra
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    chunks = list(client.completions.create(**kw, stream=True, extra_body=body))
+    for i in range(4):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert sum((m.token_ids for m in mine), []) == ref[i // 2]
+        assert [getattr(m, "prompt_token_ids", None) for m in mine] == [tok.encode(prompts[i // 2])] + [None] * (
+            len(mine) - 1)
+
+    messages = [{"role": "user", "content": "Hi there"}]
+    ids = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"]
+    want = offline.generate([ids], greedy)[0].outputs[0].token_ids
+    kw = dict(model="tiny", messages=messages, max_tokens=6, temperature=0, extra_body=body)
+    got = client.chat.completions.create(**kw)
+    assert got.prompt_token_ids == ids and got.choices[0].token_ids == want
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].prompt_token_ids == ids
+    assert all(getattr(ch, "prompt_token_ids", None) is None for ch in chunks[1:])
+    assert sum((ch.choices[0].token_ids for ch in chunks[1:] if ch.choices), []) == want
+
+
 # ---------------------------------------------------------------- beam search (vLLM's use_beam_search)
 # The first prompt's search ends some beams at EOS (found by running the library's), the second's runs to the length.
 BEAM_PROMPTS = ["~7U-)_$cm/`EtvVUcVf2jQgQ=(Q}#VJ Si", "Gqn* )B*'8]Q:zb\\yj,#rF%MDHH=NN|a"]
@@ -320,13 +354,13 @@ def test_beam_search_completions_are_the_librarys_sequences(client, offline, len
     got = client.completions.create(model="tiny", prompt=BEAM_PROMPTS, n=3, max_tokens=6, temperature=0, logprobs=2,
                                     extra_body={"use_beam_search": True, "length_penalty": length_penalty,
                                                 "include_stop_str_in_output": include_stop,
-                                                "return_tokens_as_token_ids": True})
+                                                "return_tokens_as_token_ids": True, "return_token_ids": True})
     assert [c.index for c in got.choices] == list(range(6))
     assert [(c.text, c.finish_reason, c.stop_reason) for c in got.choices] == [w[:1] + w[2:4] for w in want]
     assert {c.finish_reason for c in got.choices[:3]} == {"stop"} and {c.finish_reason for c in got.choices[3:]} == {
         "length"}
     for c, (_, ids, _, _, lps) in zip(got.choices, want):
-        assert c.logprobs.tokens == [f"token_id:{t}" for t in ids]
+        assert c.token_ids == ids and c.logprobs.tokens == [f"token_id:{t}" for t in ids]
         np.testing.assert_allclose(c.logprobs.token_logprobs, lps, rtol=0, atol=1e-6)
         for t, top in zip(ids, c.logprobs.top_logprobs):  # the top 2, and the token's own when not among them
             assert len(top) == 2 + (f"token_id:{t}" not in list(top)[:2])
