@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import sys
 import textwrap
 import types
 import typing
@@ -154,6 +155,35 @@ def from_flags(cls, flag_values: flags.FlagValues = flags.FLAGS, **overrides):
         elif f.name in flag_values:
             kwargs[f.name] = flag_values[f.name].value
     return cls(**kwargs)
+
+
+def dashed_names(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
+    """The command line with vLLM's spellings of this command's flags made absl's: `--max-model-len 4096` is
+    `--max_model_len 4096`, and a boolean's `--no-enable-prefix-caching` is `--noenable_prefix_caching`. Only a
+    name that is one of the command's flags once its dashes are underscores changes; a flag's value (the word after
+    a flag that takes one), anything after `--`, and a name that is no flag (absl's error names it) stay as given."""
+    out, value_next = list(argv[:1]), False
+    for i, arg in enumerate(argv[1:], 1):
+        if value_next or not arg.startswith("--") or arg == "--":
+            if arg == "--" and not value_next:
+                return out + argv[i:]
+            out.append(arg)
+            value_next = False
+            continue
+        name, eq, value = arg[2:].partition("=")
+        under = name.replace("-", "_")
+        if under.startswith("no_") and under[3:] in flag_values and flag_values[under[3:]].boolean:
+            under = "no" + under[3:]
+        if under in flag_values or (under.startswith("no") and under[2:] in flag_values):
+            name = under
+        out.append(f"--{name}{eq}{value}")
+        value_next = not eq and name in flag_values and not flag_values[name].boolean
+    return out
+
+
+def run_command(main) -> None:
+    """`absl.app.run(main)` on the command line with vLLM's dashed flag names taken (`dashed_names`)."""
+    app.run(main, argv=dashed_names(sys.argv))
 
 
 def no_arguments(argv: list[str]) -> None:

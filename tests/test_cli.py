@@ -10,7 +10,7 @@ from typing import Literal
 import pytest
 from absl import flags
 
-from mnemojax.cli import define_flags, field_docs, from_flags
+from mnemojax.cli import dashed_names, define_flags, field_docs, from_flags
 from tests.server_utils import ROOT, serve_env
 
 
@@ -80,6 +80,21 @@ def test_optional_numbers_take_none():
         _parse(["--target_ms=x"])
 
 
+def test_vllms_dashed_names_are_taken():
+    """vLLM's spellings: dashes for underscores, `--no-` for a boolean's `--no`; a flag's value, anything after
+    `--` and a name that is no flag stay as typed."""
+    fv = flags.FlagValues()
+    define_flags(Outer, fv)
+    argv = dashed_names(["prog", "--chunk-size", "64", "--no-verbose", "--target-ms=12.5", "--model", "--odd-name"],
+                        fv)
+    assert argv == ["prog", "--chunk_size", "64", "--noverbose", "--target_ms=12.5", "--model", "--odd-name"]
+    fv(argv)
+    assert from_flags(Outer, fv) == Outer("--odd-name", False, Inner(64, "fcfs", 12.5))
+    assert dashed_names(["prog", "--verbose", "--policy=ilrs"], fv) == ["prog", "--verbose", "--policy=ilrs"]
+    rest = ["prog", "--not-a-flag", "--", "--chunk-size"]
+    assert dashed_names(rest, fv) == rest
+
+
 def test_a_name_in_two_configs_is_refused():
     with pytest.raises(ValueError, match="chunk_size"):
         _parse([], cls=Clash)
@@ -88,7 +103,7 @@ def test_a_name_in_two_configs_is_refused():
 @pytest.mark.parametrize("argv, message", [
     (["mnemojax.serve", "/path/to/model"], "unexpected arguments: ['/path/to/model']"),  # vLLM's `serve MODEL`
     (["mnemojax.serve", "--port=70000"], "port must be in 0..65535, got 70000"),
-    (["mnemojax.serve", "--page_size=0"], "page_size must be a positive integer, got 0"),
+    (["mnemojax.serve", "--page-size=0"], "page_size must be a positive integer, got 0"),  # vLLM's dashes
     (["mnemojax.serve", "--shutdown_grace_s=nan"], "shutdown_grace_s must be >= 0, got nan"),
     (["mnemojax.serve", "--model=/nonexistent"], "'/nonexistent' is neither a preset"),  # found while loading
     (["mnemojax.serve", "--chat_template=no/such/file"], "chat_template: 'no/such/file' is neither a file nor"),
@@ -105,7 +120,8 @@ def test_a_name_in_two_configs_is_refused():
     (["mnemojax.serve", "--coordinator_address=localhost:99999", "--num_processes=2", "--process_id=1"],
      "got 'localhost:99999'"),
     (["mnemojax.sim", "stray"], "unexpected arguments: ['stray']"),
-    (["mnemojax.sim", "--num_pages=1"], "num_pages must be at least 2"),
+    (["mnemojax.sim", "--num-pages", "1"], "num_pages must be at least 2"),
+    (["mnemojax.sim", "--num-pagez=1"], "Unknown command line flag 'num-pagez'"),  # as typed, when no flag
     (["mnemojax.sim", "--trace=/nonexistent.jsonl"], "No such file or directory: '/nonexistent.jsonl'"),
     (["mnemojax.sim", "--duration_s=inf"], "duration_s must be a finite number > 0, got inf"),
     (["mnemojax.sim", "--output_json=/nonexistent/dir/x.json"], "output_json: '/nonexistent/dir' is not a writable"),

@@ -8,9 +8,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from absl import app
 
-from mnemojax.cli import define_flags, from_flags, no_arguments, usage_errors
+from mnemojax.cli import define_flags, from_flags, no_arguments, run_command, usage_errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +61,7 @@ def run():
 
     for cls in (EngineConfig, GenerateConfig):
         define_flags(cls)
-    app.run(main)
+    run_command(main)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ import logging
 import os
 import time
 
-from absl import app, flags
+from absl import flags
 
-from mnemojax.cli import define_flags, from_flags, no_arguments, usage_errors
+from mnemojax.cli import define_flags, from_flags, no_arguments, run_command, usage_errors
 from mnemojax.serving.config import MultiHostConfig, ServerConfig
 from models.tokenizer import has_hf_tokenizer
 
@@ -173,7 +173,7 @@ def define_serve_flags(flag_values: flags.FlagValues = FLAGS) -> None:
 def run():
     define_serve_flags()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app.run(main)
+    run_command(main)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from absl import app
 
 from mnemojax.sim import simulator
-from mnemojax.cli import define_flags, from_flags, no_arguments, output_path, usage_errors
+from mnemojax.cli import define_flags, from_flags, no_arguments, output_path, run_command, usage_errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +55,7 @@ def run():
     define_flags(simulator.SimConfig)
     define_flags(simulator.Workload, skip=("long_threshold_tokens",))  # SimConfig's flag serves both
     define_flags(Outputs)
-    app.run(main)
+    run_command(main)
 
 
 if __name__ == "__main__":

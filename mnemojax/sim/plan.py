@@ -8,10 +8,9 @@ search-space flags (--tp, --spp, --kvp, --chunk_size, --scheduler_policy, ...) t
 """
 from __future__ import annotations
 
-from absl import app
 
 from mnemojax.sim import planner
-from mnemojax.cli import define_flags, from_flags, no_arguments, output_path, usage_errors
+from mnemojax.cli import define_flags, from_flags, no_arguments, output_path, run_command, usage_errors
 
 
 def main(argv):
@@ -28,7 +27,7 @@ def main(argv):
 
 def run():
     define_flags(planner.PlanConfig)
-    app.run(main)
+    run_command(main)
 
 
 if __name__ == "__main__":

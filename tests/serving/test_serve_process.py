@@ -27,7 +27,7 @@ def _stream_lines(url, body, lines, first_events: threading.Event):
 def test_sigterm_stops_intake_answers_in_flight_and_exits_0():
     """SIGTERM: new requests are refused; a stream and a beam search in flight (their steps take turns with the
     stream's) outlive the grace and are answered, aborted; the process exits 0."""
-    with ServeProcess(["--max_model_len", "4096", "--shutdown_grace_s", "0.5"]) as served:
+    with ServeProcess(["--max-model-len", "4096", "--shutdown-grace-s", "0.5"]) as served:  # vLLM's spelling
         url, proc = served.url, served.proc
         lines, started = [], threading.Event()
         body = {"prompt": "a long answer", "max_tokens": 4000, "ignore_eos": True, "stream": True}
