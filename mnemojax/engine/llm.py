@@ -174,11 +174,10 @@ class LLM:
                                              use_tqdm=use_tqdm)]
 
     def chat(self, messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, add_special_tokens: bool = False,
-             chat_template_kwargs: dict | None = None, use_tqdm: bool | Callable[..., tqdm] = True
-             ) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., tqdm] = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             add_special_tokens: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages) or a list of them, each
         through the tokenizer's chat template (`chat_template`: another Jinja template; `chat_template_kwargs`:
         more template variables), then `generate` on the token ids; one `RequestOutput` per conversation. A

@@ -70,7 +70,7 @@ def test_a_callable_makes_the_bar_which_counts_finished_prompts_and_their_tokens
     assert speeds[1] > 0 and speeds[0] / speeds[1] == pytest.approx(9 / 6, rel=1e-2)
 
     bars.clear()
-    llm.chat([{"role": "user", "content": "hi"}], PARAMS, use_tqdm=make)
+    llm.chat([{"role": "user", "content": "hi"}], PARAMS, make)  # third, as in vLLM's signature
     assert bars[0].kwargs["total"] == 1 and sum(bars[0].updates) == 1 and bars[0].closed
 
 
