@@ -205,6 +205,7 @@ class Choice:
     token_ids_as_text: bool = False  # vLLM's `return_tokens_as_token_ids`: logprobs write tokens as "token_id:<id>"
     return_token_ids: bool = False  # vLLM's `return_token_ids`: the response shows the prompt's and its token ids
     sent_prompt_ids: bool = False  # a stream's: the prompt's token ids have gone out
+    echo_chars: int | None = None  # a stream's echo: the prompt text's length once it has gone out
     pending: RequestOutput | None = None  # received, not taken: the DELTA outputs added up
     whole: CompletionOutput | None = None  # a beam search's output, not taken (`finish`)
     prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)  # received so far

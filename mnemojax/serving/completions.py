@@ -3,8 +3,9 @@
 `echo` (OpenAI's): the text is the prompt (decoded from its token ids) followed by the completion, and `logprobs`
 covers the prompt's tokens first (the first one's log-prob and top entries null), then the generated ones; the
 prompt's come from the engine's prompt log-probs. `max_tokens: 0` (only with echo) returns the prompt alone: the
-engine generates one token, which the response leaves out. Echo works with `n` (each choice echoes the prompt) but
-not with `stream` (400). vLLM's `prompt_logprobs` adds each choice's `prompt_logprobs`.
+engine generates one token, which the response leaves out. Echo works with `n` (each choice echoes the prompt) and
+with `stream` (each choice's first chunk leads with the prompt's text and log-probs, as vLLM's). vLLM's
+`prompt_logprobs` adds each choice's `prompt_logprobs` (not with `stream`, as in vLLM).
 """
 from __future__ import annotations
 
@@ -79,21 +80,31 @@ class ServingCompletion(OpenAIServing):
         is its start in the text, or the end of the final text when a stop string cut its text off; while its
         start lies past the text streamed so far (its text held back: an incomplete character, the start of a stop
         string) that is not known yet, so its entry waits for a later chunk, as held-back text does, and the
-        stream's entries joined equal the whole response's."""
+        stream's entries joined equal the whole response's. With echo the choice's first chunk leads with the
+        prompt (by then the engine has sent all of the prompt's log-probs: a request's first token comes after
+        its whole prompt)."""
+        prompt = ""
+        if c.echo and c.echo_chars is None:
+            prompt = self.prompt_text(c)
+            c.echo_chars = len(prompt)
+        base = c.echo_chars or 0  # where the completion starts in the choice's text
         lps = None
         if c.params.logprobs is not None:
             if c.offsets is None:
                 c.offsets = self.text_offsets(c.params, c.prompt_ids)
-            starts = self.offsets(c.offsets, new.token_ids, 0, c.last_offset, math.inf)  # not clamped to the text
+            starts = self.offsets(c.offsets, new.token_ids, base, c.last_offset, math.inf)  # not clamped
             c.last_offset = starts[-1] if starts else c.last_offset
             c.held += zip(new.token_ids, new.logprobs or [None] * len(new.token_ids), starts)
-            end = offset + len(new.text)  # the text streamed so far, this chunk's included
+            end = base + offset + len(new.text)  # the text streamed so far, this chunk's included
             # the starts never decrease: the settled ones are a prefix
             n = len(c.held) if new.finish_reason is not None else sum(at <= end for _, _, at in c.held)
             ready, c.held = c.held[:n], c.held[n:]
             lps = self.logprobs(c, [t for t, _, _ in ready], [d for _, d, _ in ready],
                                 [min(at, end) for _, _, at in ready])
-        out = {"index": c.index, "text": new.text, "logprobs": lps, "finish_reason": new.finish_reason,
+            if prompt:
+                echoed = self.echo_logprobs(c, prompt)
+                lps = {k: echoed[k] + lps[k] for k in lps}
+        out = {"index": c.index, "text": prompt + new.text, "logprobs": lps, "finish_reason": new.finish_reason,
                "stop_reason": new.stop_reason}
         if c.return_token_ids:  # vLLM's: the chunk's new ids, the prompt's in the choice's first chunk
             out["token_ids"] = new.token_ids
@@ -101,8 +112,20 @@ class ServingCompletion(OpenAIServing):
                 out["prompt_token_ids"], c.sent_prompt_ids = c.prompt_ids, True
         return out
 
+    def prompt_text(self, c: Choice) -> str:
+        """Echo's text of the prompt: its token ids decoded."""
+        return self.tokenizer.decode(c.prompt_ids, skip_special_tokens=c.params.skip_special_tokens)
+
+    def echo_logprobs(self, c: Choice, prompt: str) -> dict:
+        """Echo's logprobs of the prompt's tokens (`prompt`: their text), the first one's null. The engine may have
+        computed more top entries for the prompt (`prompt_logprobs`) than `logprobs` shows."""
+        plps = [None if d is None else dict(top_entries(d, c.params.logprobs, t))
+                for t, d in zip(c.prompt_ids, c.prompt_logprobs)]
+        at = self.offsets(self.text_offsets(c.params), c.prompt_ids, 0, 0, len(prompt))
+        return self.logprobs(c, c.prompt_ids, plps, at)
+
     def whole_choice(self, c: Choice, whole: CompletionOutput) -> dict:
-        prompt = self.tokenizer.decode(c.prompt_ids, skip_special_tokens=c.params.skip_special_tokens) if c.echo else ""
+        prompt = self.prompt_text(c) if c.echo else ""
         text = prompt + whole.text
         lps = None
         if c.params.logprobs is not None:
@@ -110,12 +133,7 @@ class ServingCompletion(OpenAIServing):
                              len(text))
             lps = self.logprobs(c, whole.token_ids, whole.logprobs or [], at)
             if c.echo:
-                # The engine may have computed more top entries for the prompt (`prompt_logprobs`) than `logprobs`
-                # shows.
-                plps = [None if d is None else dict(top_entries(d, c.params.logprobs, t))
-                        for t, d in zip(c.prompt_ids, c.prompt_logprobs)]
-                at = self.offsets(self.text_offsets(c.params), c.prompt_ids, 0, 0, len(prompt))
-                echoed = self.logprobs(c, c.prompt_ids, plps, at)
+                echoed = self.echo_logprobs(c, prompt)
                 lps = {k: echoed[k] + lps[k] for k in lps}
         ids = {"token_ids": whole.token_ids, "prompt_token_ids": c.prompt_ids} if c.return_token_ids else {}
         return {"index": c.index, "text": text, "logprobs": lps, "finish_reason": whole.finish_reason,

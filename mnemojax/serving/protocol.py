@@ -8,7 +8,7 @@ plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `i
 Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
-honour (`suffix`, `best_of`, completions' `echo` or `prompt_logprobs` with `stream`, vLLM's guided decoding and
+honour (`suffix`, `best_of`, completions' `prompt_logprobs` with `stream`, vLLM's guided decoding and
 the other fields in `_UNHONOURED`, with `use_beam_search` the fields in `_NOT_WITH_BEAMS` that vLLM's beam search
 ignores, `length_penalty` without it, a `response_format` other than text, `tools`, a `tool_choice` other than
 none or auto) are accepted in the schema and rejected with a 400 naming them when set, never silently dropped; so
@@ -229,8 +229,6 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
     def check(self) -> None:
-        if self.echo and self.stream:
-            raise ParamError("echo", "echo is not supported with stream (the prompt's log-probs come whole)")
         least = 0 if self.echo else 1
         if self.max_tokens is not None and self.max_tokens < least:
             raise ParamError("max_tokens", f"max_tokens must be at least 1 (0 only with echo), got {self.max_tokens}")

@@ -1,5 +1,7 @@
 """Echo, prompt log-probs and the tokenizer endpoints on the tiny model, against the offline `LLM`'s
 `prompt_logprobs` (computed by the engine's own path for the library, independently of the server's formatting)."""
+import json
+
 import httpx
 import numpy as np
 import pytest
@@ -126,8 +128,47 @@ def test_prompt_logprobs_vllm_shape(url, offline):
         [d[t] for t, d in zip(chat_ids[1:], want.prompt_logprobs[1:])]
 
 
+def _streamed(url, body) -> dict[int, list[dict]]:
+    """A stream's choices, chunk by chunk, by choice index."""
+    chunks: dict[int, list[dict]] = {}
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    chunks.setdefault(c["index"], []).append(c)
+    return chunks
+
+
+@pytest.mark.parametrize("max_tokens, stop", [(0, None), (6, None), (12, ["\x7fA"])])  # the greedy text has it
+def test_streamed_echo_equals_the_whole_response(url, max_tokens, stop):
+    """Echo with stream (vLLM's): each choice's first chunk leads with the prompt's text and log-probs, and a
+    choice's chunks joined are the whole response's choice: text, tokens, offsets, log-probs (these to float32
+    rounding: the two requests run in other batches); also when a stop string cuts the text."""
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2, "echo": True, "n": 2,
+            "stop": stop, "ignore_eos": True}
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    whole = r.json()["choices"]
+    streamed = _streamed(url, body)
+    assert sorted(streamed) == [0, 1]
+    for choice in whole:
+        mine = streamed[choice["index"]]
+        assert mine[0]["text"].startswith(PROMPT)
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert mine[-1]["finish_reason"] == choice["finish_reason"] == ("stop" if stop else "length")
+        lps = [c["logprobs"] for c in mine]
+        for key in ("tokens", "text_offset"):
+            assert sum((lp[key] for lp in lps), []) == choice["logprobs"][key]
+        got = sum((lp["token_logprobs"] for lp in lps), [])
+        assert got[0] is None and choice["logprobs"]["token_logprobs"][0] is None
+        np.testing.assert_allclose(got[1:], choice["logprobs"]["token_logprobs"][1:], rtol=0, atol=1e-6)
+        tops = sum((lp["top_logprobs"] for lp in lps), [])
+        assert [t and list(t) for t in tops] == [t and list(t) for t in choice["logprobs"]["top_logprobs"]]
+
+
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "a", "echo": True, "stream": True}, "echo"),
     ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a", "max_tokens": -1, "echo": True}, "max_tokens"),
