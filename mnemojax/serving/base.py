@@ -485,12 +485,17 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ responses
     async def respond(self, request: Request, stream: bool, include_usage: bool, choices: list[Choice],
-                      continuous_usage: bool = False, beam: BeamSearchParams | None = None):
+                      continuous_usage: bool = False, beam: BeamSearchParams | None = None,
+                      request_id: str | None = None):
         """The whole response, or a stream of chunks ending with [DONE] (`continuous_usage`: each chunk with its
         choice's usage so far, vLLM's `continuous_usage_stats`); `beam`: the choices are a beam search's (never
-        streamed: the request's check refuses that)."""
+        streamed: the request's check refuses that). The response's id is "<prefix>-<id>" with vLLM's id: the
+        `X-Request-Id` header's, else the body's `request_id`, else a fresh one; the engine's request ids are
+        always fresh (two requests may give the same id)."""
         rid, created = f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "created": created, "model": self.state.served_model_name}
+        given = request.headers.get("x-request-id") or request_id
+        head = {"id": f"{self.id_prefix}-{given}" if given else rid, "created": created,
+                "model": self.state.served_model_name}
         if stream:
             return StreamingResponse(self._guarded(self._events(rid, head, choices, include_usage, continuous_usage)),
                                      media_type="text/event-stream",

@@ -47,7 +47,8 @@ class ServingChat(OpenAIServing):
                 raise
             # the prompt is the messages through the chat template: name the field the client sent
             raise APIError(e.status, f"messages (through the chat template): {e.message}", "messages") from None
-        return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage, beam)
+        return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage, beam,
+                                  body.request_id)
 
     def render(self, body, add_special_tokens: bool) -> list[int]:
         """The token ids of `body.messages` through the chat template (the request's `chat_template` where the

@@ -50,7 +50,8 @@ class ServingCompletion(OpenAIServing):
                              echo=body.echo, discard_output=max_tokens == 0,
                              token_ids_as_text=self.token_ids_as_text(body),
                              return_token_ids=bool(body.return_token_ids))
-        return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage, beam)
+        return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage, beam,
+                                  body.request_id)
 
     def logprobs(self, c: Choice, ids: list[int], lps: list[dict | None], offsets: list[int]) -> dict | None:
         """OpenAI's completion logprobs of tokens `ids`, whose text starts at `offsets` of the choice's text; an entry

@@ -113,6 +113,8 @@ class _SamplingRequest(_Strict):
                                                                               "server's flag)")
     bad_words: list[Text] = Field(default_factory=list, description="vLLM's: words that may not be generated "
                                                                     "(each as vLLM tokenizes it)")
+    request_id: Text | None = Field(default=None, description="vLLM's: the response's id is '<cmpl or chatcmpl>-"
+                                                              "<request_id>' (an X-Request-Id header wins)")
     return_token_ids: bool | None = Field(default=None, description="vLLM's: each choice's generated token ids "
                                                                     "(`token_ids`) and the prompt's "
                                                                     "(`prompt_token_ids`); streamed, each chunk's "

@@ -4,6 +4,7 @@ One `AsyncLLM` serves three apps (no key; an API key; a queue of 1), each on its
 with the offline `LLM` on the same engine configuration: the server must return exactly what the library does.
 """
 import asyncio
+import concurrent.futures
 import json
 import logging
 import pathlib
@@ -319,6 +320,24 @@ def test_return_token_ids_shows_the_prompts_and_each_choices_ids(client, offline
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].prompt_token_ids == ids
     assert all(getattr(ch, "prompt_token_ids", None) is None for ch in chunks[1:])
     assert sum((ch.choices[0].token_ids for ch in chunks[1:] if ch.choices), []) == want
+
+
+def test_the_response_id_is_the_clients_request_id(client):
+    """vLLM's request_id, and its X-Request-Id header, which wins, name the response ("cmpl-<id>", "chatcmpl-<id>"),
+    each chunk of a stream too; requests that give the same id run side by side; without one the id is fresh."""
+    kw = dict(model="tiny", prompt="ab", max_tokens=2, temperature=0)
+    assert client.completions.create(**kw, extra_body={"request_id": "job-7"}).id == "cmpl-job-7"
+    assert client.completions.create(**kw, extra_body={"request_id": "job-7"},
+                                     extra_headers={"X-Request-Id": "hdr-1"}).id == "cmpl-hdr-1"
+    assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                          extra_body={"request_id": "c1"}).id == "chatcmpl-c1"
+    assert {c.id for c in client.completions.create(**kw, stream=True, extra_body={"request_id": "s"})} == {"cmpl-s"}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        same = list(pool.map(lambda _: client.completions.create(**{**kw, "max_tokens": 8},
+                                                                 extra_body={"request_id": "dup"}), range(3)))
+    assert [(r.id, r.usage.completion_tokens) for r in same] == [("cmpl-dup", 8)] * 3
+    ids = {client.completions.create(**kw).id for _ in range(2)}
+    assert len(ids) == 2 and all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids)
 
 
 # ---------------------------------------------------------------- beam search (vLLM's use_beam_search)
