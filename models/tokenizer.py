@@ -160,6 +160,18 @@ def is_byte_level(tokenizer) -> bool:
     return decoder is not None and b'"type":"ByteLevel"' in decoder.__getstate__()
 
 
+def spaces_between_special_tokens_matter(tokenizer) -> bool:
+    """Whether `tokenizer`'s decode puts spaces between special tokens unless told not to (vLLM's
+    `spaces_between_special_tokens`; a slow tokenizer under transformers 4 does), tried on two special tokens. Fast
+    tokenizers, transformers 5's and the built-in byte tokenizer never do."""
+    special = sorted(getattr(tokenizer, "all_special_ids", None) or [])
+    if tokenizer is None or isinstance(tokenizer, ByteTokenizer) or len(special) < 2:
+        return False
+    ids = special[:2]
+    return (tokenizer.decode(ids, skip_special_tokens=False) !=
+            tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False))
+
+
 def token_bytes_fn(tokenizer) -> Callable[[int], bytes]:
     """`token_bytes(id)` for `tokenizer`: the bytes a token adds to a decoded text (a token that is not whole UTF-8
     by itself, a piece of a character, has its own bytes, not U+FFFD's); a special token gives its text in UTF-8.

@@ -60,6 +60,7 @@ class ThreadServer:
 
         from mnemojax.serving.http import uvicorn_config
 
+        self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = dataclasses.replace(app.state.server.config, host="127.0.0.1", port=self.port)

@@ -57,6 +57,15 @@ def _prompt_list(prompts, one: tuple = (str,)) -> list:
     return list(prompts)
 
 
+def _sequences(outs: list[RequestOutput]) -> RequestOutput:
+    """The outputs of a prompt's n requests as one (vLLM's `n`): sequence j its output j."""
+    if len(outs) == 1:
+        return outs[0]
+    return dataclasses.replace(outs[0], outputs=[dataclasses.replace(o.outputs[0], index=j)
+                                                 for j, o in enumerate(outs)],
+                               num_preemptions=sum(o.num_preemptions for o in outs))
+
+
 class LLM:
     """Generates text for a list of prompts, batching them continuously.
 
@@ -89,8 +98,12 @@ class LLM:
 
         `prompts` is a string, a list of token ids, or a list of either. Every prompt is validated before any
         is queued: a bad one raises ValueError (naming the field and the limit) and nothing is left behind.
-        `use_tqdm` (vLLM's): True shows a progress bar of the finished prompts on stderr, with the input and output
-        tokens per second so far; a callable (`functools.partial(tqdm, leave=False)`) makes the bar; False none.
+        A prompt whose params have `n` > 1 runs as n engine requests (vLLM's fan-out; sequence j with seed + j when
+        seeded) and returns them as its output's `outputs`, indexes 0..n-1 (the request id, metrics and cached
+        tokens those of sequence 0; the preemptions summed).
+        `use_tqdm` (vLLM's): True shows a progress bar of the finished sequences on stderr, with the input and
+        output tokens per second so far; a callable (`functools.partial(tqdm, leave=False)`) makes the bar; False
+        none.
         """
         prompts = _prompt_list(prompts)
         default = sampling_params is None  # then each prompt's own (`LLMEngine.default_sampling_params`)
@@ -105,14 +118,18 @@ class LLM:
                 token_ids.append(engine.tokenize(prompt))
                 if default:
                     p = params[i] = engine.default_sampling_params(len(token_ids[-1]))
-                engine.validate(token_ids[-1], p)
+                p.validate()  # n and the seeds of its sequences (fields may have changed since it was made)
+                engine.validate(token_ids[-1], p if p.n == 1 else dataclasses.replace(p, n=1))
             except ValueError as e:
                 raise ParamError(getattr(e, "param", None), f"prompts[{i}]: {e}") from None
         # Only the final outputs are returned: the engine builds no output in the steps before (vLLM does the same).
-        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
-        params = [final[id(p)] for p in params]
-        ids = [engine.add_request(prompt, p, prompt_token_ids=t)
-               for prompt, p, t in zip(prompts, params, token_ids)]
+        # n > 1: one request per sequence, sequence j drawing with seed + j.
+        final = {id(p): [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY, n=1,
+                                             seed=None if p.seed is None else p.seed + j) for j in range(p.n)]
+                 for p in params}
+        groups = [[engine.add_request(prompt, p, prompt_token_ids=t) for p in final[id(params_i)]]
+                  for prompt, params_i, t in zip(prompts, params, token_ids)]
+        ids = [rid for group in groups for rid in group]
         pending = set(ids)
         bar = _Progress(use_tqdm, len(ids))
         try:
@@ -129,7 +146,7 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [engine.pop_finished(rid) for rid in ids]
+        return [_sequences([engine.pop_finished(rid) for rid in group]) for group in groups]
 
     def beam_search(self, prompts: Prompt | Mapping | Sequence[Prompt | Mapping], params: BeamSearchParams,
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[_beam.BeamSearchOutput]:

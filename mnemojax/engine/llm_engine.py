@@ -31,6 +31,7 @@ from mnemojax.scheduling.calibration import Calibrator
 from mnemojax.scheduling.predictor import HARDWARE, Predictor, default_profile, make_predictor
 from mnemojax.scheduling.scheduler import Scheduler, StepPlan
 from models.config import PRESETS, LlamaConfig, generation_defaults
+from models.tokenizer import spaces_between_special_tokens_matter
 from models.kernels import ATTENTION_IMPLS, AUTO, MOSAIC, PALLAS, REFERENCE, check_attention_impl
 
 logger = logging.getLogger(__name__)
@@ -199,6 +200,8 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.mesh = loaded.mesh
         self.tokenizer = loaded.tokenizer
+        # set once here: `validate` reads it from other threads (AsyncLLM's) while the engine's uses the tokenizer
+        self.spaces_matter = spaces_between_special_tokens_matter(self.tokenizer)
         pages_per_seq = _pages_per_seq(config, self.max_model_len)
         self.kv = KVCacheManager(config.kvp, loaded.num_pages, config.page_size, config.max_tokens_per_kvp_rank,
                                  prefix_caching=config.enable_prefix_caching)
@@ -339,6 +342,14 @@ class LLMEngine:
         """Raises ValueError naming the field and the limit; changes nothing."""
         vocab = self.model_config.vocab_size
         params.validate(vocab_size=vocab)
+        if params.n != 1:
+            raise ParamError("n", f"an engine request makes one sequence, so n must be 1 here (got {params.n}): "
+                                  f"LLM.generate makes n requests for n > 1, as the server's n does")
+        if not params.spaces_between_special_tokens and self.spaces_matter:
+            raise ParamError("spaces_between_special_tokens", "spaces_between_special_tokens false is not supported "
+                                                              "with this tokenizer, whose decode puts spaces between "
+                                                              "special tokens by default (a slow tokenizer under "
+                                                              "transformers 4)")
         if params.stop and self.tokenizer is None:
             raise ParamError("stop", f"model {self.config.model!r} has no tokenizer, so stop strings cannot be "
                                      f"matched: use stop_token_ids")
@@ -450,7 +461,7 @@ class LLMEngine:
                                         else None for b in (bias, early))
         self.scheduler.add(req)
         self.requests[rid] = req
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             self._detokenizers[rid] = Detokenizer(self.tokenizer, params, prompt_ids)
         return rid
 

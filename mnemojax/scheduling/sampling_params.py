@@ -117,6 +117,18 @@ class SamplingParams:
     """vLLM's: keep only the prompt's last k tokens (left truncation), k >= 1, or -1 for the model's length
     (`max_model_len`); None keeps the whole prompt. The engine truncates before it checks the prompt's length
     (`truncate_prompt`); usage and `prompt_token_ids` count what is left."""
+    n: int = 1
+    """vLLM's: how many sequences to generate for the prompt, each sampled on its own; `LLM.generate` returns them
+    as one `RequestOutput`'s outputs (indexes 0..n-1). With a seed, sequence j draws with seed + j, so sequence 0
+    is the request with n = 1 (the server's `n` makes its choices the same way). One engine request
+    (`LLMEngine.add_request`, `AsyncLLM.generate`) makes one sequence: there n must be 1."""
+    detokenize: bool = True
+    """vLLM's: False leaves the output text empty (token ids and log-probs only) and takes no stop strings."""
+    spaces_between_special_tokens: bool = True
+    """vLLM's: whether the text puts spaces between special tokens. Only slow (Python) tokenizers under
+    transformers 4 do; with one of those the engine refuses False, since its text and log-prob offsets are written
+    with the tokenizer's default. With every other tokenizer (fast ones, the byte tokenizer) False changes nothing,
+    as in vLLM, whose fast detokenizer ignores it too."""
 
     def __post_init__(self):
         if self.stop is None:
@@ -143,6 +155,7 @@ class SamplingParams:
         self.frequency_penalty = float(self.frequency_penalty)
         self.repetition_penalty = float(self.repetition_penalty)
         self.seed = None if self.seed is None else int(self.seed)
+        self.n = int(self.n)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
         self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
@@ -193,16 +206,24 @@ class SamplingParams:
             raise ParamError("repetition_penalty", f"repetition_penalty must be a number > 0, from 2**-126 to 2**127 "
                                                    f"(float32's normal range), got {self.repetition_penalty!r}")
 
+        if not _is_int(self.n) or self.n < 1:
+            raise ParamError("n", f"n must be an int >= 1, got {self.n!r}")
         if self.seed is not None:
             if not _is_int(self.seed):
                 raise ParamError("seed", f"seed must be an int or None, got {self.seed!r}")
             if not 0 <= self.seed < MAX_SEED:
                 raise ParamError("seed", f"seed must be in [0, 2**63), got {self.seed}")
+            if self.seed + self.n - 1 >= MAX_SEED:
+                raise ParamError("seed", f"seed: with n = {self.n}, sequence j draws with seed + j, which must be "
+                                         f"below 2**63, so seed must be at most 2**63 - {self.n}; got {self.seed}")
 
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise ParamError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
             raise ParamError("stop", f"stop strings must be non-empty, got {self.stop!r}")
+        if self.stop and self.detokenize is False:
+            raise ParamError("stop", "stop strings are matched in the text, so they need detokenize=True (vLLM's "
+                                     "rule); stop_token_ids need no text")
 
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
             raise ParamError("stop_token_ids", f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
@@ -258,7 +279,8 @@ class SamplingParams:
                 raise ParamError("bad_words_token_ids", f"bad_words_token_ids must be in [0, {vocab_size}) (the "
                                                         f"vocabulary), got {bad}")
 
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
+                     "spaces_between_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ParamError(name, f"{name} must be a bool, got {value!r}")

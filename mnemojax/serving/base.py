@@ -386,30 +386,31 @@ class OpenAIServing:
         one token, the top 2 x beam_width log-probs, or the request's `logprobs` if more); with prefix caching the
         pages a beam's parent filled are not computed again. A prompt's choices (beam_width of them, in order)
         receive its best sequences, best first (`beam_output`). A step request that ends without a token (aborted)
-        ends its prompt's search, each of its choices with that finish reason and nothing else."""
-        eos = self.llm.eos_token_id
+        ends its prompt's search, each of its choices with that finish reason and nothing else.
 
-        async def step(request_id: str, tokens: list[int], params: SamplingParams, started: Callable[[], None]):
-            started()  # no await between: the engine counts the request waiting from the generator's first step on
-            last = None
-            async for out in self.llm.generate(None, params, request_id, prompt_token_ids=tokens):
-                last = out
-            return last
+        The queue: a prompt's choices hold its beam_width places from admission to the search's end (a step runs
+        at most beam_width requests); a step's request takes one of them over while the engine counts it."""
+        eos, state = self.llm.eos_token_id, self.state
+
+        async def step(request_id: str, tokens: list[int], params: SamplingParams):
+            state.num_admitted -= 1  # no await between: the engine counts the request waiting from here on
+            try:
+                last = None
+                async for out in self.llm.generate(None, params, request_id, prompt_token_ids=tokens):
+                    last = out
+                return last
+            finally:
+                state.num_admitted += 1  # the place is the search's again
 
         async def search(group: list[Choice]) -> None:
             first = group[0]
-
-            def started():  # the prompt's places in the queue, held since admission, go at its first step
-                for c in group:
-                    c.unreserve()
-
             params = dataclasses.replace(beam, max_tokens=first.params.max_tokens)  # the room `admit` gave it
             s = BeamSearch([first.prompt_ids], params, eos, first.params.logprobs or 0)
             head = None  # the first step's output: the prompt's cached tokens
             while not s.done:
-                outs = [] if self.state.aborting else await _all(
-                    step(f"{rid}-{first.prompt_index}-{s.steps}-{k}", b.tokens, s.step_params,
-                         started if s.steps == 0 else lambda: None) for k, b in enumerate(s.live()))
+                outs = [] if state.aborting else await _all(
+                    step(f"{rid}-{first.prompt_index}-{s.steps}-{k}", b.tokens, s.step_params)
+                    for k, b in enumerate(s.live()))
                 head = head or (outs[0] if outs else None)
                 cached = 0 if head is None else head.num_cached_tokens
                 cut = next((o.outputs[0].finish_reason for o in outs if not o.outputs[0].token_ids), None)
@@ -431,7 +432,7 @@ class OpenAIServing:
             self.state.num_searches -= 1
             for c in choices:
                 c.done = True
-                c.unreserve()  # a search cancelled before its first step
+                c.unreserve()  # the search's places in the queue
 
     def beam_output(self, c: Choice, seq: BeamSearchSequence, beam: BeamSearchParams,
                     eos: int | None) -> CompletionOutput:

@@ -84,8 +84,8 @@ class ServingCompletion(OpenAIServing):
         stream's entries joined equal the whole response's. With echo the choice's first chunk leads with the
         prompt (by then the engine has sent all of the prompt's log-probs: a request's first token comes after
         its whole prompt)."""
-        prompt = ""
-        if c.echo and c.echo_chars is None:
+        prompt, first = "", c.echo and c.echo_chars is None  # the prompt's text may be empty (special tokens)
+        if first:
             prompt = self.prompt_text(c)
             c.echo_chars = len(prompt)
         base = c.echo_chars or 0  # where the completion starts in the choice's text
@@ -102,7 +102,7 @@ class ServingCompletion(OpenAIServing):
             ready, c.held = c.held[:n], c.held[n:]
             lps = self.logprobs(c, [t for t, _, _ in ready], [d for _, d, _ in ready],
                                 [min(at, end) for _, _, at in ready])
-            if prompt:
+            if first:
                 echoed = self.echo_logprobs(c, prompt)
                 lps = {k: echoed[k] + lps[k] for k in lps}
         out = {"index": c.index, "text": prompt + new.text, "logprobs": lps, "finish_reason": new.finish_reason,

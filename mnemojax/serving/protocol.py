@@ -62,8 +62,7 @@ def _refuse_unhonoured(body: BaseModel, fields: dict[str, tuple], where: str = "
 
 _UNHONOURED = {  # vLLM's request fields mnemojax does not implement, and the values that change nothing
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,), "priority": (None, 0),
-    "spaces_between_special_tokens": (None, True), "logits_processors": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "priority": (None, 0), "logits_processors": (None,),
 }
 
 _NOT_WITH_BEAMS = {  # what beam search does not honour (vLLM's ignores them), and the values that change nothing
@@ -93,6 +92,9 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = Field(default=True, description="vLLM's; false changes nothing but with "
+                                                                          "a slow tokenizer under transformers 4, "
+                                                                          "where it is refused")
     include_stop_str_in_output: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -132,7 +134,6 @@ class _SamplingRequest(_Strict):
     guided_grammar: Any = None
     structured_outputs: Any = None
     priority: Any = None
-    spaces_between_special_tokens: Any = None
     logits_processors: Any = None
 
     def _check_unsupported(self) -> None:
@@ -181,6 +182,7 @@ class _SamplingRequest(_Strict):
             logit_bias=self._logit_bias(),
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or None)

@@ -79,17 +79,20 @@ class _Server:
             await asyncio.sleep(0.05)
 
     def _busy(self) -> bool:
-        """Requests in flight, or beam searches (between their steps no request runs)."""
-        return bool(self.llm.num_active or self.app.state.server.num_searches)
+        """Requests in flight, admitted ones not started yet, or beam searches (between their steps no request
+        runs)."""
+        state = self.app.state.server
+        return bool(self.llm.num_active or state.num_admitted or state.num_searches)
 
     async def drain(self) -> None:
         state = self.app.state.server
         state.start_draining()
-        logger.info("draining: no new requests; %d in flight get up to %.0f s (a second signal aborts them now)",
-                    self.llm.num_active, self.grace_s)
+        logger.info("draining: no new requests; %d in flight and %d beam searches get up to %.0f s (a second signal "
+                    "aborts them now)", self.llm.num_active, state.num_searches, self.grace_s)
         await self._wait_for_requests(self.grace_s)
         if self._busy():
-            logger.info("aborting %d requests still in flight", self.llm.num_active)
+            logger.info("aborting %d requests and %d beam searches still in flight", self.llm.num_active,
+                        state.num_searches)
             state.aborting = True  # a beam search between its steps takes no more
             self.llm.abort_all()
             self.hurry.clear()

@@ -1,5 +1,7 @@
 """Engine invariances on one device: chunked == one-shot, batched == alone, preempted == not, long contexts
 against HF, sampling by seed, stop conditions, log-prob shapes, bad input, bfloat16."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 import torch
 
 from mnemojax import LLM, SamplingParams
+from models.tokenizer import spaces_between_special_tokens_matter
 from mnemojax.scheduling.sampling_params import ParamError
 from tests.hf_utils import EOS_ID, load_hf_model, make_hf_checkpoint
 
@@ -831,3 +834,66 @@ def test_chat_is_generate_on_the_chat_templates_ids(llm, ckpt):
         with pytest.raises(ParamError) as e:
             llm.chat(kwargs.pop("messages"), greedy, **kwargs)
         assert e.value.param == param, (kwargs, e.value)
+
+
+# ---------------------------------------------------------------- vLLM's n, detokenize, spaces_between_special_tokens
+def test_n_sequences_are_the_requests_with_seed_plus_j(llm):
+    """vLLM's n: one RequestOutput per prompt, its n sequences indexed 0..n-1; with a seed, sequence j is the request
+    with seed + j (sequence 0 the same request with n = 1), whatever the other prompts ask; greedy sequences are all
+    the greedy one."""
+    p = SamplingParams(max_tokens=6, temperature=1.0, seed=11, ignore_eos=True)
+    prompts = _prompts((5, 9), seed=3)
+    outs = llm.generate(prompts, [dataclasses.replace(p, n=3), p])
+    assert [len(o.outputs) for o in outs] == [3, 1] and [c.index for c in outs[0].outputs] == [0, 1, 2]
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for j, c in enumerate(outs[0].outputs):
+        alone = llm.generate([prompts[0]], dataclasses.replace(p, seed=11 + j))[0].outputs[0]
+        assert (c.token_ids, c.text, c.logprobs) == (alone.token_ids, alone.text, alone.logprobs)
+    assert outs[1].outputs[0].token_ids == llm.generate([prompts[1]], p)[0].outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1  # three draws, not one
+    greedy = llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0, n=2))[0].outputs
+    assert greedy[0].token_ids == greedy[1].token_ids and len(greedy) == 2
+    assert not llm.engine.requests  # every sequence's request popped
+
+
+def test_n_detokenize_and_spaces_bad_values_name_the_field(llm):
+    for kw, field in ((dict(n=0), "n"), (dict(n=2.0), "n"), (dict(n=3, seed=2**63 - 2), "seed"),
+                      (dict(detokenize=False, stop=["x"]), "stop"), (dict(detokenize=1), "detokenize"),
+                      (dict(spaces_between_special_tokens=None), "spaces_between_special_tokens")):
+        with pytest.raises(ParamError) as e:
+            SamplingParams(**kw)
+        assert e.value.param == field, kw
+    with pytest.raises(ParamError, match="n must be 1 here") as e:  # one engine request is one sequence
+        llm.engine.add_request([1, 2, 3], SamplingParams(n=2))
+    assert e.value.param == "n" and not llm.engine.requests
+
+
+def test_detokenize_false_leaves_the_text_empty(llm):
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    words, ids = llm.generate([[40, 50, 60]] * 2, [p, dataclasses.replace(p, detokenize=False)])
+    assert words.outputs[0].text and ids.outputs[0].text == ""
+    assert ids.outputs[0].token_ids == words.outputs[0].token_ids and ids.outputs[0].logprobs == words.outputs[0].logprobs
+
+
+def test_spaces_between_special_tokens_false_where_the_tokenizer_ignores_it(llm, monkeypatch):
+    """False changes nothing with a fast tokenizer (as in vLLM); a tokenizer whose decode does put spaces between
+    special tokens (a slow one under transformers 4) is found by trying it, and there False is refused."""
+    assert llm.engine.spaces_matter is False
+    special = sorted(llm.get_tokenizer().all_special_ids)
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, skip_special_tokens=False,
+                       allowed_token_ids=special + [65, 66])
+    a, b = llm.generate([[40, 50, 60]] * 2, [p, dataclasses.replace(p, spaces_between_special_tokens=False)])
+    assert sum(t in special for t in a.outputs[0].token_ids) >= 2  # special tokens side by side in the text
+    assert a.outputs[0].text == b.outputs[0].text and a.outputs[0].token_ids == b.outputs[0].token_ids
+
+    class Spaced:  # transformers 4's slow decode, reduced to what matters
+        all_special_ids = [1, 2]
+
+        def decode(self, ids, skip_special_tokens=True, spaces_between_special_tokens=True):
+            return (" " if spaces_between_special_tokens else "").join(f"<{i}>" for i in ids)
+
+    assert spaces_between_special_tokens_matter(Spaced()) is True
+    monkeypatch.setattr(llm.engine, "spaces_matter", True)
+    with pytest.raises(ParamError) as e:
+        llm.generate([[40, 50]], dataclasses.replace(p, spaces_between_special_tokens=False))
+    assert e.value.param == "spaces_between_special_tokens"

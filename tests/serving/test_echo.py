@@ -141,12 +141,15 @@ def _streamed(url, body) -> dict[int, list[dict]]:
     return chunks
 
 
-@pytest.mark.parametrize("max_tokens, stop", [(0, None), (6, None), (12, ["\x7fA"])])  # the greedy text has it
-def test_streamed_echo_equals_the_whole_response(url, max_tokens, stop):
+@pytest.mark.parametrize("prompt, max_tokens, stop", [
+    (PROMPT, 0, None), (PROMPT, 6, None), (PROMPT, 12, ["\x7fA"]),  # the greedy text has that stop string
+    ([256, 256], 3, None),  # special tokens only: the prompt's text is empty, its log-probs are not
+])
+def test_streamed_echo_equals_the_whole_response(url, prompt, max_tokens, stop):
     """Echo with stream (vLLM's): each choice's first chunk leads with the prompt's text and log-probs, and a
     choice's chunks joined are the whole response's choice: text, tokens, offsets, log-probs (these to float32
     rounding: the two requests run in other batches); also when a stop string cuts the text."""
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2, "echo": True, "n": 2,
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2, "echo": True, "n": 2,
             "stop": stop, "ignore_eos": True}
     r = post(url, "/v1/completions", body)
     assert r.status_code == 200, r.text
@@ -155,7 +158,8 @@ def test_streamed_echo_equals_the_whole_response(url, max_tokens, stop):
     assert sorted(streamed) == [0, 1]
     for choice in whole:
         mine = streamed[choice["index"]]
-        assert mine[0]["text"].startswith(PROMPT)
+        ids = TOK.encode(prompt) if isinstance(prompt, str) else prompt
+        assert mine[0]["text"].startswith(TOK.decode(ids)) and len(mine[0]["logprobs"]["tokens"]) >= len(ids)
         assert "".join(c["text"] for c in mine) == choice["text"]
         assert mine[-1]["finish_reason"] == choice["finish_reason"] == ("stop" if stop else "length")
         lps = [c["logprobs"] for c in mine]

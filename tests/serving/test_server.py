@@ -9,6 +9,7 @@ import json
 import logging
 import pathlib
 import re
+import threading
 import time
 
 import httpx
@@ -19,6 +20,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from mnemojax import LLM, BeamSearchParams, SamplingParams
+from mnemojax.engine.beam_search import BeamSearch
 from mnemojax.serving.app import build_app
 from mnemojax.engine.async_llm import AsyncLLM
 from models.tokenizer import ByteTokenizer
@@ -43,10 +45,15 @@ def offline():
 
 
 @pytest.fixture(scope="module")
-def url(llm):
+def served(llm):
     s = ThreadServer(build_app(llm, served_model_name="tiny", max_queue=10_000, max_request_bytes=MAX_BYTES))
-    yield s.url
+    yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served.url
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +278,7 @@ def test_bad_chat_input_is_400(client):
 @pytest.mark.parametrize("endpoint, field, value", [
     ("completions", "guided_json", {"type": "object"}), ("completions", "guided_choice", ["yes", "no"]),
     ("completions", "structured_outputs", {"regex": "a+"}),
-    ("completions", "priority", 5),
-    ("completions", "spaces_between_special_tokens", False), ("chat", "guided_regex", "a+"),
+    ("completions", "priority", 5), ("chat", "guided_regex", "a+"),
 ])
 def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, field, value):
     """vLLM's request fields mnemojax does not implement: a 400 naming the field when set to anything but its
@@ -283,9 +289,19 @@ def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, 
     with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as e:
         create(**kw, extra_body={field: value})
     assert e.value.body["param"] == field
-    neutral = {"priority": 0, "spaces_between_special_tokens": True}
+    neutral = {"priority": 0}
     if field in neutral:
         assert create(**kw, extra_body={field: neutral[field]}).usage.completion_tokens == 2
+
+
+def test_spaces_between_special_tokens_false_changes_nothing_with_the_byte_tokenizer(client):
+    """vLLM's spaces_between_special_tokens: the byte tokenizer (as fast tokenizers, and vLLM's fast detokenizer)
+    never puts spaces between special tokens, so false gives the same text."""
+    kw = dict(model="tiny", prompt="ab", max_tokens=6, temperature=0)
+    body = {"skip_special_tokens": False, "allowed_token_ids": [256, 257], "ignore_eos": True}
+    a = client.completions.create(**kw, extra_body=body).choices[0]
+    b = client.completions.create(**kw, extra_body={**body, "spaces_between_special_tokens": False}).choices[0]
+    assert "><|" in a.text and a.text == b.text
 
 
 def test_return_token_ids_shows_the_prompts_and_each_choices_ids(client, offline, url):
@@ -434,8 +450,51 @@ def test_beam_search_refuses_what_it_does_not_honour(client, extra, param):
                                   stream=stream, extra_body=body)
     assert e.value.body["param"] == param
     got = client.completions.create(model="tiny", prompt="ab", max_tokens=2, n=2, top_p=1.0, seed=None,
-                                    extra_body={"use_beam_search": True, "length_penalty": 1.0, "stop": []})
+                                    temperature=0, extra_body={"use_beam_search": True, "length_penalty": 1.0,
+                                                               "stop": [], "ignore_eos": True})
     assert len(got.choices) == 2 and got.usage.completion_tokens == 4
+
+
+def test_a_beam_search_holds_its_places_in_the_queue(llm, monkeypatch):
+    """A search of n beams holds n places of max_queue from admission to its end (its steps run up to n requests,
+    which wait in the engine's queue): with max_queue = n, another request is a 429 while it runs, and runs after;
+    no place is left held."""
+    step = llm.engine.step
+
+    def slow_step():  # the search's 30 steps take over a second
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
+    s = ThreadServer(build_app(llm, served_model_name="tiny", max_queue=3))
+    state = s.app.state.server
+    between_steps = []  # (places held, engine requests waiting) each time a step's outputs are taken in
+    advance = BeamSearch.advance
+
+    def watched(search, outputs):
+        between_steps.append((state.num_admitted, llm.num_waiting))
+        return advance(search, outputs)
+
+    monkeypatch.setattr(BeamSearch, "advance", watched)
+    try:
+        search: list = []
+        body = {"model": "tiny", "prompt": "queue", "max_tokens": 30, "n": 3, "temperature": 0, "ignore_eos": True,
+                "use_beam_search": True}
+        t = threading.Thread(target=lambda: search.append(httpx.post(f"{s.url}/v1/completions", json=body,
+                                                                     timeout=120)))
+        t.start()
+        wait_for(lambda: state.num_searches == 1, what="the search running")
+        plain = {"model": "tiny", "prompt": "a", "max_tokens": 2}
+        refused = [httpx.post(f"{s.url}/v1/completions", json=plain, timeout=60) for _ in range(3)]
+        assert state.num_searches == 1  # all three came while it ran
+        assert [r.status_code for r in refused] == [429] * 3 and "max_queue" in refused[0].json()["error"]["message"]
+        t.join(120)
+        assert search[0].status_code == 200 and len(search[0].json()["choices"]) == 3
+        assert between_steps == [(3, 0)] * 30  # every place is the search's again between its steps
+        assert httpx.post(f"{s.url}/v1/completions", json=plain, timeout=60).status_code == 200
+        assert state.num_admitted == 0 and state.num_searches == 0
+    finally:
+        s.stop()
 
 
 def test_truncate_prompt_tokens_counts_only_the_tokens_kept(client, offline, url):
@@ -641,7 +700,7 @@ def test_client_disconnects_abort_and_free_pages(url, llm, monkeypatch):
 
 
 @pytest.mark.slow  # ~15 s on 2 cores; tests/engine/test_async_llm.py streams concurrently by default
-def test_a_beam_search_whose_client_leaves_is_aborted(url, llm, monkeypatch):
+def test_a_beam_search_whose_client_leaves_is_aborted(url, served, llm, monkeypatch):
     """A client that leaves a beam search ends it: the step running then is aborted, nothing runs on, and every
     page is free again."""
     step = llm.engine.step
@@ -659,6 +718,9 @@ def test_a_beam_search_whose_client_leaves_is_aborted(url, llm, monkeypatch):
     wait_for(lambda: _aborted(url) > aborted, what="an aborted step")
     wait_for(lambda: metrics(url)["mnemojax_kv_pages_used"] == idle, what="pages back to idle")
     assert llm.stats().running == 0 and llm.num_active == 0
+    state = served.app.state.server
+    wait_for(lambda: state.num_searches == 0, what="the search ended")
+    assert state.num_admitted == 0  # no place in the queue left held
 
 
 def test_64_concurrent_streaming_clients(url, llm, caplog):
