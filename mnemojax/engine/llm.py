@@ -91,13 +91,15 @@ class LLM:
         defaults (`generation_config`, default auto) over `SamplingParams()`'s."""
         return self.engine.default_sampling_params()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: Prompt | Mapping | Sequence[Prompt | Mapping],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in prompt order.
 
-        `prompts` is a string, a list of token ids, or a list of either. Every prompt is validated before any
-        is queued: a bad one raises ValueError (naming the field and the limit) and nothing is left behind.
+        `prompts` is a string, a list of token ids, vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` (the ids
+        when both are there; the text is the output's `prompt`), or a list of these. Every prompt is validated
+        before any is queued: a bad one raises ValueError (naming the field and the limit) and nothing is left
+        behind.
         A prompt whose params have `n` > 1 runs as n engine requests (vLLM's fan-out; sequence j with seed + j when
         seeded) and returns them as its output's `outputs`, indexes 0..n-1 (the request id, metrics and cached
         tokens those of sequence 0; the preemptions summed).
@@ -105,7 +107,7 @@ class LLM:
         output tokens per second so far; a callable (`functools.partial(tqdm, leave=False)`) makes the bar; False
         none.
         """
-        prompts = _prompt_list(prompts)
+        prompts = _prompt_list(prompts, (str, Mapping))
         default = sampling_params is None  # then each prompt's own (`LLMEngine.default_sampling_params`)
         params = [None] * len(prompts) if default else list(sampling_params) \
             if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
@@ -172,12 +174,7 @@ class LLM:
         engine, token_ids = self.engine, []
         longest = SamplingParams(max_tokens=params.max_tokens)
         for i, prompt in enumerate(prompts):
-            if isinstance(prompt, Mapping):  # vLLM's TokensPrompt (its ids win over a "prompt" beside them)
-                if "prompt" not in prompt and "prompt_token_ids" not in prompt:
-                    raise ParamError("prompts", f"prompts[{i}]: a dict prompt has 'prompt' or 'prompt_token_ids', "
-                                                f"got {sorted(prompt)}")
-                prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
-            try:
+            try:  # a dict: vLLM's TextPrompt or TokensPrompt (its ids win over a "prompt" beside them)
                 token_ids.append(engine.tokenize(prompt))
                 engine.validate(token_ids[-1], longest)  # room for every step's prompt: the beam's tokens
             except ValueError as e:

@@ -12,7 +12,7 @@ import numbers
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +161,23 @@ def detect_hardware() -> str:
     if jax.devices()[0].platform == "cpu":
         return "cpu"
     raise ValueError(f"no runtime predictor preset for device {kind!r}: pass hardware= (a100, h100, h200, cpu)")
+
+
+def prompt_parts(prompt) -> tuple[str | None, str | Sequence[int]]:
+    """A prompt in any of vLLM's forms (a string, token ids, or a dict: `TextPrompt` {"prompt": text} or
+    `TokensPrompt` {"prompt_token_ids": ids}, which may carry its "prompt" text too) as (the text a request's output
+    shows as its `prompt`, what to tokenize: the ids when there are any). A dict with other keys (vLLM's
+    multi-modal data, say) is a ParamError naming them: nothing is dropped unread."""
+    if not isinstance(prompt, Mapping):
+        return (prompt if isinstance(prompt, str) else None), prompt
+    other = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
+    if other or ("prompt" not in prompt and "prompt_token_ids" not in prompt):
+        raise ParamError("prompt", f"a dict prompt has 'prompt' (text) or 'prompt_token_ids' (vLLM's TextPrompt, "
+                                   f"TokensPrompt) and nothing else, got {sorted(map(str, prompt))}")
+    text = prompt.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise ParamError("prompt", f"a dict prompt's 'prompt' is a string, got {type(text).__name__}")
+    return text, prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else text
 
 
 def bad_word_sequences(tokenizer, words: Sequence[str]) -> list[tuple[int, ...]]:
@@ -315,7 +332,9 @@ class LLMEngine:
                               attention=runs if runs in (PALLAS, MOSAIC, REFERENCE) else None)
 
     # ---------------------------------------------------------------- requests in
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int] | Mapping) -> list[int]:
+        """A prompt's token ids (a string through the tokenizer, BOS included; any of `prompt_parts`' forms)."""
+        prompt = prompt_parts(prompt)[1]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ParamError("prompt", f"model {self.config.model!r} has no tokenizer: give prompts as token ids")
@@ -431,12 +450,13 @@ class LLMEngine:
         vLLM's `all_stop_token_ids`)."""
         return tuple(sorted({*self.model_config.eos_token_ids, *params.stop_token_ids}))
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | Sequence[int] | Mapping, params: SamplingParams | None = None,
                     request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None) -> str:
         """Queues a request; `prompt_token_ids`, when given, are `prompt` already tokenized. `arrival_time` (on the
         engine's clock, at most now; default now), as vLLM's: when the request arrived, which its TTFT and its ILRS
         deadline count from (a server or a trace replay that hands requests over late)."""
+        text, prompt = prompt_parts(prompt)
         prompt_ids = self.tokenize(prompt) if prompt_token_ids is None else \
             self._token_ids(prompt_token_ids, "prompt_token_ids")
         params = params or self.default_sampling_params(len(prompt_ids))
@@ -449,8 +469,7 @@ class LLMEngine:
         now = self.clock()
         if arrival_time is not None and not arrival_time <= now:
             raise ParamError("arrival_time", f"arrival_time {arrival_time} is later than the engine's clock ({now})")
-        req = Request(rid, prompt_ids, params, now if arrival_time is None else arrival_time, seed,
-                      prompt=prompt if isinstance(prompt, str) else None)
+        req = Request(rid, prompt_ids, params, now if arrival_time is None else arrival_time, seed, prompt=text)
         allowed = params.allowed_token_ids
         words, req.bad_words = self.bad_words(params)
         if params.logit_bias or params.min_tokens or allowed is not None or words or req.bad_words:

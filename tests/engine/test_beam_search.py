@@ -127,7 +127,7 @@ def test_beam_search_text_and_bad_input():
         assert e.value.param == field
     with pytest.raises(ParamError, match=r"prompts\[1\]: .*exceeds max_model_len \(32\)"):
         llm.beam_search(["a", list(range(30))], BeamSearchParams(beam_width=2, max_tokens=3))
-    with pytest.raises(ParamError, match="a dict prompt has 'prompt' or 'prompt_token_ids'"):
+    with pytest.raises(ParamError, match=r"prompts\[0\]: a dict prompt has 'prompt' \(text\) or 'prompt_token_ids'"):
         llm.beam_search([{"text": "a"}], BeamSearchParams(beam_width=2, max_tokens=3))
     assert llm.engine.kv.num_used == 0
 

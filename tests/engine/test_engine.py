@@ -897,3 +897,19 @@ def test_spaces_between_special_tokens_false_where_the_tokenizer_ignores_it(llm,
     with pytest.raises(ParamError) as e:
         llm.generate([[40, 50]], dataclasses.replace(p, spaces_between_special_tokens=False))
     assert e.value.param == "spaces_between_special_tokens"
+
+
+def test_vllms_dict_prompts(llm):
+    """vLLM's TextPrompt and TokensPrompt give what the string and the ids give; a TokensPrompt's text is its
+    output's `prompt`; a key mnemojax does not read is refused, naming it, before anything is queued."""
+    tok = llm.get_tokenizer()
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ids = tok.encode("Hello")
+    plain = [o.outputs[0].token_ids for o in llm.generate(["Hello", ids], p)]
+    dicts = llm.generate([{"prompt": "Hello"}, {"prompt_token_ids": ids, "prompt": "shown"}], p)
+    assert [o.outputs[0].token_ids for o in dicts] == plain
+    assert [o.prompt for o in dicts] == ["Hello", "shown"] and dicts[1].prompt_token_ids == ids
+    assert llm.generate({"prompt_token_ids": ids}, p)[0].outputs[0].token_ids == plain[1]  # one dict: one prompt
+    with pytest.raises(ParamError, match=r"prompts\[1\]: a dict prompt .*'multi_modal_data'") as e:
+        llm.generate(["a", {"prompt": "a", "multi_modal_data": {}}], p)
+    assert e.value.param == "prompt" and not llm.engine.requests
