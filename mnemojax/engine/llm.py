@@ -86,6 +86,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forgets every cached KV page, so later prompts are computed again (as after a weight update).
+        Between `generate` calls no request runs, so nothing else changes; True, as vLLM's when it succeeds."""
+        self.engine.reset_prefix_cache()
+        return True
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` samples with when given no `sampling_params` (vLLM's): the model's generation_config.json
         defaults (`generation_config`, default auto) over `SamplingParams()`'s."""

@@ -913,3 +913,16 @@ def test_vllms_dict_prompts(llm):
     with pytest.raises(ParamError, match=r"prompts\[1\]: a dict prompt .*'multi_modal_data'") as e:
         llm.generate(["a", {"prompt": "a", "multi_modal_data": {}}], p)
     assert e.value.param == "prompt" and not llm.engine.requests
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_computed_again(llm):
+    """vLLM's LLM.reset_prefix_cache: a prompt run again finds its pages cached, and after a reset does not, with
+    the same tokens either way."""
+    p = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompt = _prompts((41,), seed=9)[0]
+    first = llm.generate([prompt], p)[0]
+    again = llm.generate([prompt], p)[0]
+    assert llm.reset_prefix_cache() is True
+    fresh = llm.generate([prompt], p)[0]
+    assert again.num_cached_tokens >= 40 - 40 % 4 - 4 and fresh.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == fresh.outputs[0].token_ids
