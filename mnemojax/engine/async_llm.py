@@ -164,6 +164,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._in_hand = None  # the command the engine thread is handling (failed with the rest if the engine fails)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
+        self._parents: dict[str, list[str]] = {}  # a running request with n > 1: its sequences' request ids
         # what the engine thread has for each callers' loop since its last `_deliver` (engine thread only)
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
         self._ids = itertools.count()
@@ -230,6 +231,9 @@ class AsyncLLM:
         Safe from any thread: tokenizing and the checks read only the engine's fixed configuration.
         """
         ids = truncate_prompt(self.engine.tokenize(prompt), params.truncate_prompt_tokens, self.engine.max_model_len)
+        if params.n != 1:  # `generate` runs one request per sequence
+            params.validate()
+            params = dataclasses.replace(params, n=1)
         self.engine.validate(ids, params)
         return ids
 
@@ -241,12 +245,16 @@ class AsyncLLM:
         Bad input raises ValueError (naming the field and the limit) before anything is yielded; a failed or shut
         down engine raises `EngineDeadError`. If the caller stops iterating (a client went away), the request is
         aborted and its pages are freed. Outputs the caller has not taken yet are merged into one (see the module
-        doc).
+        doc). `params.n` > 1: `_sequences`.
         """
         self._check_running()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._streams:
+        if rid in self._streams or rid in self._parents:
             raise ValueError(f"request_id {rid!r} is already in use")
+        if params is not None and params.n != 1:
+            async for out in self._sequences(prompt, params, rid, prompt_token_ids):
+                yield out
+            return
         # None: the engine's defaults for this prompt (`LLMEngine.default_sampling_params`), CUMULATIVE outputs
         stream = _Stream(params is not None and params.output_kind is RequestOutputKind.DELTA)
         self._streams[rid] = (asyncio.get_running_loop(), stream)
@@ -276,8 +284,58 @@ class AsyncLLM:
             if not finished:
                 self._commands.put((_ABORT, rid))
 
+    async def _sequences(self, prompt, params: SamplingParams, rid: str,
+                         prompt_token_ids: list[int] | None) -> AsyncIterator[RequestOutput]:
+        """vLLM's `n` on one call: n requests (`<rid>-<j>`, sequence j drawing with seed + j when seeded, so
+        sequence 0 is the request with n = 1) whose outputs come as one request's, `rid`: CUMULATIVE ones hold the
+        latest output of every sequence that has one (`outputs[k].index` its sequence), DELTA ones what one
+        sequence added (`outputs` that one), FINAL_ONLY one output when all have ended; `finished` once all have.
+        The request id, metrics and cached tokens are those of the sequence the output comes from (CUMULATIVE:
+        the first). Each sequence has at most one output waiting here (its own stream merges the rest); the first
+        failure of any ends them all, as leaving early does."""
+        params.validate()  # n and the seeds of its sequences
+        kids = [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+                for j in range(params.n)]
+        self._parents[rid] = [f"{rid}-{j}" for j in range(params.n)]
+        arrived: asyncio.Queue = asyncio.Queue()
+
+        async def pump(j: int) -> None:
+            try:
+                async for out in self.generate(prompt, kids[j], f"{rid}-{j}", prompt_token_ids=prompt_token_ids):
+                    taken = asyncio.Event()
+                    arrived.put_nowait((j, out, taken))
+                    await taken.wait()
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                arrived.put_nowait((j, e, None))
+
+        tasks = [asyncio.ensure_future(pump(j)) for j in range(params.n)]
+        latest: list[RequestOutput | None] = [None] * params.n
+        kind = params.output_kind
+        try:
+            while not all(out is not None and out.finished for out in latest):
+                j, out, taken = await arrived.get()
+                if isinstance(out, BaseException):
+                    raise out
+                latest[j] = out
+                done = all(o is not None and o.finished for o in latest)
+                if kind is RequestOutputKind.DELTA:
+                    yield dataclasses.replace(out, request_id=rid, finished=done,
+                                              outputs=[dataclasses.replace(out.outputs[0], index=j)])
+                elif kind is RequestOutputKind.CUMULATIVE or done:
+                    first = next(o for o in latest if o is not None)
+                    yield dataclasses.replace(first, request_id=rid, finished=done, outputs=[
+                        dataclasses.replace(o.outputs[0], index=k) for k, o in enumerate(latest) if o is not None])
+                taken.set()
+        finally:
+            self._parents.pop(rid, None)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     def abort(self, request_id: str) -> None:
-        self._commands.put((_ABORT, request_id))
+        """Aborts the request (with `n` > 1, each of its sequences); its caller gets its final output."""
+        for rid in self._parents.get(request_id, [request_id]):
+            self._commands.put((_ABORT, rid))
 
     def abort_all(self) -> None:
         """Aborts every unfinished request; each caller gets its final output (finish_reason "abort")."""

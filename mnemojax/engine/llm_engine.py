@@ -363,7 +363,8 @@ class LLMEngine:
         params.validate(vocab_size=vocab)
         if params.n != 1:
             raise ParamError("n", f"an engine request makes one sequence, so n must be 1 here (got {params.n}): "
-                                  f"LLM.generate makes n requests for n > 1, as the server's n does")
+                                  f"LLM.generate and AsyncLLM.generate make n requests for n > 1, as the server's "
+                                  f"n does")
         if not params.spaces_between_special_tokens and self.spaces_matter:
             raise ParamError("spaces_between_special_tokens", "spaces_between_special_tokens false is not supported "
                                                               "with this tokenizer, whose decode puts spaces between "

@@ -235,3 +235,38 @@ def test_max_request_tokens_is_what_the_kv_pages_hold(async_llm):
             small.validate(list(range(1, 11)), SamplingParams(max_tokens=51))
     finally:
         small.shutdown()
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_n_sequences_come_as_one_request(async_llm, kind):
+    """vLLM's n on AsyncLLM.generate: sequence j is the seeded request with seed + j (the library's n too); the
+    outputs come as one request's: CUMULATIVE ones hold every sequence's latest, DELTA ones one sequence's new
+    tokens (joined, each sequence's whole), FINAL_ONLY one output; the last is finished, with every sequence."""
+    prompt = [7, 8, 9, 10]
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True, n=3, output_kind=kind)
+    want = [o.token_ids for o in LLM("tiny", **KW).generate([prompt], params)[0].outputs]
+    assert len({tuple(w) for w in want}) > 1
+
+    outs = asyncio.run(_collect(async_llm, prompt, params, request_id="three"))
+    assert {o.request_id for o in outs} == {"three"} and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    if kind is RequestOutputKind.DELTA:
+        got = [sum((c.token_ids for o in outs for c in o.outputs if c.index == j), []) for j in range(3)]
+        assert all(len(o.outputs) == 1 for o in outs)
+    else:
+        got = [c.token_ids for c in sorted(outs[-1].outputs, key=lambda c: c.index)]
+        assert [c.index for c in outs[-1].outputs] == [0, 1, 2]
+        assert len(outs) == 1 if kind is RequestOutputKind.FINAL_ONLY else len(outs) > 3
+    assert got == want
+    assert async_llm.engine.kv.num_used == 0 and not async_llm.engine.requests
+
+
+def test_leaving_n_sequences_early_aborts_them_all(async_llm):
+    async def main():
+        gen = async_llm.generate([1, 2, 3], SamplingParams(max_tokens=60, ignore_eos=True, n=3), request_id="n")
+        async for _ in gen:
+            break
+        await gen.aclose()
+        return await _collect(async_llm, [4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+
+    assert asyncio.run(main())[-1].finished
+    assert async_llm.engine.kv.num_used == 0 and not async_llm.engine.requests and not async_llm._parents
