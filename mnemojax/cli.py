@@ -30,6 +30,12 @@ import typing
 
 from absl import app, flags, logging
 
+VLLM_NAMES = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "spp", "block_size": "page_size"}
+"""vLLM's engine-argument names of settings that mean the same here: `--tensor-parallel-size 2`,
+`--pipeline-parallel-size 2`, `--block-size 16` (tokens per KV page), and `LLM(tensor_parallel_size=2)`
+(`mnemojax.engine.llm_engine.with_our_names`). A vLLM pipeline stage holds a slice of the layers, as an spp stage
+does; mnemojax's stages also pipeline the chunks of one request."""
+
 
 @functools.cache
 def field_docs(cls) -> dict[str, str]:
@@ -159,9 +165,11 @@ def from_flags(cls, flag_values: flags.FlagValues = flags.FLAGS, **overrides):
 
 def dashed_names(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
     """The command line with vLLM's spellings of this command's flags made absl's: `--max-model-len 4096` is
-    `--max_model_len 4096`, and a boolean's `--no-enable-prefix-caching` is `--noenable_prefix_caching`. Only a
-    name that is one of the command's flags once its dashes are underscores changes; a flag's value (the word after
-    a flag that takes one), anything after `--`, and a name that is no flag (absl's error names it) stay as given."""
+    `--max_model_len 4096`, a boolean's `--no-enable-prefix-caching` is `--noenable_prefix_caching`, and vLLM's
+    names of our settings (`VLLM_NAMES`: `--tensor-parallel-size`, `--pipeline-parallel-size`, `--block-size`) are
+    ours. Only a name that is one of the command's flags once its dashes are underscores changes; a flag's value
+    (the word after a flag that takes one), anything after `--`, and a name that is no flag (absl's error names
+    it) stay as given."""
     out, value_next = list(argv[:1]), False
     for i, arg in enumerate(argv[1:], 1):
         if value_next or not arg.startswith("--") or arg == "--":
@@ -172,6 +180,8 @@ def dashed_names(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -
             continue
         name, eq, value = arg[2:].partition("=")
         under = name.replace("-", "_")
+        if under not in flag_values and VLLM_NAMES.get(under) in flag_values:
+            under = VLLM_NAMES[under]
         if under.startswith("no_") and under[3:] in flag_values and flag_values[under[3:]].boolean:
             under = "no" + under[3:]
         if under in flag_values or (under.startswith("no") and under[2:] in flag_values):

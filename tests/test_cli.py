@@ -93,6 +93,12 @@ def test_vllms_dashed_names_are_taken():
     assert dashed_names(["prog", "--verbose", "--policy=ilrs"], fv) == ["prog", "--verbose", "--policy=ilrs"]
     rest = ["prog", "--not-a-flag", "--", "--chunk-size"]
     assert dashed_names(rest, fv) == rest
+    mesh = flags.FlagValues()  # vLLM's names of our settings, where the command has them
+    for name in ("tp", "spp", "page_size"):
+        flags.DEFINE_integer(name, 1, "", flag_values=mesh)
+    assert dashed_names(["prog", "--tensor-parallel-size", "2", "--pipeline_parallel_size=2", "--block-size=8"],
+                        mesh) == ["prog", "--tp", "2", "--spp=2", "--page_size=8"]
+    assert dashed_names(["prog", "--block-size=8"], fv) == ["prog", "--block-size=8"]  # no page_size flag: as typed
 
 
 def test_a_name_in_two_configs_is_refused():
@@ -104,6 +110,7 @@ def test_a_name_in_two_configs_is_refused():
     (["mnemojax.serve", "/path/to/model"], "unexpected arguments: ['/path/to/model']"),  # vLLM's `serve MODEL`
     (["mnemojax.serve", "--port=70000"], "port must be in 0..65535, got 70000"),
     (["mnemojax.serve", "--page-size=0"], "page_size must be a positive integer, got 0"),  # vLLM's dashes
+    (["mnemojax.serve", "--tensor-parallel-size", "0"], "tp must be a positive integer, got 0"),  # vLLM's name
     (["mnemojax.serve", "--shutdown_grace_s=nan"], "shutdown_grace_s must be >= 0, got nan"),
     (["mnemojax.serve", "--model=/nonexistent"], "'/nonexistent' is neither a preset"),  # found while loading
     (["mnemojax.serve", "--chat_template=no/such/file"], "chat_template: 'no/such/file' is neither a file nor"),

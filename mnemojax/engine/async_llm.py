@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
-from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
+from mnemojax.engine.llm_engine import EngineConfig, LLMEngine, with_our_names
 from mnemojax.scheduling.outputs import RequestOutput
 from mnemojax.scheduling.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt
 
@@ -156,7 +156,9 @@ class AsyncLLM:
                             ("max_failed_steps_in_a_row", max_failed_steps_in_a_row)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.engine = engine if engine is not None else LLMEngine(EngineConfig(model=model, **kwargs))
+        if engine is None:
+            engine = LLMEngine(EngineConfig(model=model, **with_our_names(kwargs)))
+        self.engine = engine
         self._commands: queue.Queue = queue.Queue()
         # set (under the lock) when the engine thread ends: a command queued after that would wait for ever, so
         # callers check it under the same lock before queuing, and the thread fails what was queued before it

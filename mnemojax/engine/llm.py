@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from tqdm import tqdm
 
 from mnemojax.engine import beam_search as _beam
-from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
+from mnemojax.engine.llm_engine import EngineConfig, LLMEngine, with_our_names
 from mnemojax.scheduling.outputs import RequestOutput
 from mnemojax.scheduling.sampling_params import BeamSearchParams, ParamError, RequestOutputKind, SamplingParams
 from models.tokenizer import RENDER_ARGUMENTS
@@ -77,11 +77,12 @@ class LLM:
     Llama directory), dtype, max_model_len, page_size, num_pages, chunk_size, max_num_batched_tokens,
     max_num_seqs, seed, block_pages, attention ("auto": the Mosaic GPU kernels on a Hopper GPU for a bf16/f16
     model they support, else the Pallas GPU kernels on an NVIDIA GPU, the reference elsewhere), and the parallel
-    and scheduling settings.
+    and scheduling settings; vLLM's `tensor_parallel_size`, `pipeline_parallel_size` and `block_size` are `tp`,
+    `spp` and `page_size`.
     """
 
     def __init__(self, model: str = "tiny", **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = LLMEngine(EngineConfig(model=model, **with_our_names(kwargs)))
 
     def get_tokenizer(self):
         return self.engine.tokenizer

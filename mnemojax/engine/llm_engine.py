@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mnemojax.cli import VLLM_NAMES
 from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.engine.executor import Executor, Launched
 from mnemojax.scheduling.kv_manager import KVCacheManager
@@ -161,6 +162,18 @@ def detect_hardware() -> str:
     if jax.devices()[0].platform == "cpu":
         return "cpu"
     raise ValueError(f"no runtime predictor preset for device {kind!r}: pass hardware= (a100, h100, h200, cpu)")
+
+
+def with_our_names(kwargs: dict) -> dict:
+    """Engine keyword arguments with vLLM's names (`mnemojax.cli.VLLM_NAMES`) turned into ours; a setting given
+    under both names is a ParamError naming them."""
+    out = dict(kwargs)
+    for theirs, ours in VLLM_NAMES.items():
+        if theirs in out:
+            if ours in out:
+                raise ParamError(ours, f"{ours} and {theirs} (vLLM's name for it) are both given")
+            out[ours] = out.pop(theirs)
+    return out
 
 
 def prompt_parts(prompt) -> tuple[str | None, str | Sequence[int]]:

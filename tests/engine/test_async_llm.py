@@ -239,12 +239,14 @@ def test_max_request_tokens_is_what_the_kv_pages_hold(async_llm):
 
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
 def test_n_sequences_come_as_one_request(async_llm, kind):
-    """vLLM's n on AsyncLLM.generate: sequence j is the seeded request with seed + j (the library's n too); the
+    """vLLM's n on AsyncLLM.generate: sequence j is the seeded request with seed + j and n = 1; the
     outputs come as one request's: CUMULATIVE ones hold every sequence's latest, DELTA ones one sequence's new
     tokens (joined, each sequence's whole), FINAL_ONLY one output; the last is finished, with every sequence."""
     prompt = [7, 8, 9, 10]
     params = SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True, n=3, output_kind=kind)
-    want = [o.token_ids for o in LLM("tiny", **KW).generate([prompt], params)[0].outputs]
+    alone = [dataclasses.replace(params, n=1, seed=3 + j, output_kind=RequestOutputKind.CUMULATIVE)
+             for j in range(3)]
+    want = [asyncio.run(_collect(async_llm, prompt, p))[-1].outputs[0].token_ids for p in alone]
     assert len({tuple(w) for w in want}) > 1
 
     outs = asyncio.run(_collect(async_llm, prompt, params, request_id="three"))

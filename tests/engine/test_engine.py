@@ -926,3 +926,16 @@ def test_reset_prefix_cache_makes_the_next_prompt_computed_again(llm):
     fresh = llm.generate([prompt], p)[0]
     assert again.num_cached_tokens >= 40 - 40 % 4 - 4 and fresh.num_cached_tokens == 0
     assert first.outputs[0].token_ids == again.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_vllms_engine_argument_names():
+    """LLM(tensor_parallel_size=..., pipeline_parallel_size=..., block_size=...) are tp, spp and page_size (checked
+    as those: the errors name ours); one setting under both names is refused."""
+    for kw, message in ((dict(tensor_parallel_size=0), "tp must be a positive integer, got 0"),
+                        (dict(pipeline_parallel_size=-1), "spp must be a positive integer, got -1"),
+                        (dict(block_size=0), "page_size must be a positive integer, got 0")):
+        with pytest.raises(ValueError, match=message):
+            LLM("tiny", **kw)
+    with pytest.raises(ParamError, match="page_size and block_size") as e:
+        LLM("tiny", page_size=8, block_size=8)
+    assert e.value.param == "page_size"
