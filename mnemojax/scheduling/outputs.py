@@ -37,6 +37,15 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the generated tokens' log-probs (the raw model's), None without `logprobs`. Over this
+        output's tokens: the whole sequence's for CUMULATIVE and final outputs (vLLM's DELTA outputs carry the
+        running sum; a DELTA output here, the sum of its own tokens)."""
+        if self.logprobs is None:
+            return None
+        return sum(d[t] for d, t in zip(self.logprobs, self.token_ids))
+
 
 @dataclasses.dataclass
 class RequestOutput:

@@ -939,3 +939,16 @@ def test_vllms_engine_argument_names():
     with pytest.raises(ParamError, match="page_size and block_size") as e:
         LLM("tiny", page_size=8, block_size=8)
     assert e.value.param == "page_size"
+
+
+def test_cumulative_logprob_is_the_sequences_log_likelihood(llm, ckpt):
+    """vLLM's `CompletionOutput.cumulative_logprob`: the generated tokens' summed log-probs, as transformers'
+    float32 logits give them; None without logprobs."""
+    prompt = _prompts((11,), seed=5)[0]
+    p = SamplingParams(max_tokens=5, temperature=0.8, seed=4, logprobs=0, ignore_eos=True)
+    c = llm.generate([prompt], p)[0].outputs[0]
+    with torch.no_grad():
+        lp = torch.log_softmax(load_hf_model(ckpt)(torch.tensor([prompt + c.token_ids])).logits[0].float(), -1)
+    want = sum(lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(c.token_ids))
+    assert c.cumulative_logprob == pytest.approx(want, abs=1e-4, rel=0)
+    assert llm.generate([prompt], dataclasses.replace(p, logprobs=None))[0].outputs[0].cumulative_logprob is None
