@@ -128,7 +128,8 @@ def test_a_name_in_two_configs_is_refused():
      "got 'localhost:99999'"),
     (["mnemojax.sim", "stray"], "unexpected arguments: ['stray']"),
     (["mnemojax.sim", "--num-pages", "1"], "num_pages must be at least 2"),
-    (["mnemojax.sim", "--num-pagez=1"], "Unknown command line flag 'num-pagez'"),  # as typed, when no flag
+    pytest.param(["mnemojax.sim", "--num-pagez=1"], "Unknown command line flag 'num-pagez'",  # as typed
+                 marks=pytest.mark.slow),  # a process start; `dashed_names` is tested above
     (["mnemojax.sim", "--trace=/nonexistent.jsonl"], "No such file or directory: '/nonexistent.jsonl'"),
     (["mnemojax.sim", "--duration_s=inf"], "duration_s must be a finite number > 0, got inf"),
     (["mnemojax.sim", "--output_json=/nonexistent/dir/x.json"], "output_json: '/nonexistent/dir' is not a writable"),

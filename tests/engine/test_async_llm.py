@@ -237,7 +237,8 @@ def test_max_request_tokens_is_what_the_kv_pages_hold(async_llm):
         small.shutdown()
 
 
-@pytest.mark.parametrize("kind", list(RequestOutputKind))
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA,
+                                  pytest.param(RequestOutputKind.FINAL_ONLY, marks=pytest.mark.slow)])
 def test_n_sequences_come_as_one_request(async_llm, kind):
     """vLLM's n on AsyncLLM.generate: sequence j is the seeded request with seed + j and n = 1; the
     outputs come as one request's: CUMULATIVE ones hold every sequence's latest, DELTA ones one sequence's new

@@ -142,7 +142,8 @@ def _streamed(url, body) -> dict[int, list[dict]]:
 
 
 @pytest.mark.parametrize("prompt, max_tokens, stop", [
-    (PROMPT, 0, None), (PROMPT, 6, None), (PROMPT, 12, ["\x7fA"]),  # the greedy text has that stop string
+    pytest.param(PROMPT, 0, None, marks=pytest.mark.slow), pytest.param(PROMPT, 6, None, marks=pytest.mark.slow),
+    (PROMPT, 12, ["\x7fA"]),  # the greedy text has that stop string
     ([256, 256], 3, None),  # special tokens only: the prompt's text is empty, its log-probs are not
 ])
 def test_streamed_echo_equals_the_whole_response(url, prompt, max_tokens, stop):

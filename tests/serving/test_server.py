@@ -455,6 +455,7 @@ def test_beam_search_refuses_what_it_does_not_honour(client, extra, param):
     assert len(got.choices) == 2 and got.usage.completion_tokens == 4
 
 
+@pytest.mark.slow  # ~5 s: 30 slowed steps; the whole-request beam tests above stay in the default suite
 def test_a_beam_search_holds_its_places_in_the_queue(llm, monkeypatch):
     """A search of n beams holds n places of max_queue from admission to its end (its steps run up to n requests,
     which wait in the engine's queue): with max_queue = n, another request is a 429 while it runs, and runs after;
@@ -699,7 +700,6 @@ def test_client_disconnects_abort_and_free_pages(url, llm, monkeypatch):
     assert llm.stats().running == 0 and llm.num_active == 0
 
 
-@pytest.mark.slow  # ~15 s on 2 cores; tests/engine/test_async_llm.py streams concurrently by default
 def test_a_beam_search_whose_client_leaves_is_aborted(url, served, llm, monkeypatch):
     """A client that leaves a beam search ends it: the step running then is aborted, nothing runs on, and every
     page is free again."""
@@ -723,6 +723,7 @@ def test_a_beam_search_whose_client_leaves_is_aborted(url, served, llm, monkeypa
     assert state.num_admitted == 0  # no place in the queue left held
 
 
+@pytest.mark.slow  # ~15 s on 2 cores; tests/engine/test_async_llm.py streams concurrently by default
 def test_64_concurrent_streaming_clients(url, llm, caplog):
     caplog.set_level(logging.INFO)
     prompts = _prompts(64 * 3, seed=1)
