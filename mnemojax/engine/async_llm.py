@@ -295,9 +295,7 @@ class AsyncLLM:
         The request id, metrics and cached tokens are those of the sequence the output comes from (CUMULATIVE:
         the first). Each sequence has at most one output waiting here (its own stream merges the rest); the first
         failure of any ends them all, as leaving early does."""
-        params.validate()  # n and the seeds of its sequences
-        kids = [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
-                for j in range(params.n)]
+        kids = params.sequences()
         self._parents[rid] = [f"{rid}-{j}" for j in range(params.n)]
         arrived: asyncio.Queue = asyncio.Queue()
 

@@ -133,9 +133,7 @@ class LLM:
                 raise ParamError(getattr(e, "param", None), f"prompts[{i}]: {e}") from None
         # Only the final outputs are returned: the engine builds no output in the steps before (vLLM does the same).
         # n > 1: one request per sequence, sequence j drawing with seed + j.
-        final = {id(p): [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY, n=1,
-                                             seed=None if p.seed is None else p.seed + j) for j in range(p.n)]
-                 for p in params}
+        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY).sequences() for p in params}
         groups = [[engine.add_request(prompt, p, prompt_token_ids=t) for p in final[id(params_i)]]
                   for prompt, params_i, t in zip(prompts, params, token_ids)]
         ids = [rid for group in groups for rid in group]

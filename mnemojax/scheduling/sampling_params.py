@@ -174,6 +174,15 @@ class SamplingParams:
         counts on the device."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    def sequences(self) -> list[SamplingParams]:
+        """vLLM's `n` as the params of n requests (n = 1 each): sequence j draws with seed + j when seeded, so
+        sequence 0 is the request with n = 1. The fields are checked first (they may have changed since)."""
+        self.validate()
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j)
+                for j in range(self.n)]
+
     @property
     def greedy(self) -> bool:
         """True when the temperature is (near) zero: the next token is the argmax."""

@@ -28,8 +28,7 @@ from mnemojax.engine.async_llm import EngineClient, EngineDeadError, EngineStepE
 from mnemojax.engine.beam_search import BeamSearch, BeamSearchSequence
 from mnemojax.engine.detokenizer import Detokenizer
 from mnemojax.scheduling.outputs import CompletionOutput, RequestOutput
-from mnemojax.scheduling.sampling_params import (MAX_SEED, BeamSearchParams, ParamError, RequestOutputKind,
-                                                 SamplingParams)
+from mnemojax.scheduling.sampling_params import BeamSearchParams, ParamError, RequestOutputKind, SamplingParams
 from mnemojax.serving.config import ServerConfig
 from mnemojax.serving.metrics import ServerMetrics
 from models.tokenizer import ByteTokenizer, is_byte_level, special_ids, token_bytes_fn
@@ -204,8 +203,8 @@ class Choice:
     echoed: str = ""  # chat's `echo`: the text the reply starts with
     token_ids_as_text: bool = False  # vLLM's `return_tokens_as_token_ids`: logprobs write tokens as "token_id:<id>"
     return_token_ids: bool = False  # vLLM's `return_token_ids`: the response shows the prompt's and its token ids
-    sent_prompt_ids: bool = False  # a stream's: the prompt's token ids have gone out
-    echo_chars: int | None = None  # a stream's echo: the prompt text's length once it has gone out
+    streamed: bool = False  # a stream's: its first chunk has gone out (echo's prompt, `return_token_ids`' ids)
+    echo_chars: int = 0  # a stream's echo: the length of the prompt's text, which leads the choice's text
     pending: RequestOutput | None = None  # received, not taken: the DELTA outputs added up
     whole: CompletionOutput | None = None  # a beam search's output, not taken (`finish`)
     prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)  # received so far
@@ -305,11 +304,10 @@ class OpenAIServing:
         `rest_of_context`: each prompt's `max_tokens` is the rest of what one request can hold. `choice_fields` go
         to every `Choice`."""
         self.check_limits(base, len(prompts), n)
-        if base.seed is not None and base.seed + n - 1 >= MAX_SEED:
-            raise APIError(400, f"seed: with n = {n}, choice j draws with seed + j, which must be below 2**63, so seed "
-                                f"must be at most 2**63 - {n} = {MAX_SEED - n}; got {base.seed}", "seed")
-        base = dataclasses.replace(base, output_kind=RequestOutputKind.DELTA)
-        params = [base if base.seed is None else dataclasses.replace(base, seed=base.seed + j) for j in range(n)]
+        try:  # the seed of choice n - 1 must be below 2**63 (a 400 naming `seed`)
+            params = dataclasses.replace(base, n=n, output_kind=RequestOutputKind.DELTA).sequences()
+        except ParamError as e:
+            raise bad_request(e) from None
         choices: list[Choice] = []
         for pi, prompt in enumerate(prompts):
             try:
@@ -412,11 +410,11 @@ class OpenAIServing:
                     step(f"{rid}-{first.prompt_index}-{s.steps}-{k}", b.tokens, s.step_params)
                     for k, b in enumerate(s.live()))
                 head = head or (outs[0] if outs else None)
-                cached = 0 if head is None else head.num_cached_tokens
                 cut = next((o.outputs[0].finish_reason for o in outs if not o.outputs[0].token_ids), None)
                 if cut is not None or not outs:
                     for c in group:
-                        c.finish(CompletionOutput(0, "", [], None, cut or "abort"), cached)
+                        c.finish(CompletionOutput(0, "", [], None, cut or "abort"),
+                                 0 if head is None else head.num_cached_tokens)
                     return
                 s.advance([o.outputs[0] for o in outs])
             for c, seq in zip(group, s.results()[0].sequences):

@@ -84,11 +84,11 @@ class ServingCompletion(OpenAIServing):
         stream's entries joined equal the whole response's. With echo the choice's first chunk leads with the
         prompt (by then the engine has sent all of the prompt's log-probs: a request's first token comes after
         its whole prompt)."""
-        prompt, first = "", c.echo and c.echo_chars is None  # the prompt's text may be empty (special tokens)
+        first, c.streamed = not c.streamed, True
+        prompt = self.prompt_text(c) if first and c.echo else ""  # its text may be empty (special tokens only)
         if first:
-            prompt = self.prompt_text(c)
             c.echo_chars = len(prompt)
-        base = c.echo_chars or 0  # where the completion starts in the choice's text
+        base = c.echo_chars  # where the completion starts in the choice's text
         lps = None
         if c.params.logprobs is not None:
             if c.offsets is None:
@@ -102,15 +102,15 @@ class ServingCompletion(OpenAIServing):
             ready, c.held = c.held[:n], c.held[n:]
             lps = self.logprobs(c, [t for t, _, _ in ready], [d for _, d, _ in ready],
                                 [min(at, end) for _, _, at in ready])
-            if first:
+            if first and c.echo:
                 echoed = self.echo_logprobs(c, prompt)
                 lps = {k: echoed[k] + lps[k] for k in lps}
         out = {"index": c.index, "text": prompt + new.text, "logprobs": lps, "finish_reason": new.finish_reason,
                "stop_reason": new.stop_reason}
         if c.return_token_ids:  # vLLM's: the chunk's new ids, the prompt's in the choice's first chunk
             out["token_ids"] = new.token_ids
-            if not c.sent_prompt_ids:
-                out["prompt_token_ids"], c.sent_prompt_ids = c.prompt_ids, True
+            if first:
+                out["prompt_token_ids"] = c.prompt_ids
         return out
 
     def prompt_text(self, c: Choice) -> str:
