@@ -30,9 +30,11 @@ import typing
 
 from absl import app, flags, logging
 
-VLLM_NAMES = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "spp", "block_size": "page_size"}
+VLLM_NAMES = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "spp", "block_size": "page_size",
+              "scheduling_policy": "scheduler_policy"}
 """vLLM's engine-argument names of settings that mean the same here: `--tensor-parallel-size 2`,
-`--pipeline-parallel-size 2`, `--block-size 16` (tokens per KV page), and `LLM(tensor_parallel_size=2)`
+`--pipeline-parallel-size 2`, `--block-size 16` (tokens per KV page), `--scheduling-policy priority` (vLLM's two
+values, fcfs and priority, are two of ours), and `LLM(tensor_parallel_size=2)`
 (`mnemojax.engine.llm_engine.with_our_names`). A vLLM pipeline stage holds a slice of the layers, as an spp stage
 does; mnemojax's stages also pipeline the chunks of one request."""
 
@@ -166,10 +168,10 @@ def from_flags(cls, flag_values: flags.FlagValues = flags.FLAGS, **overrides):
 def dashed_names(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
     """The command line with vLLM's spellings of this command's flags made absl's: `--max-model-len 4096` is
     `--max_model_len 4096`, a boolean's `--no-enable-prefix-caching` is `--noenable_prefix_caching`, and vLLM's
-    names of our settings (`VLLM_NAMES`: `--tensor-parallel-size`, `--pipeline-parallel-size`, `--block-size`) are
-    ours. Only a name that is one of the command's flags once its dashes are underscores changes; a flag's value
-    (the word after a flag that takes one), anything after `--`, and a name that is no flag (absl's error names
-    it) stay as given."""
+    names of our settings (`VLLM_NAMES`: `--tensor-parallel-size`, `--pipeline-parallel-size`, `--block-size`,
+    `--scheduling-policy`) are ours. Only a name that is one of the command's flags once its dashes are
+    underscores changes; a flag's value (the word after a flag that takes one), anything after `--`, and a name
+    that is no flag (absl's error names it) stay as given."""
     out, value_next = list(argv[:1]), False
     for i, arg in enumerate(argv[1:], 1):
         if value_next or not arg.startswith("--") or arg == "--":

@@ -49,7 +49,7 @@ class MockEngine:
         self.dropped = 0  # requests whose caller stopped listening before their end
         self._listeners = []
 
-    def validate(self, prompt, params: SamplingParams) -> list[int]:
+    def validate(self, prompt, params: SamplingParams, priority: int = 0) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)  # the engine's, as it is
         params.validate(vocab_size=self.tokenizer.vocab_size)
@@ -57,6 +57,8 @@ class MockEngine:
         for name, off in (("min_p", 0.0), ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None)):
             if getattr(params, name) != off:
                 raise AssertionError(f"the mock engine ignores {name}: test it against a real engine")
+        if priority != 0:
+            raise AssertionError("the mock engine ignores priority: test it against a real engine")
         if not ids:
             raise ParamError("prompt", "prompt must not be empty")
         if len(ids) + params.max_tokens > self.max_model_len:
@@ -66,8 +68,8 @@ class MockEngine:
                                        f"pages hold ({self.max_request_tokens} tokens)")
         return ids
 
-    async def generate(self, prompt, params=None, request_id=None, *, prompt_token_ids=None):
-        ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
+    async def generate(self, prompt, params=None, request_id=None, *, prompt_token_ids=None, priority=0):
+        ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params, priority)
         self.requests.append((ids, params))
         delta = params.output_kind is RequestOutputKind.DELTA
         detok = Detokenizer(self.tokenizer, params, ids)

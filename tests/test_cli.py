@@ -96,8 +96,10 @@ def test_vllms_dashed_names_are_taken():
     mesh = flags.FlagValues()  # vLLM's names of our settings, where the command has them
     for name in ("tp", "spp", "page_size"):
         flags.DEFINE_integer(name, 1, "", flag_values=mesh)
-    assert dashed_names(["prog", "--tensor-parallel-size", "2", "--pipeline_parallel_size=2", "--block-size=8"],
-                        mesh) == ["prog", "--tp", "2", "--spp=2", "--page_size=8"]
+    flags.DEFINE_string("scheduler_policy", "fcfs", "", flag_values=mesh)
+    assert dashed_names(["prog", "--tensor-parallel-size", "2", "--pipeline_parallel_size=2", "--block-size=8",
+                         "--scheduling-policy", "priority"], mesh) == [
+        "prog", "--tp", "2", "--spp=2", "--page_size=8", "--scheduler_policy", "priority"]
     assert dashed_names(["prog", "--block-size=8"], fv) == ["prog", "--block-size=8"]  # no page_size flag: as typed
 
 

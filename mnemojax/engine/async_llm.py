@@ -119,11 +119,11 @@ class EngineClient(Protocol):
     num_waiting: int  # callers' requests with no output yet
     num_active: int  # requests whose callers are still listening
 
-    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]: ...
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams, priority: int = 0) -> list[int]: ...
 
     def generate(self, prompt: str | Sequence[int] | None, params: SamplingParams | None = None,
-                 request_id: str | None = None, *,
-                 prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]: ...
+                 request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
 
     def stats(self) -> EngineStats: ...
 
@@ -226,9 +226,9 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams, priority: int = 0) -> list[int]:
         """The prompt's token ids (as `params.truncate_prompt_tokens` leaves them); raises ValueError (naming the
-        field and the limit) if the request is bad.
+        field and the limit) if the request (with its `priority`, `LLMEngine.check_priority`) is bad.
 
         Safe from any thread: tokenizing and the checks read only the engine's fixed configuration.
         """
@@ -236,13 +236,14 @@ class AsyncLLM:
         if params.n != 1:  # `generate` runs one request per sequence
             params.validate()
             params = dataclasses.replace(params, n=1)
-        self.engine.validate(ids, params)
+        self.engine.validate(ids, params, priority)
         return ids
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, *,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields the request's output each time it makes progress; the last one has `finished` set.
+                       request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yields the request's output each time it makes progress; the last one has `finished` set. `priority`
+        (vLLM's): lower runs first under scheduler_policy "priority"; 0 under any other.
 
         Bad input raises ValueError (naming the field and the limit) before anything is yielded; a failed or shut
         down engine raises `EngineDeadError`. If the caller stops iterating (a client went away), the request is
@@ -254,14 +255,14 @@ class AsyncLLM:
         if rid in self._streams or rid in self._parents:
             raise ValueError(f"request_id {rid!r} is already in use")
         if params is not None and params.n != 1:
-            async for out in self._sequences(prompt, params, rid, prompt_token_ids):
+            async for out in self._sequences(prompt, params, rid, prompt_token_ids, priority):
                 yield out
             return
         # None: the engine's defaults for this prompt (`LLMEngine.default_sampling_params`), CUMULATIVE outputs
         stream = _Stream(params is not None and params.output_kind is RequestOutputKind.DELTA)
         self._streams[rid] = (asyncio.get_running_loop(), stream)
         try:
-            self._queue((_ADD, rid, prompt, params, prompt_token_ids))
+            self._queue((_ADD, rid, prompt, params, prompt_token_ids, priority))
         except EngineDeadError:
             self._streams.pop(rid, None)
             raise
@@ -286,8 +287,8 @@ class AsyncLLM:
             if not finished:
                 self._commands.put((_ABORT, rid))
 
-    async def _sequences(self, prompt, params: SamplingParams, rid: str,
-                         prompt_token_ids: list[int] | None) -> AsyncIterator[RequestOutput]:
+    async def _sequences(self, prompt, params: SamplingParams, rid: str, prompt_token_ids: list[int] | None,
+                         priority: int) -> AsyncIterator[RequestOutput]:
         """vLLM's `n` on one call: n requests (`<rid>-<j>`, sequence j drawing with seed + j when seeded, so
         sequence 0 is the request with n = 1) whose outputs come as one request's, `rid`: CUMULATIVE ones hold the
         latest output of every sequence that has one (`outputs[k].index` its sequence), DELTA ones what one
@@ -301,7 +302,8 @@ class AsyncLLM:
 
         async def pump(j: int) -> None:
             try:
-                async for out in self.generate(prompt, kids[j], f"{rid}-{j}", prompt_token_ids=prompt_token_ids):
+                async for out in self.generate(prompt, kids[j], f"{rid}-{j}", prompt_token_ids=prompt_token_ids,
+                                               priority=priority):
                     taken = asyncio.Event()
                     arrived.put_nowait((j, out, taken))
                     await taken.wait()
@@ -442,9 +444,9 @@ class AsyncLLM:
                 self._abort(rid)
             return cmd[0] != _STOP
         if cmd[0] == _ADD:
-            _, rid, prompt, params, prompt_ids = cmd
+            _, rid, prompt, params, prompt_ids, priority = cmd
             try:
-                e.add_request(prompt, params, request_id=rid, prompt_token_ids=prompt_ids)
+                e.add_request(prompt, params, request_id=rid, prompt_token_ids=prompt_ids, priority=priority)
             except ValueError as err:
                 self._send(rid, err)
         elif cmd[0] == _ABORT:

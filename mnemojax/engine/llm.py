@@ -100,7 +100,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Mapping | Sequence[Prompt | Mapping],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., tqdm] = True, *,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in prompt order.
 
         `prompts` is a string, a list of token ids, vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` (the ids
@@ -113,8 +114,15 @@ class LLM:
         `use_tqdm` (vLLM's): True shows a progress bar of the finished sequences on stderr, with the input and
         output tokens per second so far; a callable (`functools.partial(tqdm, leave=False)`) makes the bar; False
         none.
+        `priority` (vLLM's): one integer per prompt, lower first, under scheduler_policy "priority" (vLLM's
+        `scheduling_policy`); with any other policy every one must be 0.
         """
         prompts = _prompt_list(prompts, (str, Mapping))
+        if priority is not None and (isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence)
+                                     or len(priority) != len(prompts)):
+            raise ParamError("priority", f"priority must be a list of one integer per prompt ({len(prompts)}), got "
+                                         f"{priority!r}")
+        priority = [0] * len(prompts) if priority is None else list(priority)
         default = sampling_params is None  # then each prompt's own (`LLMEngine.default_sampling_params`)
         params = [None] * len(prompts) if default else list(sampling_params) \
             if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
@@ -128,14 +136,14 @@ class LLM:
                 if default:
                     p = params[i] = engine.default_sampling_params(len(token_ids[-1]))
                 p.validate()  # n and the seeds of its sequences (fields may have changed since it was made)
-                engine.validate(token_ids[-1], p if p.n == 1 else dataclasses.replace(p, n=1))
+                engine.validate(token_ids[-1], p if p.n == 1 else dataclasses.replace(p, n=1), priority[i])
             except ValueError as e:
                 raise ParamError(getattr(e, "param", None), f"prompts[{i}]: {e}") from None
         # Only the final outputs are returned: the engine builds no output in the steps before (vLLM does the same).
         # n > 1: one request per sequence, sequence j drawing with seed + j.
         final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY).sequences() for p in params}
-        groups = [[engine.add_request(prompt, p, prompt_token_ids=t) for p in final[id(params_i)]]
-                  for prompt, params_i, t in zip(prompts, params, token_ids)]
+        groups = [[engine.add_request(prompt, p, prompt_token_ids=t, priority=rank) for p in final[id(params_i)]]
+                  for prompt, params_i, t, rank in zip(prompts, params, token_ids, priority)]
         ids = [rid for group in groups for rid in group]
         pending = set(ids)
         bar = _Progress(use_tqdm, len(ids))

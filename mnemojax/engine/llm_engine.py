@@ -370,10 +370,11 @@ class LLMEngine:
                                         f"({type(t).__name__})")
         return [int(t) for t in ids]
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raises ValueError naming the field and the limit; changes nothing."""
         vocab = self.model_config.vocab_size
         params.validate(vocab_size=vocab)
+        self.check_priority(priority)
         if params.n != 1:
             raise ParamError("n", f"an engine request makes one sequence, so n must be 1 here (got {params.n}): "
                                   f"LLM.generate and AsyncLLM.generate make n requests for n > 1, as the server's "
@@ -466,16 +467,17 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int] | Mapping, params: SamplingParams | None = None,
                     request_id: str | None = None, *, prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, priority: int = 0) -> str:
         """Queues a request; `prompt_token_ids`, when given, are `prompt` already tokenized. `arrival_time` (on the
         engine's clock, at most now; default now), as vLLM's: when the request arrived, which its TTFT and its ILRS
-        deadline count from (a server or a trace replay that hands requests over late)."""
+        deadline count from (a server or a trace replay that hands requests over late). `priority` (vLLM's): under
+        scheduler_policy "priority", lower runs first (`check_priority`)."""
         text, prompt = prompt_parts(prompt)
         prompt_ids = self.tokenize(prompt) if prompt_token_ids is None else \
             self._token_ids(prompt_token_ids, "prompt_token_ids")
         params = params or self.default_sampling_params(len(prompt_ids))
         prompt_ids = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.max_model_len)
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, priority)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -483,7 +485,8 @@ class LLMEngine:
         now = self.clock()
         if arrival_time is not None and not arrival_time <= now:
             raise ParamError("arrival_time", f"arrival_time {arrival_time} is later than the engine's clock ({now})")
-        req = Request(rid, prompt_ids, params, now if arrival_time is None else arrival_time, seed, prompt=text)
+        req = Request(rid, prompt_ids, params, now if arrival_time is None else arrival_time, seed, prompt=text,
+                      priority=priority)
         allowed = params.allowed_token_ids
         words, req.bad_words = self.bad_words(params)
         if params.logit_bias or params.min_tokens or allowed is not None or words or req.bad_words:
@@ -497,6 +500,16 @@ class LLMEngine:
         if self.tokenizer is not None and params.detokenize:
             self._detokenizers[rid] = Detokenizer(self.tokenizer, params, prompt_ids)
         return rid
+
+    def check_priority(self, priority) -> None:
+        """A request's `priority` must be an integer, and 0 unless scheduler_policy is "priority" (vLLM's rule: the
+        other policies order requests by themselves); raises ParamError naming `priority`."""
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise ParamError("priority", f"priority must be an integer, got {priority!r}")
+        policy = self.config.scheduler_policy
+        if priority != 0 and policy != "priority":
+            raise ParamError("priority", f"priority {priority} needs scheduler_policy 'priority' (vLLM's "
+                                         f"--scheduling-policy priority); this engine's is {policy!r}")
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Ends a request that has not finished, freeing its pages; its finish reason is `reason` ("abort", or

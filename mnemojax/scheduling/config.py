@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-POLICIES = ("fcfs", "edf", "lrs", "ilrs")
+POLICIES = ("fcfs", "edf", "lrs", "ilrs", "priority")
 """Prefill orders (see `mnemojax.scheduling.scheduler`)."""
 
 
@@ -32,14 +32,17 @@ class SchedulerConfig:
     chunk_size: int = 256
     """Largest prefill chunk of one request per step."""
     scheduler_policy: str = dataclasses.field(default="fcfs", metadata={"choices": POLICIES})
-    """Prefill order: fcfs (arrival), edf (TTFT deadline), lrs (least slack), ilrs (least relative slack)."""
+    """Prefill order: fcfs (arrival), edf (TTFT deadline), lrs (least slack), ilrs (least relative slack), priority
+    (vLLM's: each request's priority, lower first, then arrival; the only policy that takes priorities other than
+    0). vLLM's name: scheduling_policy."""
     target_batch_time_ms: float | None = None
     """Adaptive chunking: a step's predicted time stays under this (divided by spp per stage; needs the runtime
     predictor); default: fixed chunks under the token budget."""
     min_chunk_size: int = 32
     """Adaptive chunks never go below this (nor above chunk_size), unless the prompt's rest is shorter."""
     ppb_max_share: float = 0.5
-    """Prefill-prefill batching: most of a step for prefills after the most urgent one (0: off; not with fcfs)."""
+    """Prefill-prefill batching: most of a step for prefills after the most urgent one (0: off; not with fcfs or
+    priority)."""
     ttft_slo_min_s: float = 1.0
     """TTFT deadline of a request: this + ttft_slo_per_token_s x its prompt tokens ..."""
     ttft_slo_per_token_s: float = 1e-3
@@ -66,6 +69,12 @@ class SchedulerConfig:
             # every deadline would be its arrival: slack is measured in units of the deadline's duration
             raise ValueError("ttft_slo_min_s and ttft_slo_per_token_s must not both be 0 (a TTFT deadline needs a "
                              "positive duration)")
+
+    @property
+    def in_order(self) -> bool:
+        """The policy takes prefills in a fixed order (fcfs, priority): nobody overtakes a request that cannot
+        start, and steps are not shared by prefill-prefill batching."""
+        return self.scheduler_policy in ("fcfs", "priority")
 
     @property
     def target_batch_time_s(self) -> float | None:

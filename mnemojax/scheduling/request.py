@@ -27,6 +27,7 @@ class Request:
     arrival_time: float
     seed: int  # the sampling seed, drawn by the engine when params.seed is None
     prompt: str | None = None
+    priority: int = 0  # the `priority` policy's order: lower first (vLLM's); 0 under every other policy
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens scheduled into the cache (their K/V written or in flight)

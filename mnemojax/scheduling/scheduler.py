@@ -8,9 +8,11 @@ A step is packed in this order (Medha, section 4.2):
 1. Decodes of running requests, in admission order. A decode is never preempted, except when KV pages run
    out (then by recompute).
 2. Prefill chunks, highest priority first. The policy orders them: `fcfs` (arrival), `edf` (earliest TTFT
-   deadline), `lrs` (least remaining slack: deadline - now - predicted remaining prefill time) or `ilrs`
-   (that slack divided by the deadline's duration, so long and short prompts compare fairly). A prefill not
-   scheduled in a step keeps its pages and resumes later: preemption at chunk boundaries.
+   deadline), `lrs` (least remaining slack: deadline - now - predicted remaining prefill time), `ilrs`
+   (that slack divided by the deadline's duration, so long and short prompts compare fairly) or `priority`
+   (vLLM's: each request's `priority`, lower first, then arrival). A prefill not scheduled in a step keeps its
+   pages and resumes later: preemption at chunk boundaries. Under `fcfs` and `priority` a waiting request that
+   cannot start blocks the waiting requests after it (no overtaking); the running ones still get their chunks.
 3. With `target_batch_time_ms` and a runtime predictor, chunks are adaptive: each is the largest whose
    predicted step time stays under the target, so chunks shrink as a long prompt's context grows. Without
    them the step's cost is its token count under `max_num_batched_tokens`.
@@ -43,7 +45,8 @@ prompt is a short request for every policy and for adaptive chunking. `update_fr
 a leaving chunk completed (their K/V is then written on every pipeline stage).
 
 Memory pressure: a request that cannot get a page preempts, by recompute, the most recently admitted request
-that was admitted after it, holds pages on a rank that is short, and has nothing in flight; with none, a prefill
+that was admitted after it (under `priority`: the last in (priority, arrival, admission) order of those after it
+in that order), holds pages on a rank that is short, and has nothing in flight; with none, a prefill
 chunk shrinks to what the free pages hold (rather than leave them to newer requests), and a decode waits. A preempted request returns to the front of the queue and computes its prompt and generated tokens
 again; results do not change (the sampler is keyed by (seed, token index); prompt log-probs already
 reported are kept).
@@ -296,6 +299,8 @@ class Scheduler:
         p = self.config.scheduler_policy
         if p == "fcfs":
             return 0.0  # a stable sort keeps running-then-waiting, each in order
+        if p == "priority":
+            return req.priority, req.arrival_time  # ties: running-then-waiting, each in order
         if p == "edf":
             return req.ttft_deadline
         if p == "lrs":
@@ -413,9 +418,9 @@ class Scheduler:
         while short := self.kv.short_ranks(req, req.num_computed + n):
             if req.status is not RequestStatus.RUNNING:
                 return False  # a waiting request preempts nobody
-            newer = self.running[self.running.index(req) + 1:]
             scheduled = {id(c.request) for c in chunks}
-            victims = [r for r in newer if r.in_flight == 0 and id(r) not in scheduled and short & set(r.kv_ranks)]
+            victims = [r for r in self._below(req) if r.in_flight == 0 and id(r) not in scheduled
+                       and short & set(r.kv_ranks)]
             if not victims:
                 n = self._fits_in_free_pages(req, n - 1)
                 if n == 0:
@@ -429,6 +434,15 @@ class Scheduler:
         self.kv.grow(req, req.num_computed + n)
         rows.add(ranks, n)
         return self._add_chunk(req, n, chunks)
+
+    def _below(self, req: Request) -> list[Request]:
+        """The running requests `req` may preempt, the first to go last: those admitted after it, or under the
+        priority policy those after it in (priority, arrival, admission) order (vLLM's victim: the largest)."""
+        i = self.running.index(req)
+        if self.config.scheduler_policy != "priority":
+            return self.running[i + 1:]
+        order = {id(r): (r.priority, r.arrival_time, k) for k, r in enumerate(self.running)}
+        return sorted((r for r in self.running if order[id(r)] > order[id(req)]), key=lambda r: order[id(r)])
 
     def _decodes_unseen(self, req: Request) -> bool:
         """`req`'s only sample in flight is a token already sampled on the device (its step launched, its result
@@ -471,7 +485,7 @@ class Scheduler:
             req.num_computed = 0
 
     def schedule(self, now: float | None = None) -> StepPlan:
-        c = self.config
+        c, p = self.config, self.config.scheduler_policy
         now = self.clock() if now is None else now
         rows = StepRows(self.kv.num_ranks, c.max_num_batched_tokens)  # each rank's token budget
         chunks: list[ScheduledChunk] = []
@@ -497,15 +511,16 @@ class Scheduler:
                    and r.num_uncomputed > 0 and not r.in_decode]
         slots = c.max_num_seqs - self.num_seats_held
         waiting = []
-        for r in self.waiting:
+        queue = sorted(self.waiting, key=lambda r: self._priority(r, now)) if p == "priority" else self.waiting
+        for r in queue:
             if r in preempted or r.in_flight:
-                if c.scheduler_policy == "fcfs":
-                    break  # first come, first served: nobody overtakes a preempted request
+                if c.in_order:
+                    break  # first come (or first in priority), first served: nobody overtakes a preempted request
                 continue
             waiting.append(r)
         # Only as many waiting requests as there are free slots: one that cannot be admitted must not take the
-        # most urgent prefill's place (FCFS takes them in order; the others by priority below).
-        if c.scheduler_policy == "fcfs":
+        # most urgent prefill's place (FCFS and priority take them in order; the others by urgency below).
+        if c.in_order:
             waiting = waiting[:max(slots, 0)]
         elif slots <= 0:
             waiting = []
@@ -516,7 +531,7 @@ class Scheduler:
         #    pass offers what is left to the others.
         floor = min(c.min_chunk_size, c.chunk_size) if self.target_s is not None else 1
         passes = [(r, limit) for r in cands]
-        if c.scheduler_policy != "fcfs" and c.ppb_max_share > 0 and len(cands) > 1:
+        if not c.in_order and c.ppb_max_share > 0 and len(cands) > 1:
             base = self._cost(entries())
             weights = [1.0 / max(self.relative_slack(r, now), _MIN_SLACK) for r in cands]
             rest = sum(weights[1:])
@@ -527,12 +542,14 @@ class Scheduler:
                 caps.append((r, base + (limit - base) * share * acc))
             passes = caps + [(cands[0], limit)] + [(r, limit) for r in cands[1:]]
 
-        def fcfs_blocked(req: Request) -> bool:
-            """`req` does not run in this step: gives back what placing it took; under FCFS a waiting request that
-            cannot start blocks the ones after it (no overtaking)."""
-            waiting = req.status is RequestStatus.WAITING
+        closed = False  # an in-order policy's waiting request could not start: no waiting request after it does
+
+        def not_now(req: Request) -> None:
+            """`req` does not run in this step: gives back what placing it took; under FCFS or priority a waiting
+            request that cannot start blocks the waiting ones after it (no overtaking)."""
+            nonlocal closed
+            closed |= c.in_order and req.status is RequestStatus.WAITING
             self._unplace(req)
-            return waiting and c.scheduler_policy == "fcfs"
 
         scheduled = {id(ch.request) for ch in chunks}
         primary = cands[0] if cands else None
@@ -547,15 +564,14 @@ class Scheduler:
             if id(req) in scheduled or req in preempted:
                 continue  # one chunk per request per step; a victim is not re-admitted in the same step
             if req.status is RequestStatus.WAITING:
-                if self.num_seats_held + seat_kept >= c.max_num_seqs or (c.scheduler_policy == "fcfs" and preempted):
+                if closed or self.num_seats_held + seat_kept >= c.max_num_seqs or (c.in_order and preempted):
                     continue
                 req.num_computed = self.kv.place(req, rows)  # its cached prefix, if any
                 if self.kv.waits_for_pending(req, req.num_computed):
                     self._unplace(req)
                     continue  # its next page is being computed by another request: take it cached later
             if req.kv_ranks[0] in full and req is not primary:
-                if fcfs_blocked(req):
-                    break
+                not_now(req)
                 continue  # a longer context only costs more
             # Only the most urgent prefill is sure to progress; the others fit under the cap or wait.
             # Before the most urgent prefill is placed, the others are costed with its smallest chunk in the step:
@@ -567,16 +583,13 @@ class Scheduler:
             if n <= 0:
                 if cap == limit and req.num_computed == 0 and len(req.kv_ranks) == 1:
                     full.add(req.kv_ranks[0])
-                if fcfs_blocked(req):
-                    break
+                not_now(req)
                 continue
             if req.status is RequestStatus.WAITING:
                 if not self.kv.can_grow(req, n):
                     logger.debug("request %s waits: not enough free KV pages (%d of %d in use)", req.request_id,
                                 self.kv.num_used, self.kv.num_usable)
-                    self._unplace(req)
-                    if c.scheduler_policy == "fcfs":
-                        break  # first come, first served: nobody overtakes it
+                    not_now(req)  # under FCFS or priority nobody waiting overtakes it
                     continue
                 self._admit(req)
             if self._schedule(req, n, rows, chunks, preempted):

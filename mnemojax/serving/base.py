@@ -203,6 +203,7 @@ class Choice:
     echoed: str = ""  # chat's `echo`: the text the reply starts with
     token_ids_as_text: bool = False  # vLLM's `return_tokens_as_token_ids`: logprobs write tokens as "token_id:<id>"
     return_token_ids: bool = False  # vLLM's `return_token_ids`: the response shows the prompt's and its token ids
+    priority: int = 0  # vLLM's `priority`: its engine requests' (`LLMEngine.check_priority`)
     streamed: bool = False  # a stream's: its first chunk has gone out (echo's prompt, `return_token_ids`' ids)
     echo_chars: int = 0  # a stream's echo: the length of the prompt's text, which leads the choice's text
     pending: RequestOutput | None = None  # received, not taken: the DELTA outputs added up
@@ -315,11 +316,12 @@ class OpenAIServing:
                     raise ParamError("prompt", "prompt must be a string, a list of token ids, or a list of either")
                 mine = params
                 if rest_of_context:
-                    ids = self.llm.validate(prompt, dataclasses.replace(params[0], max_tokens=1, min_tokens=0))
+                    ids = self.llm.validate(prompt, dataclasses.replace(params[0], max_tokens=1, min_tokens=0),
+                                            choice_fields.get("priority", 0))
                     room = max(self.llm.max_request_tokens - len(ids), 1)
                     room = min(room, self.llm.default_sampling.get("max_tokens", room))  # the model's cap
                     mine = [dataclasses.replace(p, max_tokens=room) for p in params]
-                ids = self.llm.validate(prompt, mine[0])
+                ids = self.llm.validate(prompt, mine[0], choice_fields.get("priority", 0))
             except ValueError as e:
                 raise bad_request(e, "" if len(prompts) == 1 else f"prompt[{pi}]: ") from None
             first = len(choices)
@@ -349,7 +351,8 @@ class OpenAIServing:
             try:
                 # no await between: the engine counts the request waiting from the generator's first step on
                 c.unreserve()
-                async for out in self.llm.generate(None, c.params, f"{rid}-{c.index}", prompt_token_ids=c.prompt_ids):
+                async for out in self.llm.generate(None, c.params, f"{rid}-{c.index}", prompt_token_ids=c.prompt_ids,
+                                                   priority=c.priority):
                     c.receive(out)
                     progress.set()
                     if paced:
@@ -390,11 +393,12 @@ class OpenAIServing:
         at most beam_width requests); a step's request takes one of them over while the engine counts it."""
         eos, state = self.llm.eos_token_id, self.state
 
-        async def step(request_id: str, tokens: list[int], params: SamplingParams):
+        async def step(request_id: str, tokens: list[int], params: SamplingParams, priority: int):
             state.num_admitted -= 1  # no await between: the engine counts the request waiting from here on
             try:
                 last = None
-                async for out in self.llm.generate(None, params, request_id, prompt_token_ids=tokens):
+                async for out in self.llm.generate(None, params, request_id, prompt_token_ids=tokens,
+                                                   priority=priority):
                     last = out
                 return last
             finally:
@@ -407,7 +411,7 @@ class OpenAIServing:
             head = None  # the first step's output: the prompt's cached tokens
             while not s.done:
                 outs = [] if state.aborting else await _all(
-                    step(f"{rid}-{first.prompt_index}-{s.steps}-{k}", b.tokens, s.step_params)
+                    step(f"{rid}-{first.prompt_index}-{s.steps}-{k}", b.tokens, s.step_params, first.priority)
                     for k, b in enumerate(s.live()))
                 head = head or (outs[0] if outs else None)
                 cut = next((o.outputs[0].finish_reason for o in outs if not o.outputs[0].token_ids), None)

@@ -41,7 +41,7 @@ class ServingChat(OpenAIServing):
             choices = self.admit([prompt_ids], params, body.n, show_prompt_logprobs=body.prompt_logprobs,
                                  role=self.reply_role(body), echoed=self.echoed(body),
                                  token_ids_as_text=self.token_ids_as_text(body),
-                                 return_token_ids=bool(body.return_token_ids))
+                                 return_token_ids=bool(body.return_token_ids), priority=body.priority)
         except APIError as e:
             if e.param != "prompt":
                 raise

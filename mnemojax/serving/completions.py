@@ -49,7 +49,7 @@ class ServingCompletion(OpenAIServing):
         choices = self.admit(prompts, params, body.n, rest_of_context=rest, show_prompt_logprobs=body.prompt_logprobs,
                              echo=body.echo, discard_output=max_tokens == 0,
                              token_ids_as_text=self.token_ids_as_text(body),
-                             return_token_ids=bool(body.return_token_ids))
+                             return_token_ids=bool(body.return_token_ids), priority=body.priority)
         return await self.respond(request, body.stream, body.include_usage, choices, body.continuous_usage, beam,
                                   body.request_id)
 

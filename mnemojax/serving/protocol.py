@@ -62,7 +62,7 @@ def _refuse_unhonoured(body: BaseModel, fields: dict[str, tuple], where: str = "
 
 _UNHONOURED = {  # vLLM's request fields mnemojax does not implement, and the values that change nothing
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,), "priority": (None, 0), "logits_processors": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "logits_processors": (None,),
 }
 
 _NOT_WITH_BEAMS = {  # what beam search does not honour (vLLM's ignores them), and the values that change nothing
@@ -127,13 +127,14 @@ class _SamplingRequest(_Strict):
                                                              "sampling fields; see the README)")
     length_penalty: float = Field(default=1.0, description="vLLM's, with use_beam_search: sequences rank by "
                                                            "cumulative log-prob / length ** length_penalty")
+    priority: int = Field(default=0, description="vLLM's: under --scheduler_policy priority (vLLM's "
+                                                 "--scheduling-policy), lower runs first; 0 under any other policy")
     # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    priority: Any = None
     logits_processors: Any = None
 
     def _check_unsupported(self) -> None:

@@ -31,7 +31,7 @@ So a prompt of K chunks alone completes its prefill (first token) after K + spp 
 request's tokens come spp steps apart (its next token can enter only once the previous one has left).
 
 Requests are `Request(id, prompt_token_ids=range(n), SamplingParams(max_tokens=m, ignore_eos=True), arrival,
-seed=0)`: `range` keeps million-token prompts free. There is no EOS, no stop string and no `max_model_len`
+seed=0, priority=p)` (p the trace's, 0 unless given): `range` keeps million-token prompts free. There is no EOS, no stop string and no `max_model_len`
 (Medha serves 10M tokens with RoPE scaling): a request generates exactly its `output_tokens`.
 
 Metrics (seconds). TTFT = first token time - arrival; TBT = the gaps between a request's consecutive tokens,
@@ -95,6 +95,8 @@ class TraceRequest:
     prefix cache reuses it); the rest of every prompt is its own."""
     prefix_tokens: int = 0
     """How many of its prompt tokens are the shared prefix's."""
+    priority: int = 0
+    """vLLM's request priority: under scheduler_policy priority, lower first (0 under any other policy)."""
 
     def __post_init__(self):
         if not (isinstance(self.arrival_time, (int, float)) and not isinstance(self.arrival_time, bool)
@@ -110,6 +112,8 @@ class TraceRequest:
         if self.prefix_id is not None and (not isinstance(self.prefix_id, (int, np.integer))
                                            or isinstance(self.prefix_id, bool)):
             raise ValueError(f"prefix_id must be an integer (or None), got {self.prefix_id!r}")
+        if not isinstance(self.priority, (int, np.integer)) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if (self.prefix_id is None) != (self.prefix_tokens == 0):
             raise ValueError("prefix_id and prefix_tokens go together (a shared prefix has an id and a length), got "
                              f"{self.prefix_id!r} and {self.prefix_tokens!r}")
@@ -173,7 +177,8 @@ def synthetic_trace(qps: float, duration_s: float, *, long_fraction: float = 0.0
 
 def save_trace(trace: Iterable[TraceRequest], path: str) -> None:
     """Writes a JSONL trace: one `{"arrival_time", "prompt_tokens", "output_tokens"}` object per line, with
-    `"prefix_id"` and `"prefix_tokens"` for a request with a shared prefix."""
+    `"prefix_id"` and `"prefix_tokens"` for a request with a shared prefix and `"priority"` for one whose priority
+    is not 0."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         for r in trace:
@@ -181,6 +186,8 @@ def save_trace(trace: Iterable[TraceRequest], path: str) -> None:
                  "output_tokens": int(r.output_tokens)}
             if r.prefix_id is not None:
                 d.update(prefix_id=int(r.prefix_id), prefix_tokens=int(r.prefix_tokens))
+            if r.priority != 0:
+                d.update(priority=int(r.priority))
             f.write(json.dumps(d) + "\n")
 
 
@@ -189,6 +196,7 @@ def load_trace(path: str) -> list[TraceRequest]:
     missing or unknown keys is an error naming the line."""
     keys = {"arrival_time", "prompt_tokens", "output_tokens"}
     prefix_keys = keys | {"prefix_id", "prefix_tokens"}
+    shapes = (keys, prefix_keys, keys | {"priority"}, prefix_keys | {"priority"})
     out = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
@@ -198,12 +206,12 @@ def load_trace(path: str) -> list[TraceRequest]:
                 d = json.loads(line)
             except ValueError as e:
                 raise ValueError(f"{path}:{i}: not JSON ({e}): {line!r}") from None
-            if not isinstance(d, dict) or set(d) not in (keys, prefix_keys):
+            if not isinstance(d, dict) or set(d) not in shapes:
                 raise ValueError(f"{path}:{i}: expected an object with exactly the keys {sorted(keys)} (and "
-                                 f"optionally prefix_id and prefix_tokens), got {line!r}")
+                                 f"optionally prefix_id and prefix_tokens, and priority), got {line!r}")
             try:
                 out.append(TraceRequest(d["arrival_time"], d["prompt_tokens"], d["output_tokens"],
-                                        d.get("prefix_id"), d.get("prefix_tokens", 0)))
+                                        d.get("prefix_id"), d.get("prefix_tokens", 0), d.get("priority", 0)))
             except ValueError as e:
                 raise ValueError(f"{path}:{i}: {e}") from None
     return sorted(out, key=lambda r: r.arrival_time)
@@ -455,6 +463,9 @@ class Simulator:
         self.scheduler = Scheduler(config, self.kv, self.predictor if config.uses_predictor else None,
                                    clock=lambda: self.now, spp=config.spp)
         self.trace = sorted(trace, key=lambda r: r.arrival_time)
+        if config.scheduler_policy != "priority" and any(t.priority != 0 for t in self.trace):
+            raise ValueError(f"the trace has requests of priority other than 0, which need scheduler_policy "
+                             f"'priority' (the engine's rule); this simulation's is {config.scheduler_policy!r}")
         self.steps = 0
 
     @property
@@ -503,8 +514,8 @@ class Simulator:
                 prefix = None if t.prefix_id is None else prefixes.setdefault(t.prefix_id, len(prefixes))
                 tokens = SimPrompt(len(reqs), t.prompt_tokens, prefix, t.prefix_tokens) \
                     if self.prefix_caching else range(t.prompt_tokens)
-                req = Request(str(len(reqs)), tokens,
-                              SamplingParams(max_tokens=t.output_tokens, ignore_eos=True), t.arrival_time, seed=0)
+                req = Request(str(len(reqs)), tokens, SamplingParams(max_tokens=t.output_tokens, ignore_eos=True),
+                              t.arrival_time, seed=0, priority=t.priority)
                 reqs.append(req)
                 kinds.append("long" if t.prompt_tokens > cfg.long_threshold_tokens else "short")
                 sched.add(req)
@@ -561,7 +572,7 @@ class Simulator:
         return {"id": r.request_id, "kind": kind, "arrival": r.arrival_time, "prompt_tokens": r.num_prompt_tokens,
                 "output_tokens": r.params.max_tokens, "generated": len(r.output_token_ids),
                 "first_scheduled": r.first_scheduled_time, "first_token": r.first_token_time,
-                "first_token_step": step, "finished": r.finished_time,
+                "first_token_step": step, "finished": r.finished_time, "priority": r.priority,
                 "ttft": None if r.first_token_time is None else r.first_token_time - r.arrival_time,
                 "tbt_mean": float(gaps.mean()) if gaps.size else None,
                 "tbt_max": float(gaps.max()) if gaps.size else None,

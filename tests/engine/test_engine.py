@@ -941,6 +941,52 @@ def test_vllms_engine_argument_names():
     assert e.value.param == "page_size"
 
 
+def test_priority_needs_the_priority_policy_and_an_integer(llm):
+    """vLLM's rule: a priority other than 0 needs scheduler_policy "priority" (vLLM's scheduling_policy); the
+    ParamError names `priority`, and `generate` checks every prompt's before it queues any."""
+    p = SamplingParams(max_tokens=2, temperature=0)
+    with pytest.raises(ParamError, match="priority 1 needs scheduler_policy 'priority'.*'fcfs'") as e:
+        llm.engine.add_request([1, 2, 3], p, priority=1)
+    assert e.value.param == "priority"
+    for bad in (1.5, True, "0"):
+        with pytest.raises(ParamError, match="priority must be an integer") as e:
+            llm.engine.add_request([1, 2, 3], p, priority=bad)
+    with pytest.raises(ParamError, match=r"prompts\[1\]: priority -2 needs") as e:
+        llm.generate([[1, 2], [3, 4]], p, priority=[0, -2])
+    assert e.value.param == "priority"
+    with pytest.raises(ParamError, match=r"one integer per prompt \(2\)") as e:
+        llm.generate([[1, 2], [3, 4]], p, priority=[0])
+    assert e.value.param == "priority" and not llm.engine.requests
+    zero = llm.generate([[1, 2]], p, priority=[0])[0].outputs[0].token_ids  # 0 is every policy's
+    assert zero == llm.generate([[1, 2]], p)[0].outputs[0].token_ids and len(zero) == 2
+
+
+def test_priority_policy_starts_lower_values_first_with_the_same_tokens(ckpt, llm, alone):
+    """Under vLLM's priority policy (its name for the setting) a step of 64 tokens holds four 16-token chunks, so
+    of five prompts the one of the largest priority value starts a step later (FCFS: the last prompt); the tokens and
+    prompt log-probs are those FCFS gives, and those of the prompts run alone."""
+    prompts, refs = alone
+    five = prompts[1:] + [p[::-1] for p in prompts[1:]] + [_prompts((20,), seed=3)[0]]
+    starts, results = {}, {}
+    by_priority = LLM(model=ckpt, page_size=4, chunk_size=16, max_model_len=256, max_num_batched_tokens=64,
+                      scheduling_policy="priority")  # `llm`'s settings, under vLLM's name of scheduler_policy
+    for policy, engine, priority in (("fcfs", llm, None), ("priority", by_priority, [0, 4, 1, 2, 3])):
+        outs = engine.generate(five, GREEDY, priority=priority)
+        first = [o.metrics.first_scheduled_time for o in outs]
+        starts[policy] = [i for i, t in enumerate(first) if t > min(first)]
+        results[policy] = [(o.outputs[0].token_ids,
+                            [d[t] for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]) for o in outs]
+    assert starts == {"fcfs": [4], "priority": [1]}
+    alone_results = [(r.outputs[0].token_ids, [d[t] for d, t in zip(r.prompt_logprobs[1:], r.prompt_token_ids[1:])])
+                     for r in refs[1:]]
+    for got, want in zip(results["priority"], results["fcfs"]):
+        assert got[0] == want[0]
+        np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=0)
+    for got, want in zip(results["priority"], alone_results):  # the first two prompts are `alone`'s last two
+        assert got[0] == want[0]
+        np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=0)
+
+
 def test_cumulative_logprob_is_the_sequences_log_likelihood(llm, ckpt):
     """vLLM's `CompletionOutput.cumulative_logprob`: the generated tokens' summed log-probs, as transformers'
     float32 logits give them; None without logprobs."""

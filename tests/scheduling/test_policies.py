@@ -96,6 +96,48 @@ def test_ilrs_formula_by_hand():
     assert s.relative_slack(r, now) == pytest.approx((10.0 + duration - now - rem) / duration)
 
 
+def _with_priority(rid, n, arrival, priority, max_tokens=4):
+    r = _req(rid, n, arrival, max_tokens)
+    r.priority = priority
+    return r
+
+
+def test_priority_takes_lower_values_first_then_arrival():
+    """vLLM's priority policy: lower priority values first, arrival between equals; with fewer free seats than
+    waiting requests, the first in that order take them."""
+    reqs = [("a", 0.0, 1), ("b", 1.0, -3), ("c", 2.0, 1), ("d", 0.5, 0)]
+    for seats, want in ((16, ["b", "d", "a", "c"]), (2, ["b", "d"])):
+        s = _sched("priority", chunk_size=8, max_num_batched_tokens=64, max_num_seqs=seats)
+        for rid, arrival, priority in reqs:
+            s.add(_with_priority(rid, 5, arrival, priority))
+        assert [ch.request.request_id for ch in s.schedule(now=3.0).chunks] == want
+
+
+def test_priority_a_waiting_request_without_pages_blocks_later_waiting_ones_but_not_running_prefills():
+    """7 usable pages of 4 tokens, chunks of 16. `run` (priority 5) holds 4 pages after its first chunk. `big`
+    (priority 0) comes first in priority order but its first chunk needs 4 pages, 3 are free: it waits, and so does
+    `small` (priority 1) behind it, though its page is free (no overtaking, as FCFS). `run`, already running,
+    still gets its chunk: it is what frees the pages."""
+    s = _sched("priority", pages=8, page_size=4, chunk_size=16, max_num_batched_tokens=64)
+    run = _with_priority("run", 24, 0.0, 5, max_tokens=2)
+    s.add(run)
+    _complete(s, s.schedule(now=0.0))
+    big, small = _with_priority("big", 20, 1.0, 0, max_tokens=2), _with_priority("small", 2, 1.0, 1, max_tokens=2)
+    s.add(small)
+    s.add(big)
+    plan = s.schedule(now=1.0)
+    assert [(ch.request.request_id, ch.num_tokens) for ch in plan.chunks] == [("run", 8)]
+    assert list(s.waiting) == [small, big]
+    _complete(s, plan)
+    chunks = []
+    for _ in range(20):
+        plan = s.schedule(now=2.0)
+        chunks.append([(ch.request.request_id, ch.num_tokens) for ch in plan.chunks])
+        _complete(s, plan)
+    assert chunks[:2] == [[("run", 1)], [("big", 16), ("small", 2)]]  # run's last token frees its pages
+    assert s.num_unfinished == 0 and [r.output_token_ids for r in (run, big, small)] == [[7, 7]] * 3
+
+
 def test_scheduler_rejects_unknown_policy():
     with pytest.raises(ValueError, match="scheduler_policy must be one of"):
         SchedulerConfig(scheduler_policy="sjf")
@@ -286,8 +328,9 @@ def test_short_request_is_not_blocked_by_a_long_prefill(policy):
 
 
 # ------------------------------------------------------------------------------ results never change
-def _engine_workload(ckpt, **kw):
-    """Requests arriving at different steps, driven step by step; returns token ids and prompt log-probs."""
+def _engine_workload(ckpt, priorities=(0,) * 6, **kw):
+    """Requests arriving at different steps, driven step by step (the i-th of priority `priorities[i]`); returns
+    token ids and prompt log-probs."""
     from mnemojax import LLM
     llm = LLM(model=ckpt, **{**dict(page_size=4, chunk_size=16, max_num_batched_tokens=32, max_model_len=128),
                              **kw})
@@ -300,7 +343,7 @@ def _engine_workload(ckpt, **kw):
     ids, step = [], 0
     while step <= max(arrivals) or e.has_unfinished():
         for n in arrivals.get(step, []):
-            ids.append(e.add_request(rng.integers(0, 256, n).tolist(), params))
+            ids.append(e.add_request(rng.integers(0, 256, n).tolist(), params, priority=priorities[len(ids)]))
         schedule = e.scheduler.schedule
         e.scheduler.schedule = lambda: _record(schedule(), sizes)
         e.step()
@@ -335,6 +378,7 @@ def fcfs_results(small_ckpt):
     # 29 pages of 4 tokens: forced preemption (ILRS's case, ~9 s on 2 cores, with the slow tests)
     pytest.param(dict(scheduler_policy="ilrs", num_pages=30), marks=pytest.mark.slow),
     dict(scheduler_policy="fcfs", num_pages=30),
+    dict(scheduler_policy="priority", num_pages=30, priorities=(3, 0, 2, -1, 0, 1)),
     # Adaptive chunks priced by the shipped CPU profile: a 64-token chunk fits 1.2 ms at short contexts only.
     # (PPB off: its shares also make smaller chunks.)
     dict(scheduler_policy="ilrs", chunk_size=64, max_num_batched_tokens=64, target_batch_time_ms=1.2,

@@ -24,9 +24,9 @@ EOS_TOKEN = 2  # the scheduler's end-of-sequence token in `Sim`
 LOGGER = "mnemojax.scheduling.scheduler"
 
 
-def make_request(rid, prompt_len, max_tokens=16, arrival=0.0) -> Request:
+def make_request(rid, prompt_len, max_tokens=16, arrival=0.0, priority=0) -> Request:
     return Request(str(rid), list(range(100, 100 + prompt_len)), SamplingParams(max_tokens=max_tokens),
-                   arrival, seed=0)
+                   arrival, seed=0, priority=priority)
 
 
 def held(req: Request) -> int:
@@ -37,9 +37,9 @@ class Sim:
     """A scheduler, its KV pages, and a fake pipeline of `spp` stages standing in for the executor."""
 
     def __init__(self, *, budget=512, max_num_seqs=64, chunk_size=256, num_pages=1024, page_size=4, kvp=1,
-                 max_tokens_per_rank=None, spp=1):
+                 max_tokens_per_rank=None, spp=1, policy="fcfs"):
         self.kv = KVCacheManager(kvp, num_pages, page_size, max_tokens_per_rank)
-        self.sched = Scheduler(SchedulerConfig(budget, max_num_seqs, chunk_size), self.kv,
+        self.sched = Scheduler(SchedulerConfig(budget, max_num_seqs, chunk_size, scheduler_policy=policy), self.kv,
                                eos_token_ids=[EOS_TOKEN])
         self.pipe: Pipeline[StepPlan] = Pipeline(spp)  # plans in flight
         self.zombies: list[Request] = []  # finished while in flight: their pages free when they drain
@@ -173,8 +173,11 @@ class Sim:
                 computed, in_flight, awaiting, _ = before[r.request_id]
                 assert (r.num_computed, r.in_flight, r.awaiting_sample) == (computed, in_flight, awaiting)
 
-        # Preemption: only requests with nothing in flight, newest first; back to the front of the queue in
-        # admission order, without pages or cache, and not scheduled in this step.
+        # Preemption: only requests with nothing in flight, the last in the policy's order first (FCFS: the newest;
+        # priority: the largest (priority, arrival, admission)); back to the front of the queue in that order's
+        # reverse, without pages or cache, and not scheduled in this step.
+        by_priority = cfg.scheduler_policy == "priority"
+        rank = {id(r): (r.priority, r.arrival_time, i) if by_priority else i for i, r in enumerate(running_before)}
         survivors = [r for r in running_before if r not in plan.preempted]
         for v in plan.preempted:
             assert v in running_before and v.request_id not in scheduled and v not in sched.running
@@ -182,34 +185,36 @@ class Sim:
             assert v.num_preemptions == before[v.request_id][3] + 1
             assert v.num_computed == 0 and held(v) == 0 and v.status is RequestStatus.WAITING
             if kv.num_ranks == 1:  # (with several ranks, only requests on a rank short of pages are candidates)
-                newer = running_before[running_before.index(v) + 1:]
-                # (decodes are committed first, so a newer request already scheduled in this step is spared)
-                assert all(before[s.request_id][1] > 0 or s.request_id in scheduled
-                           for s in newer if s in survivors), \
-                    "preempted an older request while a newer one with nothing in flight kept its pages"
-        if kv.num_ranks == 1:  # newest first, so they are back in the queue in admission order
-            order = {id(r): i for i, r in enumerate(running_before)}
-            assert [order[id(v)] for v in plan.preempted] == sorted((order[id(v)] for v in plan.preempted),
-                                                                   reverse=True)
+                after = [s for s in survivors if rank[id(s)] > rank[id(v)]]
+                # (decodes are committed first, so a later request already scheduled in this step is spared)
+                assert all(before[s.request_id][1] > 0 or s.request_id in scheduled for s in after), \
+                    "preempted a request while a later one (in the policy's order) with nothing in flight kept its pages"
+        if kv.num_ranks == 1:  # the last first, so they are back in the queue in the policy's order
+            keys = [rank[id(v)] for v in plan.preempted]
+            assert keys == sorted(keys, reverse=True)
         for r in running_before + waiting_before:
             if r not in plan.preempted:
                 assert r.num_preemptions == before[r.request_id][3]
         self.num_preempted += len(plan.preempted)
 
-        # FCFS: running requests first (their decodes, then their prefill chunks, each in admission order);
-        # then waiting ones in arrival order.
-        k = sum(1 for c in plan.chunks if c.request in running_before)
-        first = [c.request for c in plan.chunks[:k]]
+        # Decodes first, in admission order; then prefill chunks: FCFS takes the running requests' (in admission
+        # order), then waiting ones in arrival order; priority takes both by (priority, arrival), running first
+        # among equals, the waiting in that order.
         in_order = [r for r in survivors if r.request_id in scheduled]
         decodes = [r for r in in_order if r.output_token_ids and r.num_computed == r.num_tokens
                    and before[r.request_id][0] == r.num_tokens - 1]
-        assert first == decodes + [r for r in in_order if r not in decodes]
-        admitted = [c.request for c in plan.chunks[k:]]
-        assert admitted == waiting_before[:len(admitted)]
-        if plan.preempted:
-            assert admitted == []  # a victim heads the queue and is not re-admitted in the step it was preempted
+        admitted = [c.request for c in plan.chunks if c.request not in running_before]
+        queue = sorted(waiting_before, key=lambda r: (r.priority, r.arrival_time)) if by_priority else waiting_before
+        assert admitted == queue[:len(admitted)]
+        prefills = [r for r in in_order if r not in decodes] + admitted
+        if by_priority:
+            prefills.sort(key=lambda r: (r.priority, r.arrival_time))
+        assert [c.request for c in plan.chunks] == decodes + prefills
+        if plan.preempted:  # a victim is not re-admitted in the step it was preempted, nor overtaken
+            assert all(rank[id(v)] > (a.priority, a.arrival_time, -1) if by_priority else not admitted
+                       for v in plan.preempted for a in admitted)
         assert sched.running == survivors + admitted
-        assert list(sched.waiting) == plan.preempted[::-1] + waiting_before[len(admitted):]
+        assert list(sched.waiting) == plan.preempted[::-1] + [r for r in waiting_before if r not in admitted]
 
         self.check_pages()
         return plan
@@ -457,6 +462,57 @@ def test_preemption_takes_the_newest_first_and_requeues_in_admission_order():
     assert [c.request for c in plan.chunks] == [reqs[0]]
     assert list(sim.sched.waiting) == [reqs[2]]
     assert sim.sched.running == [reqs[0], reqs[1]]
+
+
+def test_priority_preempts_the_lowest_priority_not_the_newest():
+    """Under the priority policy (vLLM's victim): L (priority 2, a 12-token prompt in chunks of 4) runs; then H
+    (priority 0) and M (priority 1) are admitted, M the newest, and the pool is full. When H's decode needs a page
+    it preempts L, the lowest priority, where FCFS's rule (the newest request admitted after it) would take M.
+    Prefill chunks go by priority too: H's and M's before L's."""
+    sim = Sim(budget=64, chunk_size=4, num_pages=5, page_size=4, policy="priority")  # 4 usable pages
+    low = make_request("L", 12, max_tokens=4, priority=2)
+    sim.add(low)
+    sim.step()
+    high, mid = make_request("H", 4, max_tokens=4, arrival=1.0), make_request("M", 3, max_tokens=4, arrival=1.0,
+                                                                              priority=1)
+    sim.add(mid, high)
+    plan, _ = sim.step()
+    assert [c.request for c in plan.chunks] == [high, mid, low] and sim.kv.ranks[0].num_free == 0
+    assert sim.sched.running == [low, high, mid]
+    plan, _ = sim.step()  # H's 5th token needs a page
+    assert plan.preempted == [low]
+    assert [c.request for c in plan.chunks] == [high, mid]
+    sim.run()
+    assert [len(r.output_token_ids) for r in (low, high, mid)] == [4, 4, 4]
+
+
+def test_priority_a_newer_request_of_higher_priority_preempts_an_older_one():
+    """Two 3-token prompts, one page each of the 2 usable pages; the 5th token of each needs a second page. Under
+    FCFS the older request preempts the newer one; under priority the older one, of a lower priority (a larger
+    value), preempts nobody and waits, and the newer one then preempts it. Between equal priorities the later
+    arrival goes, as under FCFS."""
+    for policy in ("fcfs", "priority"):
+        sim = Sim(budget=64, chunk_size=64, num_pages=3, page_size=4, policy=policy)
+        old = make_request("old", 3, max_tokens=50, priority=1 if policy == "priority" else 0)
+        new = make_request("new", 3, max_tokens=50, arrival=1.0)
+        sim.add(old)
+        sim.step()
+        sim.add(new)
+        sim.step()  # old's 4th token; new's prefill
+        plan, _ = sim.step()  # old's 5th token needs a page
+        if policy == "fcfs":
+            assert plan.preempted == [new] and [c.request for c in plan.chunks] == [old]
+            continue
+        assert plan.preempted == [] and [c.request for c in plan.chunks] == [new]
+        plan, _ = sim.step()  # new's 5th token needs a page
+        assert plan.preempted == [old] and [c.request for c in plan.chunks] == [new]
+    sim = Sim(budget=64, chunk_size=64, num_pages=3, page_size=4, policy="priority")
+    first, second = make_request("first", 3, max_tokens=50), make_request("second", 3, max_tokens=50, arrival=1.0)
+    sim.add(first, second)
+    sim.step()
+    sim.step()
+    plan, _ = sim.step()
+    assert plan.preempted == [second] and [c.request for c in plan.chunks] == [first]
 
 
 def test_request_that_preempts_itself_is_not_scheduled():
@@ -713,11 +769,13 @@ def test_kvp_preemption_only_takes_requests_on_the_rank_short_of_pages():
     assert c.status is RequestStatus.RUNNING and held(c) == 2
 
 
-@pytest.mark.parametrize("profile, seed", [("mixed", s) for s in range(20)] + [("kvp", s) for s in range(12)])
+@pytest.mark.parametrize("profile, seed", [("mixed", s) for s in range(20)] + [("kvp", s) for s in range(12)]
+                         + [("priority", s) for s in range(10)])
 def test_random_long_run_everyone_finishes(profile, seed):
     """Many requests arriving over time, random lengths, a small page pool, random early stops and aborts,
     random kvp/spp: every plan keeps the invariants, every request finishes, and the pools drain to 0.
-    The "kvp" profile always splits long requests over ranks, under small per-rank budgets."""
+    The "kvp" profile always splits long requests over ranks, under small per-rank budgets; "priority" is "mixed"
+    under the priority policy, each request of a random priority."""
     rng = random.Random(seed)
     page_size = rng.choice([1, 2, 4, 8])
     num_pages = rng.randint(8, 24)
@@ -729,14 +787,15 @@ def test_random_long_run_everyone_finishes(profile, seed):
             limit = page_size * rng.randint(2, num_pages - 1)
     sim = Sim(budget=budget, max_num_seqs=rng.randint(1, 12), chunk_size=rng.randint(1, 48),
               num_pages=num_pages, page_size=page_size, kvp=kvp, max_tokens_per_rank=limit,
-              spp=rng.choice([1, 2, 3]))
+              spp=rng.choice([1, 2, 3]), policy="priority" if profile == "priority" else "fcfs")
     cap = max(t for t in range(1, 2000) if sim.kv.capacity_error(t) is None)
 
     pending = []
     for i in range(60):
         max_tokens = rng.randint(1, max(1, min(20, cap // 3)))
         prompt_len = rng.randint(1, cap - max_tokens)  # prompt + max_tokens fits, as the engine checks
-        pending.append(make_request(i, prompt_len, max_tokens=max_tokens))
+        pending.append(make_request(i, prompt_len, max_tokens=max_tokens,
+                                    priority=rng.randint(-2, 2) if profile == "priority" else 0))
     all_reqs = list(pending)
     stopped, aborted = set(), set()
 

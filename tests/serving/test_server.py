@@ -281,7 +281,7 @@ def test_bad_chat_input_is_400(client):
 @pytest.mark.parametrize("endpoint, field, value", [
     ("completions", "guided_json", {"type": "object"}), ("completions", "guided_choice", ["yes", "no"]),
     ("completions", "structured_outputs", {"regex": "a+"}),
-    ("completions", "priority", 5), ("chat", "guided_regex", "a+"),
+    ("chat", "guided_regex", "a+"),
 ])
 def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, field, value):
     """vLLM's request fields mnemojax does not implement: a 400 naming the field when set to anything but its
@@ -292,9 +292,43 @@ def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, 
     with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as e:
         create(**kw, extra_body={field: value})
     assert e.value.body["param"] == field
-    neutral = {"priority": 0}
-    if field in neutral:
-        assert create(**kw, extra_body={field: neutral[field]}).usage.completion_tokens == 2
+
+
+def test_priority_needs_the_priority_policy(client):
+    """vLLM's `priority` under this server's FCFS engine (the library's default): 0 runs, anything else is a 400
+    naming it (vLLM's rule), and so is a priority that is no integer."""
+    kw = dict(model="tiny", max_tokens=2, temperature=0)
+    chat = dict(messages=[{"role": "user", "content": "a"}])
+    for create, where in ((client.completions.create, dict(prompt="a")), (client.chat.completions.create, chat)):
+        with pytest.raises(openai.BadRequestError, match="priority 5 needs scheduler_policy 'priority'") as e:
+            create(**kw, **where, extra_body={"priority": 5})
+        assert e.value.body["param"] == "priority"
+        with pytest.raises(openai.BadRequestError) as e:
+            create(**kw, **where, extra_body={"priority": "high"})
+        assert e.value.body["param"] == "priority"
+        assert create(**kw, **where, extra_body={"priority": 0}).usage.completion_tokens == 2
+
+
+def test_priority_under_the_priority_policy_changes_no_output(client):
+    """A server whose engine runs vLLM's priority policy takes any integer priority, and a request's choices (n,
+    beam search, chat) are those the FCFS server gives it."""
+    served = AsyncLLM("tiny", **KW, scheduler_policy="priority")
+    s = ThreadServer(build_app(served, served_model_name="tiny"))
+    try:
+        other = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        bodies = [dict(prompt="ab", max_tokens=5, n=2, temperature=0.8, seed=3),
+                  dict(prompt="ab", max_tokens=5, n=2, temperature=0, extra_body={"use_beam_search": True})]
+        for body in bodies:
+            want = [c.text for c in client.completions.create(model="tiny", **body).choices]
+            extra = {**body.pop("extra_body", {}), "priority": -7}
+            got = [c.text for c in other.completions.create(model="tiny", **body, extra_body=extra).choices]
+            assert got == want and len(set(want)) == 2
+        chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+        assert other.chat.completions.create(**chat, extra_body={"priority": 2}).choices[0].message.content == \
+            client.chat.completions.create(**chat).choices[0].message.content
+    finally:
+        s.stop()
+        served.shutdown()
 
 
 def test_spaces_between_special_tokens_false_changes_nothing_with_the_byte_tokenizer(client):

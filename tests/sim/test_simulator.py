@@ -128,6 +128,27 @@ def test_jsonl_trace_round_trip(tmp_path):
         TraceRequest(0.0, 8, 2, True, 4)
 
 
+def test_trace_priorities_order_the_priority_policy_and_need_it(tmp_path):
+    """A trace's `priority` (vLLM's): saved and loaded (only where it is not 0); under scheduler_policy priority,
+    eight 20K-token prompts arriving together start by priority, so every priority-0 request's first token comes
+    before any priority-1 request's, interleaved as they arrived; another policy refuses such a trace."""
+    trace = [TraceRequest(0.0, 20_000, 4, priority=i % 2) for i in range(8)]
+    path = str(tmp_path / "trace.jsonl")
+    simulator.save_trace(trace, path)
+    assert simulator.load_trace(path) == trace
+    with open(path) as f:
+        assert [set(json.loads(line)) - {"arrival_time", "prompt_tokens", "output_tokens"} for line in f][:2] == [
+            set(), {"priority"}]
+    res = simulator.simulate(SimConfig(scheduler_policy="priority"), trace)
+    assert res.metrics["completed"] == 8
+    ttft = {p: [r["ttft"] for r in res.requests if r["priority"] == p] for p in (0, 1)}
+    assert len(ttft[0]) == len(ttft[1]) == 4 and max(ttft[0]) < min(ttft[1])
+    with pytest.raises(ValueError, match="need scheduler_policy 'priority'.*'ilrs'"):
+        Simulator(SimConfig(), trace)
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        TraceRequest(0.0, 8, 2, priority=0.5)
+
+
 @pytest.mark.parametrize("spp", [1, 2, 4])
 def test_pipeline_prefill_takes_k_plus_s_minus_1_steps(spp):
     """A 64K-token prompt alone in chunks of 4096 (K = 16): its first token comes after K + spp - 1 clocked
