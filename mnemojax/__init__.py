@@ -9,6 +9,7 @@ _EXPORTS = {
     "LLM": "mnemojax.engine.llm",
     "SamplingParams": "mnemojax.scheduling.sampling_params",
     "BeamSearchParams": "mnemojax.scheduling.sampling_params",
+    "StructuredOutputsParams": "mnemojax.scheduling.sampling_params",
     "RequestOutput": "mnemojax.scheduling.outputs",
     "CompletionOutput": "mnemojax.scheduling.outputs",
     "RequestMetrics": "mnemojax.scheduling.outputs",

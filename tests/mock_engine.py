@@ -54,7 +54,8 @@ class MockEngine:
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)  # the engine's, as it is
         params.validate(vocab_size=self.tokenizer.vocab_size)
         # what the mock does not model
-        for name, off in (("min_p", 0.0), ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None)):
+        for name, off in (("min_p", 0.0), ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None),
+                          ("structured_outputs", None)):
             if getattr(params, name) != off:
                 raise AssertionError(f"the mock engine ignores {name}: test it against a real engine")
         if priority != 0:

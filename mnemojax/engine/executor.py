@@ -577,6 +577,19 @@ class Executor:
                 entries[r, :, :part.shape[1]] = part
             self.apply_penalty_updates(clear if start == 0 else self._no_penalty_updates(U)[0], entries)
 
+    def _choice_slots(self, req, step: int) -> tuple[np.ndarray, np.ndarray, bool]:
+        """The logits row's slots of a request with structured outputs' choices (`Request.choices`) that samples its
+        generated token `step`: only the tokens allowed after the `step` tokens before it (all on the host: the
+        scheduler does not decode a token of such a request before it has it)."""
+        out = req.output_token_ids
+        allowed = req.choices.get(tuple(out)) if step == len(out) else None
+        if allowed is None:
+            raise RuntimeError(f"request {req.request_id}: no choice allows a token after its {len(out)} generated "
+                               f"tokens (row for token {step})")
+        ids = np.full(self.bias_slots, sampler.NO_TOKEN, np.int32)
+        ids[:len(allowed)] = allowed
+        return ids, np.zeros(self.bias_slots, np.float32), True
+
     def _slot(self, rank: int, req, span_i: int) -> int:
         """`req`'s sequence slot on `rank` (given one if it has none), its new page-table entries queued."""
         slots = self._slots[rank]
@@ -654,7 +667,9 @@ class Executor:
             # valid requests of either kind must not overflow the cast and fail the step.
             samp[rank].append((0.0 if p.greedy else min(p.temperature, _F32_MAX), min(p.top_k, _I32_MAX), p.top_p,
                                (req.seed >> 32, req.seed & 0xFFFFFFFF), step, target, bool(num_top), p.min_p))
-            if is_sample and req.bias_early is not None:
+            if is_sample and req.choices is not None:
+                biases.append((rank, len(rows[rank]) - 1, self._choice_slots(req, step), (), req, token_index - 1))
+            elif is_sample and req.bias_early is not None:
                 bias = req.bias_early if step < p.min_tokens else req.bias  # its stop tokens cannot end it yet
                 if bias is not None:
                     bans = _bad_word_bans(req, step) if req.bad_words else ()

@@ -404,6 +404,8 @@ class LLMEngine:
         allowed = params.allowed_token_ids
         words, sequences = self.bad_words(params)
         limit = self.config.max_logit_bias
+        if params.structured_outputs is not None:
+            self.choice_steps(params)  # its checks
         if allowed is not None:  # its slots are the allowed tokens; biases and bans elsewhere change nothing
             if len(allowed) > limit:
                 raise ParamError("allowed_token_ids", f"allowed_token_ids ({len(allowed)} tokens) are more than "
@@ -425,6 +427,39 @@ class LLMEngine:
             raise ParamError(field, f"logit_bias ({len(biased)} tokens){extra} and the stop tokens min_tokens bans "
                                     f"({len(banned)}) bias {len(biased | banned | words) + len(sequences)} tokens, "
                                     f"more than max_logit_bias ({limit}, an engine setting)")
+
+    def choice_steps(self, params: SamplingParams) -> dict[tuple[int, ...], tuple[int, ...]] | None:
+        """Structured outputs' choices (`params.structured_outputs.choice`) as the tokens allowed after each
+        sequence of generated tokens that starts one: each choice is the tokenizer's encoding of it (no special
+        tokens), and after a whole choice come the model's EOS tokens (and the tokens of the choices it starts).
+        None without structured outputs. Raises ParamError naming `structured_outputs`: no tokenizer, no EOS, a
+        choice without tokens or with ids outside the vocabulary, or a step with more tokens than the logits row's
+        max_logit_bias slots."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        if self.tokenizer is None:
+            raise ParamError("structured_outputs", f"model {self.config.model!r} has no tokenizer, so the choices "
+                                                   f"cannot be tokenized")
+        eos = tuple(sorted(self.model_config.eos_token_ids))
+        if not eos:
+            raise ParamError("structured_outputs", "the model has no EOS token to end a choice with")
+        vocab, steps = self.model_config.vocab_size, {}
+        for text in so.choice:
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            if not ids or not all(0 <= t < vocab for t in ids):
+                raise ParamError("structured_outputs", f"structured_outputs.choice {text!r} encodes to {list(ids)}: "
+                                                       f"no tokens, or ids outside the vocabulary [0, {vocab})")
+            for i in range(len(ids)):
+                steps.setdefault(ids[:i], set()).add(ids[i])
+            steps.setdefault(ids, set()).update(eos)
+        limit = self.config.max_logit_bias
+        most = max(len(v) for v in steps.values())
+        if most > limit:
+            raise ParamError("structured_outputs", f"structured_outputs.choice allow {most} tokens at one step, more "
+                                                   f"than max_logit_bias ({limit}, an engine setting: each is a slot "
+                                                   f"of the logits row)")
+        return {k: tuple(sorted(v)) for k, v in steps.items()}
 
     def bad_words(self, params: SamplingParams) -> tuple[set[int], list[tuple[tuple[int, ...], int]]]:
         """The bans of `params.bad_words` and `bad_words_token_ids`: (the tokens banned always, the sequences of
@@ -489,6 +524,7 @@ class LLMEngine:
                       priority=priority)
         allowed = params.allowed_token_ids
         words, req.bad_words = self.bad_words(params)
+        req.choices = self.choice_steps(params)
         if params.logit_bias or params.min_tokens or allowed is not None or words or req.bad_words:
             bias = {**(params.logit_bias or {}), **dict.fromkeys(words, -math.inf)}  # -inf + a bias is -inf
             early = {**bias, **dict.fromkeys(self._stop_ids(params), -math.inf)} if params.min_tokens else bias

@@ -68,6 +68,10 @@ class Request:
     # Bad words of more than one token (`LLMEngine.bad_words`): (prefix, last token) pairs, the token banned in a
     # step whose row follows generated tokens equal to the prefix (the executor checks it when it prepares the row).
     bad_words: list = dataclasses.field(default_factory=list)
+    # Structured outputs' choices (`LLMEngine.choice_steps`): the tokens allowed after each sequence of generated
+    # tokens that can start a choice (EOS after a whole one); None: no constraint. A constrained request's next row
+    # depends on every token before it, so the scheduler never decodes a token that is not on the host yet.
+    choices: dict[tuple[int, ...], tuple[int, ...]] | None = None
     # TTFT deadline (same clock as arrival_time) and its duration; set by the scheduler when it is added.
     ttft_deadline: float | None = None
     deadline_duration: float | None = None

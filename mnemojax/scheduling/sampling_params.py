@@ -51,6 +51,33 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs (`SamplingParams.structured_outputs`). mnemojax honours `choice`: the output is one
+    of these strings, generated as that string's own tokens (the tokenizer's encoding of it, without special
+    tokens), then EOS. The other kinds (`json`, `regex`, `grammar`, `json_object`, `structural_tag`) are refused,
+    naming `structured_outputs`, never ignored."""
+
+    json: object = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+    def validate(self) -> None:
+        for name in ("json", "regex", "grammar", "json_object", "structural_tag"):
+            if getattr(self, name) not in (None, False):
+                raise ParamError("structured_outputs", f"structured_outputs.{name} is not supported (only choice)")
+        c = self.choice
+        if c is None:
+            raise ParamError("structured_outputs", "structured_outputs needs choice (the only kind supported)")
+        if isinstance(c, str) or not isinstance(c, (list, tuple)) or not c \
+                or not all(isinstance(x, str) and x for x in c):
+            raise ParamError("structured_outputs", f"structured_outputs.choice must be a non-empty list of non-empty "
+                                                   f"strings, got {c!r}")
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """How to pick the tokens of one request. Checked on construction (`ValueError` naming the field)."""
@@ -129,6 +156,11 @@ class SamplingParams:
     transformers 4 do; with one of those the engine refuses False, since its text and log-prob offsets are written
     with the tokenizer's default. With every other tokenizer (fast ones, the byte tokenizer) False changes nothing,
     as in vLLM, whose fast detokenizer ignores it too."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """vLLM's: `StructuredOutputsParams(choice=[...])` makes the output one of the strings (see there). Needs the
+    model's EOS and a tokenizer; not with `ignore_eos`, `min_tokens`, `logit_bias`, `allowed_token_ids` or bad
+    words. Such a request decodes a token only once the one before is on the host (its next allowed tokens depend
+    on it), so with async scheduling it takes a token every other step."""
 
     def __post_init__(self):
         if self.stop is None:
@@ -298,6 +330,17 @@ class SamplingParams:
             raise ParamError("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise ParamError("structured_outputs", f"structured_outputs must be a StructuredOutputsParams, got "
+                                                       f"{type(so).__name__}")
+            so.validate()
+            for name, off in (("ignore_eos", False), ("min_tokens", 0), ("logit_bias", None),
+                              ("allowed_token_ids", None), ("bad_words", None), ("bad_words_token_ids", None)):
+                if getattr(self, name) not in (off, {}, []):
+                    raise ParamError("structured_outputs", f"structured_outputs is not supported with {name}")
 
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -4,7 +4,8 @@ Field names, types and defaults follow the OpenAI API (`logit_bias` included: to
 plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`,
 `return_tokens_as_token_ids`, `return_token_ids`, `add_special_tokens`, `use_beam_search` with
-`length_penalty`, and chat's `continue_final_message`, `chat_template`, `documents`, `echo`).
+`length_penalty`, `guided_choice` and `structured_outputs` with `choice`, and chat's `continue_final_message`,
+`chat_template`, `documents`, `echo`).
 Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
@@ -17,12 +18,14 @@ is `stream_options` without `stream`. Range checks live in
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from mnemojax.scheduling.sampling_params import MAX_LOGPROBS, BeamSearchParams, ParamError, SamplingParams
+from mnemojax.scheduling.sampling_params import (MAX_LOGPROBS, BeamSearchParams, ParamError, SamplingParams,
+                                                 StructuredOutputsParams)
 
 MAX_N = 8
 """Most choices (`n`) one request may ask for."""
@@ -61,16 +64,18 @@ def _refuse_unhonoured(body: BaseModel, fields: dict[str, tuple], where: str = "
 
 
 _UNHONOURED = {  # vLLM's request fields mnemojax does not implement, and the values that change nothing
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,), "logits_processors": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_grammar": (None,), "logits_processors": (None,),
 }
 
 _NOT_WITH_BEAMS = {  # what beam search does not honour (vLLM's ignores them), and the values that change nothing
     "stream": (False,), "seed": (None,), "top_p": (None, 1.0, 1), "top_k": (None, -1, 0), "min_p": (None, 0.0, 0),
     "presence_penalty": (None, 0.0, 0), "frequency_penalty": (None, 0.0, 0), "repetition_penalty": (None, 1.0, 1),
     "min_tokens": (None, 0), "stop": (None, []), "stop_token_ids": (None, []), "logit_bias": (None, {}),
-    "allowed_token_ids": (None,), "bad_words": ([],), "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,), "bad_words": ([],), "prompt_logprobs": (None,), "guided_choice": (None,),
+    "structured_outputs": (None,),
 }
+
+_STRUCTURED_KEYS = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
 
 
 class StreamOptions(_Strict):
@@ -130,11 +135,13 @@ class _SamplingRequest(_Strict):
     priority: int = Field(default=0, description="vLLM's: under --scheduler_policy priority (vLLM's "
                                                  "--scheduling-policy), lower runs first; 0 under any other policy")
     # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
+    guided_choice: list[Text] | None = Field(default=None, description="vLLM's: the output is one of these strings "
+                                                                       "(their own tokens, then EOS)")
+    structured_outputs: dict | None = Field(default=None, description="vLLM's: only {\"choice\": [...]}, as "
+                                                                      "guided_choice")
     guided_json: Any = None
     guided_regex: Any = None
-    guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
     logits_processors: Any = None
 
     def _check_unsupported(self) -> None:
@@ -180,13 +187,34 @@ class _SamplingRequest(_Strict):
             top_p=given("top_p", 1.0), top_k=given("top_k", -1), min_p=given("min_p", 0.0),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=given("repetition_penalty", 1.0), min_tokens=self.min_tokens or 0,
-            logit_bias=self._logit_bias(),
+            logit_bias=self._logit_bias(), structured_outputs=self._structured_outputs(),
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or None)
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """vLLM's `structured_outputs` (its keys those of `StructuredOutputsParams`; only `choice` is honoured) or
+        its older `guided_choice`; not both."""
+        so, choice = self.structured_outputs, self.guided_choice
+        if so is not None and choice is not None:
+            raise ParamError("guided_choice", "give guided_choice or structured_outputs, not both")
+        if choice is not None:
+            params = StructuredOutputsParams(choice=choice)
+            try:
+                params.validate()
+            except ParamError as e:
+                raise ParamError("guided_choice", str(e).replace("structured_outputs.choice", "guided_choice")) \
+                    from None
+            return params
+        if so is None:
+            return None
+        unknown = sorted(set(so) - _STRUCTURED_KEYS)
+        if unknown:
+            raise ParamError("structured_outputs", f"structured_outputs.{unknown[0]} is not supported (only choice)")
+        return StructuredOutputsParams(**so)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's `logit_bias`: token ids (as strings) to biases (`SamplingParams` checks them)."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mnemojax import LLM, SamplingParams
+from mnemojax import LLM, SamplingParams, StructuredOutputsParams
 from models.tokenizer import spaces_between_special_tokens_matter
 from mnemojax.scheduling.sampling_params import ParamError
 from tests.hf_utils import EOS_ID, load_hf_model, make_hf_checkpoint
@@ -985,6 +985,67 @@ def test_priority_policy_starts_lower_values_first_with_the_same_tokens(ckpt, ll
     for got, want in zip(results["priority"], alone_results):  # the first two prompts are `alone`'s last two
         assert got[0] == want[0]
         np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=0)
+
+
+def _choice_reference(tok, choices):
+    """The tokens a choice-constrained row allows after `prefix` (the generated tokens), written from the rule and
+    not from the engine: those continuing a choice's encoding, and EOS after a whole one."""
+    encoded = [tok.encode(c, add_special_tokens=False) for c in choices]
+
+    def allowed(prefix: list[int]) -> list[int]:
+        out = {e[len(prefix)] for e in encoded if len(e) > len(prefix) and e[:len(prefix)] == prefix}
+        return sorted(out | ({EOS_ID} if prefix in encoded else set()))
+    return allowed
+
+
+def test_structured_output_choices_match_hf_generate_with_the_same_allowed_tokens(llm, ckpt):
+    """vLLM's structured outputs with `choice`: greedy equals HF's generate with `prefix_allowed_tokens_fn` giving
+    the same allowed tokens (a choice's tokens, EOS after a whole one; choices sharing a prefix branch), the text is
+    a choice and the request stops at its EOS; with async scheduling (the engine's default) too."""
+    hf = load_hf_model(ckpt)
+    choices = ["no", "not now", "never", "yes", "a"]
+    allowed = _choice_reference(llm.get_tokenizer(), choices)
+    so = StructuredOutputsParams(choice=choices)
+    texts = []
+    for prompt in _prompts((5, 23, 40, 9, 17), seed=12):
+        got = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, structured_outputs=so,
+                                                    logprobs=0))[0].outputs[0]
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                               pad_token_id=0, eos_token_id=EOS_ID,
+                               prefix_allowed_tokens_fn=lambda b, seq: allowed(seq[len(prompt):].tolist()))
+        assert got.token_ids == want[0, len(prompt):].tolist()
+        assert got.text in choices and got.finish_reason == "stop" and got.token_ids[-1] == EOS_ID
+        texts.append(got.text)
+    assert len(set(texts)) >= 2, texts  # the prompts steer it: not one forced answer
+
+
+def test_structured_output_choices_sampled_short_and_refused(llm):
+    """Sampled at temperature 1 every output is a choice; a max_tokens shorter than the choices ends with "length"
+    and a start of one; what cannot be honoured is a ParamError naming structured_outputs."""
+    choices = ["apple", "apricot", "banana"]
+    so = StructuredOutputsParams(choice=choices)
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=3, n=12, structured_outputs=so)
+    texts = [c.text for c in llm.generate(["Fruit:"], p)[0].outputs]
+    assert set(texts) <= set(choices) and len(set(texts)) >= 2, texts
+    short = llm.generate(["Fruit:"], SamplingParams(max_tokens=2, temperature=0, structured_outputs=so))[0].outputs[0]
+    assert short.finish_reason == "length" and any(c.startswith(short.text) for c in choices) and len(short.text) == 2
+    for kw, message in ((dict(ignore_eos=True), "not supported with ignore_eos"),
+                        (dict(min_tokens=1), "not supported with min_tokens"),
+                        (dict(logit_bias={5: 1.0}), "not supported with logit_bias")):
+        with pytest.raises(ParamError, match=message) as e:
+            SamplingParams(structured_outputs=so, **kw)
+        assert e.value.param == "structured_outputs"
+    for so_bad, message in ((StructuredOutputsParams(json={"type": "object"}), "json is not supported"),
+                            (StructuredOutputsParams(choice=[]), "non-empty list"),
+                            (StructuredOutputsParams(choice=["ok", ""]), "non-empty list")):
+        with pytest.raises(ParamError, match=message):
+            SamplingParams(structured_outputs=so_bad)
+    many = StructuredOutputsParams(choice=[chr(ord("a") + i) for i in range(20)])  # 20 first tokens, 16 slots
+    with pytest.raises(ParamError, match=r"allow 20 tokens at one step, more than max_logit_bias \(16") as e:
+        llm.generate(["x"], SamplingParams(structured_outputs=many))
+    assert e.value.param == "structured_outputs" and not llm.engine.requests
 
 
 def test_cumulative_logprob_is_the_sequences_log_likelihood(llm, ckpt):

@@ -279,8 +279,7 @@ def test_bad_chat_input_is_400(client):
 
 
 @pytest.mark.parametrize("endpoint, field, value", [
-    ("completions", "guided_json", {"type": "object"}), ("completions", "guided_choice", ["yes", "no"]),
-    ("completions", "structured_outputs", {"regex": "a+"}),
+    ("completions", "guided_json", {"type": "object"}), ("completions", "guided_grammar", "root ::= 'a'"),
     ("chat", "guided_regex", "a+"),
 ])
 def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, field, value):
@@ -292,6 +291,38 @@ def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, 
     with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as e:
         create(**kw, extra_body={field: value})
     assert e.value.body["param"] == field
+
+
+def test_guided_choice_and_structured_outputs_choice(client, offline):
+    """vLLM's `guided_choice` and `structured_outputs: {"choice": [...]}` (completions and chat): the text is one of
+    the choices, the same as the library's `StructuredOutputsParams(choice=...)`; what cannot be honoured is a 400
+    naming the field."""
+    from mnemojax import StructuredOutputsParams
+
+    choices = ["red", "green", "blue"]
+    kw = dict(model="tiny", prompt="The sky is", max_tokens=8, temperature=0)
+    want = offline.generate(["The sky is"], SamplingParams(max_tokens=8, temperature=0, structured_outputs=
+                                                           StructuredOutputsParams(choice=choices)))[0].outputs[0]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        c = client.completions.create(**kw, extra_body=extra).choices[0]
+        assert (c.text, c.finish_reason) == (want.text, "stop") and c.text in choices
+    sampled = client.completions.create(**{**kw, "temperature": 1.0}, n=8, seed=5,
+                                        extra_body={"guided_choice": choices}).choices
+    assert {c.text for c in sampled} <= set(choices)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Pick one"}],
+                                          max_tokens=8, extra_body={"guided_choice": choices})
+    assert chat.choices[0].message.content in choices
+    for extra, param, message in (
+            ({"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs", "json is not supported"),
+            ({"structured_outputs": {"choice": choices, "backend": "x"}}, "structured_outputs", "backend is not"),
+            ({"guided_choice": []}, "guided_choice", "guided_choice must be a non-empty list"),
+            ({"guided_choice": choices, "structured_outputs": {"choice": choices}}, "guided_choice", "not both"),
+            ({"guided_choice": choices, "ignore_eos": True}, "structured_outputs", "not supported with ignore_eos"),
+            ({"guided_choice": choices, "use_beam_search": True, "n": 2},
+             "guided_choice", "guided_choice is not supported with use_beam_search")):
+        with pytest.raises(openai.BadRequestError, match=message) as e:
+            client.completions.create(**kw, extra_body=extra)
+        assert e.value.body["param"] == param, extra
 
 
 def test_priority_needs_the_priority_policy(client):
