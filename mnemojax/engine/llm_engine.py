@@ -446,7 +446,11 @@ class LLMEngine:
             raise ParamError("structured_outputs", "the model has no EOS token to end a choice with")
         vocab, steps = self.model_config.vocab_size, {}
         for text in so.choice:
-            ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            try:
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            except ValueError as e:  # text no tokenizer takes (a lone surrogate from JSON's escapes)
+                raise ParamError("structured_outputs", f"structured_outputs.choice {text!r} cannot be tokenized: "
+                                                       f"{e}") from None
             if not ids or not all(0 <= t < vocab for t in ids):
                 raise ParamError("structured_outputs", f"structured_outputs.choice {text!r} encodes to {list(ids)}: "
                                                        f"no tokens, or ids outside the vocabulary [0, {vocab})")

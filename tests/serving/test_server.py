@@ -293,7 +293,7 @@ def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, 
     assert e.value.body["param"] == field
 
 
-def test_guided_choice_and_structured_outputs_choice(client, offline):
+def test_guided_choice_and_structured_outputs_choice(client, offline, url):
     """vLLM's `guided_choice` and `structured_outputs: {"choice": [...]}` (completions and chat): the text is one of
     the choices, the same as the library's `StructuredOutputsParams(choice=...)`; what cannot be honoured is a 400
     naming the field."""
@@ -323,6 +323,10 @@ def test_guided_choice_and_structured_outputs_choice(client, offline):
         with pytest.raises(openai.BadRequestError, match=message) as e:
             client.completions.create(**kw, extra_body=extra)
         assert e.value.body["param"] == param, extra
+    body = json.dumps({**kw, "structured_outputs": {"choice": ["ok", "\ud800"]}})  # JSON's escape: a lone surrogate
+    r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+    assert "cannot be tokenized" in r.json()["error"]["message"]
 
 
 def test_priority_needs_the_priority_policy(client):
