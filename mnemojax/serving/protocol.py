@@ -134,11 +134,11 @@ class _SamplingRequest(_Strict):
                                                            "cumulative log-prob / length ** length_penalty")
     priority: int = Field(default=0, description="vLLM's: under --scheduler_policy priority (vLLM's "
                                                  "--scheduling-policy), lower runs first; 0 under any other policy")
-    # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
     guided_choice: list[Text] | None = Field(default=None, description="vLLM's: the output is one of these strings "
                                                                        "(their own tokens, then EOS)")
     structured_outputs: dict | None = Field(default=None, description="vLLM's: only {\"choice\": [...]}, as "
                                                                       "guided_choice")
+    # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
     guided_json: Any = None
     guided_regex: Any = None
     guided_grammar: Any = None
