@@ -67,7 +67,8 @@ class StructuredOutputsParams:
 
     def validate(self) -> None:
         for name in ("json", "regex", "grammar", "json_object", "structural_tag"):
-            if getattr(self, name) not in (None, False):
+            value = getattr(self, name)
+            if value is not None and value is not False:  # (0 or "" is a value: `in (None, False)` let 0 pass)
                 raise ParamError("structured_outputs", f"structured_outputs.{name} is not supported (only choice)")
         c = self.choice
         if c is None:

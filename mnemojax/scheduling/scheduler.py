@@ -438,9 +438,8 @@ class Scheduler:
     def _below(self, req: Request) -> list[Request]:
         """The running requests `req` may preempt, the first to go last: those admitted after it, or under the
         priority policy those after it in (priority, arrival, admission) order (vLLM's victim: the largest)."""
-        i = self.running.index(req)
         if self.config.scheduler_policy != "priority":
-            return self.running[i + 1:]
+            return self.running[self.running.index(req) + 1:]
         order = {id(r): (r.priority, r.arrival_time, k) for k, r in enumerate(self.running)}
         return sorted((r for r in self.running if order[id(r)] > order[id(req)]), key=lambda r: order[id(r)])
 

@@ -1038,6 +1038,7 @@ def test_structured_output_choices_sampled_short_and_refused(llm):
             SamplingParams(structured_outputs=so, **kw)
         assert e.value.param == "structured_outputs"
     for so_bad, message in ((StructuredOutputsParams(json={"type": "object"}), "json is not supported"),
+                            (StructuredOutputsParams(json=0, choice=["a"]), "json is not supported"),
                             (StructuredOutputsParams(choice=[]), "non-empty list"),
                             (StructuredOutputsParams(choice=["ok", ""]), "non-empty list")):
         with pytest.raises(ParamError, match=message):

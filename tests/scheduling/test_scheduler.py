@@ -210,9 +210,10 @@ class Sim:
         if by_priority:
             prefills.sort(key=lambda r: (r.priority, r.arrival_time))
         assert [c.request for c in plan.chunks] == decodes + prefills
-        if plan.preempted:  # a victim is not re-admitted in the step it was preempted, nor overtaken
-            assert all(rank[id(v)] > (a.priority, a.arrival_time, -1) if by_priority else not admitted
-                       for v in plan.preempted for a in admitted)
+        if plan.preempted and by_priority:  # a victim is overtaken only by requests before it in priority order
+            assert all(rank[id(v)] > (a.priority, a.arrival_time, -1) for v in plan.preempted for a in admitted)
+        elif plan.preempted:  # FCFS: a victim is not re-admitted in the step it was preempted, nor overtaken
+            assert admitted == []
         assert sched.running == survivors + admitted
         assert list(sched.waiting) == plan.preempted[::-1] + [r for r in waiting_before if r not in admitted]
 
