@@ -100,6 +100,9 @@ class RowSampling:
     repetition: jax.Array  # f32[R] repetition_penalty (1: none)
     bias_cond: jax.Array  # i32[R, W] a slot counts only when the row's input token is this one (-1: always): the ban
     # of a bad word whose last prefix token was sampled by the previous step, still on the device when prepared
+    mask_bits: jax.Array  # u32[R, M] the tokens a row may draw, token t bit t % 32 of word t // 32 (structured
+    # outputs' regex); M = ceil(vocab / 32) in a step where some row has a mask, else 1 (unused: no mask code runs)
+    masked: jax.Array  # bool[R] the row draws only the tokens of its mask_bits
 
 
 class RowRef(NamedTuple):
@@ -292,6 +295,7 @@ class Executor:
         self.max_num_batched_tokens = max_num_batched_tokens
         # (token, bias) slots per logits row; one at least (unused: zeros), as a step's arrays cannot be empty
         self.bias_slots = max(1, max_logit_bias)
+        self.mask_words = -(-spec.config.vocab_size // 32)  # a regex row's allowed-token bitmask, in uint32 words
         # Every micro-batch in flight must have the register's shape, so a pipeline fixes T.
         self.pipeline_tokens = bucket(max_num_batched_tokens, 16) if self.spp > 1 else None
         c = spec.config
@@ -303,7 +307,7 @@ class Executor:
                                     out_shardings=NamedSharding(mesh, table.kv_lpskh))
         self.k_cache, self.v_cache = self._alloc_cache(), self._alloc_cache()
         self.register = None
-        self._shapes_run: set[tuple[int, int, str]] = set()  # (T, R, kind) of every step launched
+        self._shapes_run: set[tuple[int, int, str, bool]] = set()  # (T, R, kind, masked) of every step launched
         self.last_step_first_of_shape = False
         self.channel = channel  # multi-host: process 0's `mnemojax.engine.multihost.Leader`, which broadcasts each step
         self.in_flight: Pipeline[MicroBatch] = Pipeline(self.spp)
@@ -412,8 +416,9 @@ class Executor:
                 on = (samp.bias_cond < 0) | (samp.bias_cond == lax.pmax(given[rows], SPP)[:, None])
                 bias_ids = jnp.where(on, bias_ids, sampler.NO_TOKEN)
                 bias_values = jnp.where(on, bias_values, 0.0)
+            masks = (samp.mask_bits, samp.masked) if samp.mask_bits.shape[-1] > 1 else None
             tokens = sampler.sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.seeds, samp.steps,
-                                    samp.min_p, bias_ids, bias_values, samp.allow_only, penalties)
+                                    samp.min_p, bias_ids, bias_values, samp.allow_only, penalties, masks)
             # this rank's sampled tokens of requests with penalties counted in their slots (the others' rows
             # name no slot: dropped). Every stage samples the same tokens (the last stage's logits), so the
             # stages' copies stay equal.
@@ -590,6 +595,16 @@ class Executor:
         ids[:len(allowed)] = allowed
         return ids, np.zeros(self.bias_slots, np.float32), True
 
+    def _regex_mask(self, req, step: int) -> np.ndarray:
+        """The logits row's allowed tokens (`RowSampling.mask_bits`) of a request with structured outputs' regex that
+        samples its generated token `step`: those the regex allows after the `step` tokens before it (all on the
+        host, as for choices)."""
+        out = req.output_token_ids
+        if step != len(out):
+            raise RuntimeError(f"request {req.request_id}: its regex needs the {step} tokens before the row, and the "
+                               f"host has {len(out)}")
+        return req.regex.mask_after(out)
+
     def _slot(self, rank: int, req, span_i: int) -> int:
         """`req`'s sequence slot on `rank` (given one if it has none), its new page-table entries queued."""
         slots = self._slots[rank]
@@ -651,6 +666,7 @@ class Executor:
         # (rank, row, (its slots' ids, biases, allow-only), its bad words' bans, request, position of its input)
         biases: list[tuple] = []
         penalized: list[tuple[int, int, tuple]] = []  # (rank, row, (its slot, presence, frequency, repetition))
+        masks: list[tuple[int, int, np.ndarray]] = []  # (rank, row, its allowed tokens' bits) of regex rows
         logprobs = False
 
         def add_row(rank, row, chunk_i, token_index, req, target, is_sample, slot):
@@ -667,7 +683,9 @@ class Executor:
             # valid requests of either kind must not overflow the cast and fail the step.
             samp[rank].append((0.0 if p.greedy else min(p.temperature, _F32_MAX), min(p.top_k, _I32_MAX), p.top_p,
                                (req.seed >> 32, req.seed & 0xFFFFFFFF), step, target, bool(num_top), p.min_p))
-            if is_sample and req.choices is not None:
+            if is_sample and req.regex is not None:
+                masks.append((rank, len(rows[rank]) - 1, self._regex_mask(req, step)))
+            elif is_sample and req.choices is not None:
                 biases.append((rank, len(rows[rank]) - 1, self._choice_slots(req, step), (), req, token_index - 1))
             elif is_sample and req.bias_early is not None:
                 bias = req.bias_early if step < p.min_tokens else req.bias  # its stop tokens cannot end it yet
@@ -740,10 +758,11 @@ class Executor:
         R = self.logits_rows(T, max(len(x) for x in rows))
         pad_rows = np.zeros((K, R), np.int32)
         W = self.bias_slots
-        cols = [np.zeros((K, R) + {3: (2,), 8: (W,), 9: (W,), 15: (W,)}.get(j, ()), d)  # seeds: (high, low) words
+        M = self.mask_words if masks else 1
+        cols = [np.zeros((K, R) + {3: (2,), 8: (W,), 9: (W,), 15: (W,), 16: (M,)}.get(j, ()), d)  # seeds: 2 words
                 for j, d in enumerate((np.float32, np.int32, np.float32, np.uint32, np.int32, np.int32, bool,
                                        np.float32, np.int32, np.float32, bool, np.int32, np.float32, np.float32,
-                                       np.float32, np.int32))]
+                                       np.float32, np.int32, np.uint32, bool))]
         cols[2][:] = 1.0  # top_p
         cols[5][:] = -1  # targets
         cols[11][:] = B + 1  # penalty_slot: none
@@ -767,6 +786,8 @@ class Executor:
                     tokens, -np.inf, conds
                 if self.spp > 1:  # a pipeline's host resolves the conditions when the micro-batch leaves
                     pending += [(r, row, j, req, q) for j, cond in enumerate(conds, used) if cond >= 0]
+        for r, row, bits in masks:
+            cols[16][r, row], cols[17][r, row] = bits, True
         for r, row, (slot, presence, frequency, repetition) in penalized:
             cols[11][r, row], cols[12][r, row], cols[13][r, row], cols[14][r, row] = slot, presence, frequency, \
                 repetition
@@ -837,12 +858,14 @@ class Executor:
         return T, (stages, leaving.rows, leaving.sampling, entering.src), leaving
 
     @_per_instance
-    def host_template(self, T: int, R: int):
-        """Zero host arrays of the shapes and dtypes `_host_args` gives for T token rows and R logits rows (what
-        a multi-host follower receives into; read only, so cached per shape)."""
+    def host_template(self, T: int, R: int, masked: bool = False):
+        """Zero host arrays of the shapes and dtypes `_host_args` gives for T token rows and R logits rows, with
+        regex rows' masks if `masked` (what a multi-host follower receives into; read only, so cached per shape)."""
         mb = self.prepare(StepPlan([], []), T)
         stages = jax.tree.map(lambda a: np.zeros((a.shape[0], self.spp) + a.shape[1:], a.dtype), mb.batch)
         samp = jax.tree.map(lambda a: np.zeros((self.kvp, R) + a.shape[2:], a.dtype), mb.sampling)  # seeds: [.., 2]
+        if masked:
+            samp = dataclasses.replace(samp, mask_bits=np.zeros((self.kvp, R, self.mask_words), np.uint32))
         # no penalties (the values `prepare` gives a row without them): warm-up steps count nothing
         samp.penalty_slot[:], samp.repetition[:] = self.max_num_seqs + 1, 1.0
         return stages, np.zeros((self.kvp, R), np.int32), samp, mb.src
@@ -863,10 +886,11 @@ class Executor:
         self._flush_table_updates()  # before the step, on every process (followers get them first too)
         self._flush_penalty_inits()
         R = host[1].shape[1]
+        masked = host[2].mask_bits.shape[-1] > 1  # a step with regex rows: its own compiled variant
         packed = Packing.pack(host)
         if self.channel is not None and broadcast:
-            self.channel.step(T, R, packed[0], fetch, kind)
-        key = (T, R, kind)
+            self.channel.step(T, R, packed[0], fetch, kind, masked)
+        key = (T, R, kind, masked)
         # What the engine's online calibration needs to trust a step's time: whether it ran a shape for the first
         # time (it compiled, or loaded from the compilation cache).
         self.last_step_first_of_shape = key not in self._shapes_run

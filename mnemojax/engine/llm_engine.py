@@ -25,6 +25,8 @@ from mnemojax.scheduling.kv_manager import KVCacheManager
 from mnemojax.engine.loader import LoadedModel, engine_attention, load, with_dtype
 from mnemojax.engine.sampler import NO_TOKEN
 from mnemojax.scheduling.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mnemojax.engine.structured import RegexState, TokenGuide, token_texts
+from mnemojax.scheduling.regex import compiled
 from mnemojax.scheduling.request import Request
 from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams, truncate_prompt
 from mnemojax.scheduling.config import ParallelConfig, SchedulerConfig
@@ -261,6 +263,8 @@ class LLMEngine:
         self._profile_saved_at = time.monotonic()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}  # of unfinished requests, when there is a tokenizer
+        self._token_texts: list[str | None] | None = None  # each token's text, for regexes (made when first asked)
+        self._guides: collections.OrderedDict[str, TokenGuide] = collections.OrderedDict()  # the latest patterns'
         self._delta_sent: dict[str, tuple[int, int, int]] = {}  # DELTA requests: prompt log-probs, tokens, chars
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -406,6 +410,7 @@ class LLMEngine:
         limit = self.config.max_logit_bias
         if params.structured_outputs is not None:
             self.choice_steps(params)  # its checks
+            self.regex_guide(params)
         if allowed is not None:  # its slots are the allowed tokens; biases and bans elsewhere change nothing
             if len(allowed) > limit:
                 raise ParamError("allowed_token_ids", f"allowed_token_ids ({len(allowed)} tokens) are more than "
@@ -428,6 +433,18 @@ class LLMEngine:
                                     f"({len(banned)}) bias {len(biased | banned | words) + len(sequences)} tokens, "
                                     f"more than max_logit_bias ({limit}, an engine setting)")
 
+    def _structured_eos(self, kind: str) -> tuple[int, ...]:
+        """The EOS tokens that end structured outputs of `kind` ("choice" or "regex"); ParamError naming
+        `structured_outputs` when the model has no tokenizer (the kind needs token texts) or no EOS."""
+        if self.tokenizer is None:
+            raise ParamError("structured_outputs", f"model {self.config.model!r} has no tokenizer, which "
+                                                   f"structured_outputs.{kind} needs")
+        eos = tuple(sorted(self.model_config.eos_token_ids))
+        if not eos:
+            raise ParamError("structured_outputs", f"the model has no EOS token to end structured_outputs.{kind} "
+                                                   f"with")
+        return eos
+
     def choice_steps(self, params: SamplingParams) -> dict[tuple[int, ...], tuple[int, ...]] | None:
         """Structured outputs' choices (`params.structured_outputs.choice`) as the tokens allowed after each
         sequence of generated tokens that starts one: each choice is the tokenizer's encoding of it (no special
@@ -436,14 +453,9 @@ class LLMEngine:
         choice without tokens or with ids outside the vocabulary, or a step with more tokens than the logits row's
         max_logit_bias slots."""
         so = params.structured_outputs
-        if so is None:
+        if so is None or so.choice is None:
             return None
-        if self.tokenizer is None:
-            raise ParamError("structured_outputs", f"model {self.config.model!r} has no tokenizer, so the choices "
-                                                   f"cannot be tokenized")
-        eos = tuple(sorted(self.model_config.eos_token_ids))
-        if not eos:
-            raise ParamError("structured_outputs", "the model has no EOS token to end a choice with")
+        eos = self._structured_eos("choice")
         vocab, steps = self.model_config.vocab_size, {}
         for text in so.choice:
             try:
@@ -464,6 +476,36 @@ class LLMEngine:
                                                    f"than max_logit_bias ({limit}, an engine setting: each is a slot "
                                                    f"of the logits row)")
         return {k: tuple(sorted(v)) for k, v in steps.items()}
+
+    MAX_GUIDES = 64
+    """How many regexes' token guides (their per-state masks) the engine keeps for the next request with one."""
+
+    def regex_guide(self, params: SamplingParams) -> TokenGuide | None:
+        """The token guide of structured outputs' `regex` (None without one): per state of the pattern, the tokens
+        whose text keeps a whole match possible, EOS where the text matches. Kept for the latest MAX_GUIDES
+        patterns. Raises ParamError naming `structured_outputs`: no tokenizer, no EOS, a pattern that matches no
+        string, or one no token of the vocabulary can start."""
+        so = params.structured_outputs
+        if so is None or so.regex is None:
+            return None
+        guide = self._guides.get(so.regex)
+        if guide is not None:
+            self._guides.move_to_end(so.regex)
+            return guide
+        eos = self._structured_eos("regex")
+        rx = compiled(so.regex)
+        if not rx.start:
+            raise ParamError("structured_outputs", f"structured_outputs.regex {so.regex!r} matches no string")
+        if self._token_texts is None:
+            self._token_texts = token_texts(self.tokenizer, self.model_config.vocab_size)
+        guide = TokenGuide(rx, self._token_texts, eos)
+        if not guide.mask(rx.start).any():
+            raise ParamError("structured_outputs", f"structured_outputs.regex {so.regex!r}: no token of the "
+                                                   f"vocabulary can start a match")
+        self._guides[so.regex] = guide
+        while len(self._guides) > self.MAX_GUIDES:
+            self._guides.popitem(last=False)
+        return guide
 
     def bad_words(self, params: SamplingParams) -> tuple[set[int], list[tuple[tuple[int, ...], int]]]:
         """The bans of `params.bad_words` and `bad_words_token_ids`: (the tokens banned always, the sequences of
@@ -529,6 +571,8 @@ class LLMEngine:
         allowed = params.allowed_token_ids
         words, req.bad_words = self.bad_words(params)
         req.choices = self.choice_steps(params)
+        guide = self.regex_guide(params)
+        req.regex = RegexState(guide) if guide is not None else None
         if params.logit_bias or params.min_tokens or allowed is not None or words or req.bad_words:
             bias = {**(params.logit_bias or {}), **dict.fromkeys(words, -math.inf)}  # -inf + a bias is -inf
             early = {**bias, **dict.fromkeys(self._stop_ids(params), -math.inf)} if params.min_tokens else bias

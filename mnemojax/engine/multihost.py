@@ -63,10 +63,12 @@ def _broadcast(tree):
 class Leader:
     """Process 0's side: sends each step's arrays (plugged into `Executor.channel`)."""
 
-    def step(self, T: int, R: int, packed: np.ndarray, fetch: bool, kind: str = MIXED) -> None:
-        """A step of T token rows and R logits rows, its host arrays `packed` ([kvp, X] int32)."""
-        # the fetch flag and the step's kind share the header's last field: fetch + 2 x kind index
-        _broadcast(np.array([STEP, T, R, int(fetch) + 2 * STEP_KINDS.index(kind)], np.int32))
+    def step(self, T: int, R: int, packed: np.ndarray, fetch: bool, kind: str = MIXED, masked: bool = False) -> None:
+        """A step of T token rows and R logits rows, its host arrays `packed` ([kvp, X] int32); `masked`: it has
+        regex rows' masks (`Executor.host_template`)."""
+        # the fetch flag, the step's kind and masked share the header's last field: fetch + 2 x kind index
+        # + 64 x masked
+        _broadcast(np.array([STEP, T, R, int(fetch) + 2 * STEP_KINDS.index(kind) + 64 * int(masked)], np.int32))
         _broadcast(packed)
 
     def table(self, updates: np.ndarray) -> None:
@@ -107,7 +109,7 @@ def follow(executor) -> int:
             continue
         if cmd != STEP:
             raise RuntimeError(f"unknown multi-host command {cmd}")
-        template, packing = Packing.pack(executor.host_template(T, R))
+        template, packing = Packing.pack(executor.host_template(T, R, bool(fetch >> 6)))
         executor.run(executor.put(T, (_broadcast(template), packing)), fetch=bool(fetch & 1),
-                     kind=STEP_KINDS[fetch >> 1])
+                     kind=STEP_KINDS[(fetch >> 1) & 31])
         steps += 1

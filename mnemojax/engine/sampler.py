@@ -182,6 +182,7 @@ def sample(
     bias_values: jax.Array | None = None,
     allow_only: jax.Array | None = None,
     penalties: Penalties | None = None,
+    masks: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Pick the next token of each row.
 
@@ -193,14 +194,16 @@ def sample(
     min_p f32[N] (0 => disabled; None: every row's is 0); bias_ids i32[N, W], bias_values f32[N, W]: added to
     those logits first, greedy rows' too (a -inf bans a token; an id of `NO_TOKEN`, or any past the vocabulary, is
     an unused slot; None: no bias); allow_only bool[N]: the row keeps only its slots' tokens, every other logit
-    -inf (vLLM's `allowed_token_ids`; None: no row); penalties: applied after the biases (None: no row has one).
-    Returns i32[N] token ids.
+    -inf (vLLM's `allowed_token_ids`; None: no row); penalties: applied after the biases (None: no row has one);
+    masks (u32[N, ceil(V / 32)] bits, bool[N] masked): a masked row keeps only the tokens whose bit is set (token t
+    is bit t % 32 of word t // 32; structured outputs' regex), every other logit -inf, before the biases (None: no
+    row). Returns i32[N] token ids.
     """
     logits = logits.astype(jnp.float32)
     pick = functools.partial(_pick, temperature=temperature.astype(jnp.float32), top_k=top_k, top_p=top_p,
                              seeds=seeds, steps=steps, min_p=min_p)
     biases = bias_ids is not None and bias_ids.shape[-1] > 0
-    if not biases and penalties is None:
+    if not biases and penalties is None and masks is None:
         return pick(logits)
     # Only when some row has a bias or a penalty do the adjusted logits exist (a copy: the log-probs read the raw
     # ones); the cond returns tokens, so neither branch passes an [N, V] array through (XLA copied it twice).
@@ -208,6 +211,11 @@ def sample(
 
     def adjusted():
         b = logits
+        if masks is not None:  # the bits of each row's tokens (an [N, V] gather, made only in this branch)
+            bits, masked = masks
+            v = jnp.arange(logits.shape[-1])
+            keep = (jnp.take(bits, v // 32, axis=1) >> (v % 32).astype(jnp.uint32)) & 1
+            b = jnp.where(masked[:, None] & (keep == 0), -jnp.inf, b)
         if biases:
             if allow_only is not None:  # -inf outside the row's slots (an [N, V] mask, made only in this branch)
                 outside = jnp.ones(logits.shape, bool).at[rows, bias_ids].set(False, mode="drop")
@@ -227,6 +235,8 @@ def sample(
             some = some | jnp.any(allow_only)
     if penalties is not None:
         some = some | penalties.any()
+    if masks is not None:
+        some = some | jnp.any(masks[1])
     return jax.lax.cond(some, adjusted, lambda: pick(logits))
 
 

@@ -72,6 +72,9 @@ class Request:
     # tokens that can start a choice (EOS after a whole one); None: no constraint. A constrained request's next row
     # depends on every token before it, so the scheduler never decodes a token that is not on the host yet.
     choices: dict[tuple[int, ...], tuple[int, ...]] | None = None
+    # Structured outputs' regex: its walk along the generated tokens (`mnemojax.engine.structured.RegexState`), which gives each
+    # row's allowed tokens as a bitmask; None: no regex. Decoded like `choices`: never a token not on the host.
+    regex: object = None
     # TTFT deadline (same clock as arrival_time) and its duration; set by the scheduler when it is added.
     ttft_deadline: float | None = None
     deadline_duration: float | None = None

@@ -10,6 +10,8 @@ import enum
 import math
 import numbers
 
+from mnemojax.scheduling.regex import RegexError, compiled
+
 MAX_LOGPROBS = 20
 """Most top log-probs a request may ask for, per token; the step always computes this many."""
 
@@ -53,10 +55,14 @@ def _is_real(x) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputsParams:
-    """vLLM's structured outputs (`SamplingParams.structured_outputs`). mnemojax honours `choice`: the output is one
-    of these strings, generated as that string's own tokens (the tokenizer's encoding of it, without special
-    tokens), then EOS. The other kinds (`json`, `regex`, `grammar`, `json_object`, `structural_tag`) are refused,
-    naming `structured_outputs`, never ignored."""
+    """vLLM's structured outputs (`SamplingParams.structured_outputs`); exactly one kind. mnemojax honours:
+    - `choice`: the output is one of these strings, generated as that string's own tokens (the tokenizer's encoding
+      of it, without special tokens), then EOS;
+    - `regex`: the output text matches the pattern whole (`re.fullmatch`), then EOS: each step allows only the tokens
+      whose text keeps a match possible, and EOS once the text matches. The syntax is a subset of Python's `re`
+      (`mnemojax.scheduling.regex`: no back-references, look-arounds or flags; `\\d \\w \\s` are ASCII).
+    The other kinds (`json`, `grammar`, `json_object`, `structural_tag`) are refused, naming `structured_outputs`,
+    never ignored."""
 
     json: object = None
     regex: str | None = None
@@ -66,13 +72,24 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
 
     def validate(self) -> None:
-        for name in ("json", "regex", "grammar", "json_object", "structural_tag"):
+        for name in ("json", "grammar", "json_object", "structural_tag"):
             value = getattr(self, name)
             if value is not None and value is not False:  # (0 or "" is a value: `in (None, False)` let 0 pass)
-                raise ParamError("structured_outputs", f"structured_outputs.{name} is not supported (only choice)")
+                raise ParamError("structured_outputs", f"structured_outputs.{name} is not supported (only choice "
+                                                       f"and regex)")
         c = self.choice
-        if c is None:
-            raise ParamError("structured_outputs", "structured_outputs needs choice (the only kind supported)")
+        if (c is None) == (self.regex is None):
+            raise ParamError("structured_outputs", "structured_outputs needs exactly one of choice and regex (the "
+                                                   "kinds supported)")
+        if self.regex is not None:
+            if not isinstance(self.regex, str):
+                raise ParamError("structured_outputs", f"structured_outputs.regex must be a string, got "
+                                                       f"{self.regex!r}")
+            try:
+                compiled(self.regex)
+            except RegexError as e:
+                raise ParamError("structured_outputs", f"structured_outputs.{e}") from None
+            return
         if isinstance(c, str) or not isinstance(c, (list, tuple)) or not c \
                 or not all(isinstance(x, str) and x for x in c):
             raise ParamError("structured_outputs", f"structured_outputs.choice must be a non-empty list of non-empty "
@@ -158,8 +175,8 @@ class SamplingParams:
     with the tokenizer's default. With every other tokenizer (fast ones, the byte tokenizer) False changes nothing,
     as in vLLM, whose fast detokenizer ignores it too."""
     structured_outputs: StructuredOutputsParams | None = None
-    """vLLM's: `StructuredOutputsParams(choice=[...])` makes the output one of the strings (see there). Needs the
-    model's EOS and a tokenizer; not with `ignore_eos`, `min_tokens`, `logit_bias`, `allowed_token_ids` or bad
+    """vLLM's: `StructuredOutputsParams(choice=[...])` makes the output one of the strings, `regex=...` a text that
+    matches the pattern whole (see there). Needs the model's EOS and a tokenizer; not with `ignore_eos`, `min_tokens`, `logit_bias`, `allowed_token_ids` or bad
     words. Such a request decodes a token only once the one before is on the host (its next allowed tokens depend
     on it), so with async scheduling it takes a token every other step."""
 

@@ -449,7 +449,7 @@ class Scheduler:
         EOS or a stop token ends the request when it is seen; the decode then computed one token for nothing.)"""
         if not (req.num_unfetched == 1 and req.awaiting_sample == 1 and req.num_uncomputed == 0):
             return False
-        if req.choices is not None:
+        if req.choices is not None or req.regex is not None:
             return False  # what its next row allows depends on that token
         max_len = self.max_model_len
         return len(req.output_token_ids) + 1 < req.params.max_tokens and (

@@ -1,6 +1,7 @@
 """Engine invariances on one device: chunked == one-shot, batched == alone, preempted == not, long contexts
 against HF, sampling by seed, stop conditions, log-prob shapes, bad input, bfloat16."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -987,6 +988,17 @@ def test_priority_policy_starts_lower_values_first_with_the_same_tokens(ckpt, ll
         np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=0)
 
 
+def _hf_greedy_allowed(hf, prompt: list[int], max_new: int, allowed) -> list[int]:
+    """HF's greedy generate where `allowed(generated ids)` gives the tokens each step may take
+    (`prefix_allowed_tokens_fn`), ending at EOS: the generated ids."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                           pad_token_id=0, eos_token_id=EOS_ID,
+                           prefix_allowed_tokens_fn=lambda b, seq: allowed(seq[len(prompt):].tolist()))
+    return want[0, len(prompt):].tolist()
+
+
 def _choice_reference(tok, choices):
     """The tokens a choice-constrained row allows after `prefix` (the generated tokens), written from the rule and
     not from the engine: those continuing a choice's encoding, and EOS after a whole one."""
@@ -1010,12 +1022,7 @@ def test_structured_output_choices_match_hf_generate_with_the_same_allowed_token
     for prompt in _prompts((5, 23, 40, 9, 17), seed=12):
         got = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, structured_outputs=so,
                                                     logprobs=0))[0].outputs[0]
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                               pad_token_id=0, eos_token_id=EOS_ID,
-                               prefix_allowed_tokens_fn=lambda b, seq: allowed(seq[len(prompt):].tolist()))
-        assert got.token_ids == want[0, len(prompt):].tolist()
+        assert got.token_ids == _hf_greedy_allowed(hf, prompt, 12, allowed)
         assert got.text in choices and got.finish_reason == "stop" and got.token_ids[-1] == EOS_ID
         texts.append(got.text)
     assert len(set(texts)) >= 2, texts  # the prompts steer it: not one forced answer
@@ -1047,6 +1054,68 @@ def test_structured_output_choices_sampled_short_and_refused(llm):
     with pytest.raises(ParamError, match=r"allow 20 tokens at one step, more than max_logit_bias \(16") as e:
         llm.generate(["x"], SamplingParams(structured_outputs=many))
     assert e.value.param == "structured_outputs" and not llm.engine.requests
+
+
+# A finite language, written out below without the engine's regex code: the reference for what may come next.
+REGEX = r"(yes|no|maybe)-[0-9]{1,2}!?"
+REGEX_WORDS = [f"{w}-{n}{bang}" for w in ("yes", "no", "maybe") for n in [*map(str, range(10)),
+               *(f"{i:02d}" for i in range(100))] for bang in ("", "!")]
+
+
+def _regex_reference(prefix: list[int]) -> list[int]:
+    """The byte tokens a REGEX row allows after the generated `prefix`: those whose byte keeps the text a start of
+    one of REGEX_WORDS, and EOS where the text is one."""
+    text = bytes(prefix).decode()
+    out = {b for b in range(128) if any(w.startswith(text + chr(b)) for w in REGEX_WORDS)}
+    return sorted(out | ({EOS_ID} if text in REGEX_WORDS else set()))
+
+
+def test_structured_output_regex_matches_hf_generate_with_the_same_allowed_tokens(llm, ckpt):
+    """vLLM's structured outputs with `regex`: greedy equals HF's generate with `prefix_allowed_tokens_fn` giving
+    the tokens that keep a whole match possible (EOS once the text matches), the text matches the pattern and the
+    request stops at its EOS; with async scheduling (the engine's default) too."""
+    hf = load_hf_model(ckpt)
+    so = StructuredOutputsParams(regex=REGEX)
+    texts = []
+    for prompt in _prompts((5, 23, 40, 9), seed=13):
+        got = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, structured_outputs=so))[0]
+        got = got.outputs[0]
+        assert got.token_ids == _hf_greedy_allowed(hf, prompt, 12, _regex_reference)
+        assert re.fullmatch(REGEX, got.text) and got.finish_reason == "stop" and got.token_ids[-1] == EOS_ID
+        texts.append(got.text)
+    assert len(set(texts)) >= 2, texts  # the prompts steer it: not one forced answer
+
+
+def test_structured_output_regex_sampled_batched_and_refused(llm, alone):
+    """Sampled at temperature 1 every output matches; a regex request in the batch leaves a plain request's tokens
+    and log-probs as they are alone (its step carries the masks); a short max_tokens ends with "length" on a start of
+    a match; what cannot be honoured is a ParamError naming structured_outputs, and nothing is queued."""
+    so = StructuredOutputsParams(regex=REGEX)
+    outs = llm.generate(["Say:"], SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=12,
+                                                 structured_outputs=so))[0].outputs
+    assert all(re.fullmatch(REGEX, c.text) and c.finish_reason == "stop" for c in outs)
+    assert len({c.text for c in outs}) >= 4, [c.text for c in outs]
+    prompts, ref = alone
+    mixed = llm.generate([prompts[1], "Q:"], [GREEDY, SamplingParams(max_tokens=12, temperature=0,
+                                                                       structured_outputs=so)])
+    np.testing.assert_allclose(_prompt_lps(mixed[0]), _prompt_lps(ref[1]), atol=1e-5, rtol=0)
+    assert mixed[0].outputs[0].token_ids == ref[1].outputs[0].token_ids
+    assert re.fullmatch(REGEX, mixed[1].outputs[0].text)
+    short = llm.generate(["Q:"], SamplingParams(max_tokens=2, temperature=0, structured_outputs=so))[0].outputs[0]
+    assert short.finish_reason == "length" and any(w.startswith(short.text) for w in REGEX_WORDS)
+    with pytest.raises(ParamError, match=r"missing '\)' at position 0") as e:
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="(ab"))
+    assert e.value.param == "structured_outputs"
+    with pytest.raises(ParamError, match="exactly one of choice and regex"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["a"]))
+    with pytest.raises(ParamError, match=r"regex must be a string, got \['a'\]"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex=["a"]))
+    with pytest.raises(ParamError, match="not supported with ignore_eos"):
+        SamplingParams(structured_outputs=so, ignore_eos=True)
+    for pattern, message in ((r"[^\s\S]x", "matches no string"), ("\u00e9", "no token of the vocabulary")):
+        with pytest.raises(ParamError, match=message) as e:  # the byte tokenizer's tokens hold no whole é
+            llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(regex=pattern)))
+        assert e.value.param == "structured_outputs" and not llm.engine.requests
 
 
 def test_cumulative_logprob_is_the_sequences_log_likelihood(llm, ckpt):

@@ -61,7 +61,7 @@ def test_multi_host_channel_is_a_constructor_argument():
         def __init__(self):
             self.steps, self.tables = [], []
 
-        def step(self, T, R, packed, fetch, kind):
+        def step(self, T, R, packed, fetch, kind, masked=False):
             self.steps.append((T, R, fetch))
 
         def table(self, updates):

@@ -6,12 +6,13 @@ each mesh shape; prompt log-probs must be within 1e-5 of the 1x1x1 run and greed
 """
 import itertools
 import logging
+import re
 
 import jax
 import numpy as np
 import pytest
 
-from mnemojax import LLM, SamplingParams
+from mnemojax import LLM, SamplingParams, StructuredOutputsParams
 from models.params import stack_layers
 from models.params import mesh_layout
 from tests.hf_utils import make_hf_checkpoint
@@ -54,9 +55,9 @@ def run_workload(ckpt, kvp=1, spp=1, tp=1, arrivals=ARRIVALS, on_engine=None, sa
     step = 0
     while step <= max(arrivals) or engine.has_unfinished():
         for name, _, new in arrivals.get(step, []):
-            ids[name] = engine.add_request(prompts[name], SamplingParams(
-                max_tokens=new, temperature=0, prompt_logprobs=0, ignore_eos=True, **(sampling or {}).get(name, {})),
-                request_id=name)
+            ids[name] = engine.add_request(prompts[name], SamplingParams(**{
+                **dict(max_tokens=new, temperature=0, prompt_logprobs=0, ignore_eos=True),
+                **(sampling or {}).get(name, {})}), request_id=name)
         before = len(engine.requests["long"].kv_ranks)
         engine.step()
         long = engine.requests["long"]
@@ -150,6 +151,38 @@ def test_penalties_on_a_mesh_match_one_device(ckpt, penalized_reference, shape, 
     pipeline stages, tensor parallelism; with and without async scheduling) the tokens they give on one device."""
     sampling, want = penalized_reference
     outs, _ = run_workload(ckpt, *shape, sampling=sampling, async_scheduling=async_scheduling)
+    _check_same(outs, want)
+
+
+# Structured outputs' regex on the workload's requests (by name): "long" spans three KVP ranks with kvp >= 3, "c"
+# joins mid-way; both stop at EOS once their text matches (ignore_eos off), the others run as before.
+REGEXES = {"long": r"[a-f0-9]{2,4}( [a-f0-9]{2,4})*", "c": r"(yes|no)-[0-9]{1,2}"}
+
+
+@pytest.fixture(scope="module")
+def regex_reference(ckpt, reference):
+    sampling = {name: dict(ignore_eos=False, structured_outputs=StructuredOutputsParams(regex=p))
+                for name, p in REGEXES.items()}
+    outs, _ = run_workload(ckpt, sampling=sampling)
+    for name, pattern in REGEXES.items():
+        c = outs[name].outputs[0]
+        assert c.token_ids != reference[name].outputs[0].token_ids, name
+        assert re.fullmatch(pattern, c.text) if c.finish_reason == "stop" else c.finish_reason == "length", c
+    assert outs["c"].outputs[0].finish_reason == "stop"
+    for name in ("a", "b", "d"):
+        assert outs[name].outputs[0].token_ids == reference[name].outputs[0].token_ids
+    return sampling, outs
+
+
+# (~25 s on 2 cores: with the slow tests)
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(4, 2, 1), (2, 1, 4)], ids=str)
+def test_regex_on_a_mesh_matches_one_device(ckpt, regex_reference, shape):
+    """A regex row's mask (a step of its own, with the masks) gives on each mesh shape (a KVP span of three ranks and
+    two pipeline stages, whose micro-batches take their masks in; tensor parallelism over the vocabulary's logits)
+    the tokens it gives on one device, and leaves the other requests' as they were."""
+    sampling, want = regex_reference
+    outs, _ = run_workload(ckpt, *shape, sampling=sampling)
     _check_same(outs, want)
 
 

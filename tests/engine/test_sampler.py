@@ -785,3 +785,38 @@ def test_penalties_follow_vllm_after_the_biases():
     none = sampler.Penalties(counts, in_prompt, row_slot, np.zeros(n, np.float32), np.zeros(n, np.float32),
                              np.ones(n, np.float32))
     np.testing.assert_array_equal(np.asarray(_sample(*common, none)), plain)
+
+
+def test_masked_rows_draw_only_the_tokens_of_their_bits():
+    """Structured outputs' masks (`masks`: uint32 words, token t bit t % 32 of word t // 32): a masked row has every
+    token whose bit is clear at -inf, then its penalties; greedy rows take numpy's argmax over the allowed logits,
+    sampled rows draw `categorical(fold_in(key(seed), step), where(allowed, logits, -inf) / t)`; rows not masked
+    (their bits ignored) are as without masks."""
+    rng = np.random.default_rng(8)
+    n, vocab = 8, 70  # 3 words, the last one partial
+    logits = rng.normal(size=(n, vocab)).astype(np.float32)
+    allowed = rng.random((n, vocab)) < 0.2
+    allowed[:, 65] = True  # a token of the partial last word
+    logits[np.arange(n), np.argmax(np.where(allowed, -np.inf, logits), axis=1)] += 8.0  # the best: not allowed
+    words = np.zeros((n, 3), np.uint32)
+    for i in range(n):
+        for t in np.flatnonzero(allowed[i]):
+            words[i, t // 32] |= np.uint32(1) << np.uint32(t % 32)
+    masked = np.arange(n) % 4 != 3
+    temperature = np.where(np.arange(n) % 2 == 0, 0.0, 0.8).astype(np.float32)
+    seeds, steps = rng.integers(0, 2**32, size=n).astype(np.uint32), rng.integers(0, 100, size=n).astype(np.int32)
+    tokens = np.asarray(_sample(logits, temperature, np.full(n, -1, np.int32), np.ones(n, np.float32), seeds, steps,
+                                masks=(words, masked)))
+    plain = np.asarray(_sample(logits, temperature, np.full(n, -1, np.int32), np.ones(n, np.float32), seeds, steps))
+    for i in range(n):
+        if not masked[i]:
+            assert tokens[i] == plain[i], i
+            continue
+        kept = np.where(allowed[i], logits[i], -np.inf)
+        assert allowed[i, tokens[i]], i
+        if temperature[i] == 0:
+            assert tokens[i] == np.argmax(kept), i
+        else:
+            key = jax.random.fold_in(jax.random.key(int(seeds[i])), int(steps[i]))
+            assert tokens[i] == int(jax.random.categorical(key, kept / temperature[i], mode="high")), i
+    assert not allowed[masked, np.argmax(logits[masked], axis=1)].any()  # the mask changed every masked row's pick

@@ -18,7 +18,7 @@ def test_engine_runs_each_kind_and_matches_the_reference():
     ex = llm.engine.executor
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     # 32 + 3 prompt tokens (prefill only), 8 + a decode (mixed), then decodes only
-    assert {kind for _, _, kind in ex._shapes_run} == {PREFILL, MIXED, DECODE}
+    assert {kind for _, _, kind, _ in ex._shapes_run} == {PREFILL, MIXED, DECODE}
     assert {k for _, _, k in ex.shape_buckets()} == {PREFILL, MIXED, DECODE}
     ref = LLM(attention="reference", **kw)
     assert got == [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
