@@ -4,12 +4,12 @@ Field names, types and defaults follow the OpenAI API (`logit_bias` included: to
 plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`,
 `return_tokens_as_token_ids`, `return_token_ids`, `add_special_tokens`, `use_beam_search` with
-`length_penalty`, `guided_choice` and `structured_outputs` with `choice`, and chat's `continue_final_message`,
+`length_penalty`, `guided_choice`, `guided_regex` and `structured_outputs` with `choice` or `regex`, and chat's `continue_final_message`,
 `chat_template`, `documents`, `echo`).
 Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
-honour (`suffix`, `best_of`, completions' `prompt_logprobs` with `stream`, vLLM's guided decoding and
+honour (`suffix`, `best_of`, completions' `prompt_logprobs` with `stream`, vLLM's guided JSON and grammar and
 the other fields in `_UNHONOURED`, with `use_beam_search` the fields in `_NOT_WITH_BEAMS` that vLLM's beam search
 ignores, `length_penalty` without it, a `response_format` other than text, `tools`, a `tool_choice` other than
 none or auto) are accepted in the schema and rejected with a 400 naming them when set, never silently dropped; so
@@ -64,7 +64,7 @@ def _refuse_unhonoured(body: BaseModel, fields: dict[str, tuple], where: str = "
 
 
 _UNHONOURED = {  # vLLM's request fields mnemojax does not implement, and the values that change nothing
-    "guided_json": (None,), "guided_regex": (None,), "guided_grammar": (None,), "logits_processors": (None,),
+    "guided_json": (None,), "guided_grammar": (None,), "logits_processors": (None,),
 }
 
 _NOT_WITH_BEAMS = {  # what beam search does not honour (vLLM's ignores them), and the values that change nothing
@@ -72,7 +72,7 @@ _NOT_WITH_BEAMS = {  # what beam search does not honour (vLLM's ignores them), a
     "presence_penalty": (None, 0.0, 0), "frequency_penalty": (None, 0.0, 0), "repetition_penalty": (None, 1.0, 1),
     "min_tokens": (None, 0), "stop": (None, []), "stop_token_ids": (None, []), "logit_bias": (None, {}),
     "allowed_token_ids": (None,), "bad_words": ([],), "prompt_logprobs": (None,), "guided_choice": (None,),
-    "structured_outputs": (None,),
+    "guided_regex": (None,), "structured_outputs": (None,),
 }
 
 _STRUCTURED_KEYS = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
@@ -136,11 +136,14 @@ class _SamplingRequest(_Strict):
                                                  "--scheduling-policy), lower runs first; 0 under any other policy")
     guided_choice: list[Text] | None = Field(default=None, description="vLLM's: the output is one of these strings "
                                                                        "(their own tokens, then EOS)")
-    structured_outputs: dict | None = Field(default=None, description="vLLM's: only {\"choice\": [...]}, as "
-                                                                      "guided_choice")
+    guided_regex: Text | None = Field(default=None, description="vLLM's: the output text matches this regex "
+                                                                "whole, then EOS (a subset of Python's re: see the "
+                                                                "README)")
+    structured_outputs: dict | None = Field(default=None, description="vLLM's: only {\"choice\": [...]} (as "
+                                                                      "guided_choice) or {\"regex\": \"...\"} (as "
+                                                                      "guided_regex)")
     # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
     guided_json: Any = None
-    guided_regex: Any = None
     guided_grammar: Any = None
     logits_processors: Any = None
 
@@ -196,24 +199,28 @@ class _SamplingRequest(_Strict):
             bad_words=self.bad_words or None)
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """vLLM's `structured_outputs` (its keys those of `StructuredOutputsParams`; only `choice` is honoured) or
-        its older `guided_choice`; not both."""
-        so, choice = self.structured_outputs, self.guided_choice
-        if so is not None and choice is not None:
-            raise ParamError("guided_choice", "give guided_choice or structured_outputs, not both")
-        if choice is not None:
-            params = StructuredOutputsParams(choice=choice)
+        """vLLM's `structured_outputs` (its keys those of `StructuredOutputsParams`; `choice` and `regex` are
+        honoured) or its older `guided_choice` / `guided_regex`; one of them."""
+        so, older = self.structured_outputs, {k: v for k, v in (("guided_choice", self.guided_choice),
+                                                                ("guided_regex", self.guided_regex)) if v is not None}
+        given = [*older] + (["structured_outputs"] if so is not None else [])
+        if len(given) > 1:
+            raise ParamError(given[0], f"give {' or '.join(given)}, not {'both' if len(given) == 2 else 'several'}")
+        if older:
+            (name, value), = older.items()
+            params = StructuredOutputsParams(**{name.removeprefix("guided_"): value})
             try:
                 params.validate()
             except ParamError as e:
-                raise ParamError("guided_choice", str(e).replace("structured_outputs.choice", "guided_choice")) \
+                raise ParamError(name, str(e).replace(f"structured_outputs.{name.removeprefix('guided_')}", name)) \
                     from None
             return params
         if so is None:
             return None
         unknown = sorted(set(so) - _STRUCTURED_KEYS)
         if unknown:
-            raise ParamError("structured_outputs", f"structured_outputs.{unknown[0]} is not supported (only choice)")
+            raise ParamError("structured_outputs", f"structured_outputs.{unknown[0]} is not supported (only choice "
+                                                   f"and regex)")
         return StructuredOutputsParams(**so)
 
     def _logit_bias(self) -> dict[int, float] | None:

@@ -280,7 +280,7 @@ def test_bad_chat_input_is_400(client):
 
 @pytest.mark.parametrize("endpoint, field, value", [
     ("completions", "guided_json", {"type": "object"}), ("completions", "guided_grammar", "root ::= 'a'"),
-    ("chat", "guided_regex", "a+"),
+    ("chat", "logits_processors", ["my_module:processor"]),
 ])
 def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, field, value):
     """vLLM's request fields mnemojax does not implement: a 400 naming the field when set to anything but its
@@ -327,6 +327,44 @@ def test_guided_choice_and_structured_outputs_choice(client, offline, url):
     r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
     assert "cannot be tokenized" in r.json()["error"]["message"]
+
+
+def test_guided_regex_and_structured_outputs_regex(client, offline):
+    """vLLM's `guided_regex` and `structured_outputs: {"regex": ...}` (completions, chat and a stream): the text
+    matches the pattern whole, the same as the library's `StructuredOutputsParams(regex=...)`; what cannot be
+    honoured is a 400 naming the field."""
+    import re
+
+    from mnemojax import StructuredOutputsParams
+
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    kw = dict(model="tiny", prompt="The code is", max_tokens=12, temperature=0)
+    want = offline.generate(["The code is"], SamplingParams(max_tokens=12, temperature=0, structured_outputs=
+                                                           StructuredOutputsParams(regex=pattern)))[0].outputs[0]
+    assert re.fullmatch(pattern, want.text) and want.finish_reason == "stop"
+    for extra in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}):
+        c = client.completions.create(**kw, extra_body=extra).choices[0]
+        assert (c.text, c.finish_reason) == (want.text, "stop")
+    chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Code?"}],
+                                            max_tokens=12, temperature=1.0, seed=4, n=3, stream=True,
+                                            extra_body={"guided_regex": pattern})
+    texts = ["", "", ""]
+    for chunk in chunks:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert all(re.fullmatch(pattern, t) for t in texts), texts
+    for extra, param, message in (
+            ({"guided_regex": "(ab"}, "guided_regex", r"guided_regex '\(ab': missing '\)' at position 0"),
+            ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "guided_choice or guided_regex, not "
+                                                                             "both"),
+            ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "guided_regex", "not both"),
+            ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
+            ({"guided_regex": "[^\\s\\S]"}, "structured_outputs", "matches no string"),
+            ({"guided_regex": "a+", "use_beam_search": True, "n": 2}, "guided_regex",
+             "guided_regex is not supported with use_beam_search")):
+        with pytest.raises(openai.BadRequestError, match=message) as e:
+            client.completions.create(**kw, extra_body=extra)
+        assert e.value.body["param"] == param, extra
 
 
 def test_priority_needs_the_priority_policy(client):
