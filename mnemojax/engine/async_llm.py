@@ -230,7 +230,8 @@ class AsyncLLM:
         """The prompt's token ids (as `params.truncate_prompt_tokens` leaves them); raises ValueError (naming the
         field and the limit) if the request (with its `priority`, `LLMEngine.check_priority`) is bad.
 
-        Safe from any thread: tokenizing and the checks read only the engine's fixed configuration.
+        Safe from any thread: tokenizing and the checks read only the engine's fixed configuration (and a regex's
+        token guide, which the engine builds and caches behind a lock).
         """
         ids = truncate_prompt(self.engine.tokenize(prompt), params.truncate_prompt_tokens, self.engine.max_model_len)
         if params.n != 1:  # `generate` runs one request per sequence

@@ -11,6 +11,7 @@ import math
 import numbers
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -25,7 +26,7 @@ from mnemojax.scheduling.kv_manager import KVCacheManager
 from mnemojax.engine.loader import LoadedModel, engine_attention, load, with_dtype
 from mnemojax.engine.sampler import NO_TOKEN
 from mnemojax.scheduling.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from mnemojax.engine.structured import RegexState, TokenGuide, token_texts
+from mnemojax.engine.structured import RegexState, TokenGuide, TokenVocabulary, token_texts
 from mnemojax.scheduling.regex import compiled
 from mnemojax.scheduling.request import Request
 from mnemojax.scheduling.sampling_params import ParamError, RequestOutputKind, SamplingParams, truncate_prompt
@@ -263,8 +264,9 @@ class LLMEngine:
         self._profile_saved_at = time.monotonic()
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, Detokenizer] = {}  # of unfinished requests, when there is a tokenizer
-        self._token_texts: list[str | None] | None = None  # each token's text, for regexes (made when first asked)
+        self._token_vocab: TokenVocabulary | None = None  # the tokens' texts, for regexes (made when first asked)
         self._guides: collections.OrderedDict[str, TokenGuide] = collections.OrderedDict()  # the latest patterns'
+        self._guides_lock = threading.Lock()
         self._delta_sent: dict[str, tuple[int, int, int]] = {}  # DELTA requests: prompt log-probs, tokens, chars
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
@@ -488,24 +490,25 @@ class LLMEngine:
         so = params.structured_outputs
         if so is None or so.regex is None:
             return None
-        guide = self._guides.get(so.regex)
-        if guide is not None:
-            self._guides.move_to_end(so.regex)
+        with self._guides_lock:  # the server's thread validates requests beside the engine's
+            guide = self._guides.get(so.regex)
+            if guide is not None:
+                self._guides.move_to_end(so.regex)
+                return guide
+            eos = self._structured_eos("regex")
+            rx = compiled(so.regex)
+            if not rx.start:
+                raise ParamError("structured_outputs", f"structured_outputs.regex {so.regex!r} matches no string")
+            if self._token_vocab is None:
+                self._token_vocab = TokenVocabulary(token_texts(self.tokenizer, self.model_config.vocab_size))
+            guide = TokenGuide(rx, self._token_vocab, eos)
+            if not guide.mask(rx.start).any():
+                raise ParamError("structured_outputs", f"structured_outputs.regex {so.regex!r}: no token of the "
+                                                       f"vocabulary can start a match")
+            self._guides[so.regex] = guide
+            while len(self._guides) > self.MAX_GUIDES:
+                self._guides.popitem(last=False)
             return guide
-        eos = self._structured_eos("regex")
-        rx = compiled(so.regex)
-        if not rx.start:
-            raise ParamError("structured_outputs", f"structured_outputs.regex {so.regex!r} matches no string")
-        if self._token_texts is None:
-            self._token_texts = token_texts(self.tokenizer, self.model_config.vocab_size)
-        guide = TokenGuide(rx, self._token_texts, eos)
-        if not guide.mask(rx.start).any():
-            raise ParamError("structured_outputs", f"structured_outputs.regex {so.regex!r}: no token of the "
-                                                   f"vocabulary can start a match")
-        self._guides[so.regex] = guide
-        while len(self._guides) > self.MAX_GUIDES:
-            self._guides.popitem(last=False)
-        return guide
 
     def bad_words(self, params: SamplingParams) -> tuple[set[int], list[tuple[tuple[int, ...], int]]]:
         """The bans of `params.bad_words` and `bad_words_token_ids`: (the tokens banned always, the sequences of
