@@ -4,7 +4,7 @@ still match the pattern whole (`mnemojax.scheduling.regex.Regex`), then EOS once
 - `token_texts`: the text each token adds to an output, from the tokenizer (after a fixed token, so SentencePiece's
   leading spaces count); special tokens, tokens holding part of a UTF-8 character and ids past the tokenizer are
   None: never allowed.
-- `TokenVocabulary`: those texts sorted with their shared prefixes, which every pattern's walk reuses.
+- `TokenVocabulary`: those texts grouped by their first character, which every pattern's walk reuses.
 - `TokenGuide`: per pattern, the allowed-token bitmask of each DFA state (cached), the sampler's `masks`.
 - `RegexState`: one request's walk through its guide along its generated tokens.
 """
@@ -44,25 +44,19 @@ def token_texts(tokenizer, vocab_size: int) -> list[str | None]:
 
 
 class TokenVocabulary:
-    """Token texts (`token_texts`) sorted, each with the length of the prefix it shares with the one before: a walk
-    over them re-reads only what differs from the previous text, and skips at once every text that starts with a
-    prefix already found dead. Built once per engine, shared by every pattern's guide."""
+    """Token texts (`token_texts`) grouped by their first character, each group's ids and the rest of their texts: a
+    state's walk reads a first character once for the whole group and drops the group when it dies there (most
+    groups, in a narrow state). Built once per engine, shared by every pattern's guide."""
 
     def __init__(self, texts: Sequence[str | None]):
         self.texts = list(texts)
         self.size = len(self.texts)
-        order = sorted((t for t, s in enumerate(self.texts) if s), key=lambda t: self.texts[t])
-        self.ids = order
-        self.sorted = [self.texts[t] for t in order]
-        lcp, prev = [], ""
-        for s in self.sorted:
-            n, most = 0, min(len(s), len(prev))
-            while n < most and s[n] == prev[n]:
-                n += 1
-            lcp.append(n)
-            prev = s
-        self.lcp = lcp
-        self.longest = max(map(len, self.sorted), default=0)
+        self.groups: dict[str, tuple[list[int], list[str]]] = {}
+        for t, s in enumerate(self.texts):
+            if s:
+                ids, rests = self.groups.setdefault(s[0], ([], []))
+                ids.append(t)
+                rests.append(s[1:])
 
 
 class TokenGuide:
@@ -83,34 +77,21 @@ class TokenGuide:
         return -(-self.vocab_size // 32)
 
     def allowed(self, state: int) -> np.ndarray:
-        """bool[vocab]: the tokens allowed in `state`: the sorted texts walked from it, each from the states of the
-        prefix it shares with the text before (a stack), the texts under a dead prefix skipped."""
-        rx, v = self.regex, self.vocab
-        step, nexts = rx.step, rx._next  # the cached transitions read inline (a call per character costs ~2x)
-        most = v.longest
-        stack = [state] * (most + 1)  # stack[k]: the state after the first k characters of the text walked last
-        dead = most + 1  # the last walk died reading character `dead` (past any text: it did not die)
-        keep, ids = [], v.ids
-        for i, s, shared in zip(range(len(ids)), v.sorted, v.lcp):
-            if shared > dead:
-                continue  # starts with the prefix that died
-            st, k = stack[shared], shared
-            for ch in s[shared:]:
-                nxt = nexts[st].get(ch)
-                if nxt is None:
-                    nxt = step(st, ch)
-                if not nxt:
-                    break
-                k += 1
-                stack[k] = st = nxt
-            else:
-                keep.append(ids[i])
-                dead = most + 1
-                continue
-            dead = k
+        """bool[vocab]: the tokens allowed in `state`: per group of texts with the same first character, the state
+        after it, then each text's rest walked from there (a group whose first character dies is skipped whole).
+        Measured against other walks in docs/benchmarks.md (`scripts/bench_structured.py`)."""
+        rx = self.regex
+        walk, step, nexts = rx.walk, rx.step, rx._next
+        keep: list[int] = []
+        for ch, (ids, rests) in self.vocab.groups.items():
+            after = nexts[state].get(ch)
+            if after is None:
+                after = step(state, ch)
+            if after:
+                keep += [t for t, rest in zip(ids, rests) if not rest or walk(after, rest)]
         ok = np.zeros(self.vocab_size, bool)
         ok[keep] = True
-        if self.regex.accepts(state):
+        if rx.accepts(state):
             ok[list(self.eos_ids)] = True
         return ok
 

@@ -110,7 +110,8 @@ class _SamplingRequest(_Strict):
     user: Text | None = None
     prompt_logprobs: int | None = Field(default=None, description=f"vLLM's: top log-probs per prompt token, "
                                                                   f"0..{MAX_LOGPROBS}; not with stream")
-    response_format: dict | None = Field(default=None, description='only {"type": "text"} (no structured output)')
+    response_format: dict | None = Field(default=None, description='only {"type": "text"} (no JSON output; '
+                                                                  'see guided_regex)')
     truncate_prompt_tokens: int | None = Field(default=None, description="vLLM's: keep only the prompt's last k "
                                                                          "tokens (k >= 1, or -1: max_model_len)")
     allowed_token_ids: list[int] | None = Field(default=None, description="vLLM's: only these token ids may be "
@@ -157,7 +158,7 @@ class _SamplingRequest(_Strict):
             raise ParamError("stream_options", "stream_options is only allowed with stream: true (as in vLLM)")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise ParamError("response_format", f"response_format {self.response_format.get('type')!r} is not "
-                                                f"supported (no structured output; only 'text')")
+                                                f"supported (no JSON output; only 'text')")
         if self.use_beam_search:
             _refuse_unhonoured(self, _NOT_WITH_BEAMS, " with use_beam_search")
         elif self.length_penalty != 1:
