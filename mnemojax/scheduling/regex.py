@@ -7,11 +7,11 @@ the end cannot be reached are pruned, so a DFA state is live exactly when it is 
 Python: the request checks (`SamplingParams`) parse patterns with it.
 
 The syntax: literals; `.` (any character but a newline); classes `[...]` with ranges and `^`; the escapes `\\d \\D \\w
-\\W \\s \\S` (ASCII classes, as `re.ASCII` and JSON Schema's regexes), `\\n \\t \\r \\f \\v \\0`, `\\xhh`, `\\uhhhh` and
+\\W \\s \\S` (ASCII classes, as with `re.ASCII`), `\\n \\t \\r \\f \\v \\0`, `\\xhh`, `\\uhhhh` and
 any escaped punctuation; groups `(...)`, `(?:...)`, `(?P<name>...)`; alternation `|`; quantifiers `* + ? {m} {m,}
 {m,n} {,n}`, lazy or not (the same strings match whole); `^` at the start and `$` at the end (the output matches
-whole anyway). Anything else (back-references, look-arounds, flags, anchors elsewhere, possessive quantifiers) is a
-`RegexError` naming its position: refused, never approximated.
+whole anyway). Anything else (back-references, look-arounds, flags, anchors elsewhere, possessive quantifiers,
+octal escapes) is a `RegexError` naming its position: refused, never approximated.
 """
 from __future__ import annotations
 
@@ -178,6 +178,8 @@ class _Parser:
         self.i += 1
         if c in _CLASSES:
             return _CLASSES[c]
+        if c == "0" and (self.peek() or "").isdigit():
+            raise self.error("octal escapes are not supported", self.i - 2)
         if c in _ESCAPES:
             code = ord(_ESCAPES[c])
         elif c == "b" and in_class:
