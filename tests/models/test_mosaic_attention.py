@@ -756,8 +756,10 @@ def test_code_generation_is_chosen_per_launch():
 SUPPORTED = [(1, 16, 128, jnp.bfloat16), (2, 8, 64, jnp.float16), (16, 32, 128, jnp.bfloat16),
              (64, 64, 128, jnp.bfloat16), (4, 256, 128, jnp.bfloat16), (8, 16, 256, jnp.bfloat16),
              (4, 16, 64, jnp.float16)]
-# ~5-6 s each on 2 cores: these two in the default suite, the others with the slow tests
-SUPPORTED_BY_DEFAULT = [(1, 16, 128, jnp.bfloat16), (4, 16, 64, jnp.float16)]
+# ~5-9 s each on 2 cores: this one in the default suite (head dim 64, float16: the 8B shapes' lowering above has head
+# dim 128 in bfloat16), the others with the slow tests (g1-page16-hd128 moved there in the forty-fifth session, to
+# keep the cold default suite's margin under ten minutes)
+SUPPORTED_BY_DEFAULT = [(4, 16, 64, jnp.float16)]
 
 
 @pytest.mark.parametrize("group,page,head_dim,dtype", [
