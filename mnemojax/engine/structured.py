@@ -69,7 +69,6 @@ class TokenGuide:
         self.vocab = vocab if isinstance(vocab, TokenVocabulary) else TokenVocabulary(vocab)
         self.vocab_size = self.vocab.size
         self.eos_ids = tuple(eos_ids)
-        self.texts = self.vocab.texts
         self._masks: dict[int, np.ndarray] = {}
 
     @property
@@ -117,7 +116,7 @@ class RegexState:
         """The allowed tokens' bitmask after the generated tokens `output_ids` (they were drawn under this guide:
         each one's text is walked on from the state before it)."""
         rx = self.guide.regex
-        texts = self.guide.texts
+        texts = self.guide.vocab.texts
         for t in output_ids[len(self._states) - 1:]:
             text = texts[t] if 0 <= t < len(texts) else None
             state = rx.walk(self._states[-1], text) if text else 0

@@ -101,8 +101,9 @@ class _Parser:
         return items[0] if len(items) == 1 else ("cat", items)
 
     def quantified(self, node):
+        """`node` under the quantifiers that follow it (an atom: one that starts with a quantifier is refused by
+        `atom`, so there is always something to repeat)."""
         while (c := self.peek()) is not None:
-            start = self.i
             if c in "*+?":
                 self.i += 1
                 lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
@@ -113,8 +114,6 @@ class _Parser:
                 lo, hi = bounds
             else:
                 return node
-            if node is None:
-                raise self.error("nothing to repeat", start)
             if self.peek() == "?":
                 self.i += 1  # lazy: the same strings match the whole pattern
             elif self.peek() == "+":
