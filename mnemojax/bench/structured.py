@@ -1,4 +1,5 @@
-"""Host cost of structured outputs' regex masks (`mnemojax.engine.structured`) on a vocabulary of Llama-3's size.
+"""Host cost of structured outputs' regex masks (`mnemojax.engine.structured`) on a vocabulary of Llama-3's size
+(a JSON schema's, `structured_outputs.json`, are a regex's: the last pattern is one).
 
 A regex request's logits row needs, per step, the bitmask of the tokens that keep a whole match possible. The mask
 of each state of the pattern's automaton is computed once (the first request to reach that state pays it, on the
@@ -27,13 +28,20 @@ import numpy as np
 
 from mnemojax.bench import print_header
 from mnemojax.engine.structured import RegexState, TokenGuide, TokenVocabulary
+from mnemojax.scheduling.json_schema import schema_pattern
 from mnemojax.scheduling.regex import Regex
 
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "tags": {"type": "array", "items": {"enum": ["admin", "staff", "guest"]}, "maxItems": 3}},
+    "required": ["name", "age"]}
+"""A JSON schema of the kind `structured_outputs.json` takes (written as a regex by `schema_pattern`)."""
 PATTERNS = {
     "phone": r"\(\d{3}\) \d{3}-\d{4}",
     "yes/no + reason": r"(yes|no), because [a-z ]{10,60}\.",
     "sentence": r"[A-Z][a-z]+( [a-z]+){3,12}\.",
     "anything, 80 chars": r"(.|\n){0,80}",
+    "json schema: person": schema_pattern(PERSON, whitespace_pattern=" ?"),
 }
 
 

@@ -436,7 +436,7 @@ class LLMEngine:
                                     f"more than max_logit_bias ({limit}, an engine setting)")
 
     def _structured_eos(self, kind: str) -> tuple[int, ...]:
-        """The EOS tokens that end structured outputs of `kind` ("choice" or "regex"); ParamError naming
+        """The EOS tokens that end structured outputs of `kind` ("choice", "regex" or "json"); ParamError naming
         `structured_outputs` when the model has no tokenizer (the kind needs token texts) or no EOS."""
         if self.tokenizer is None:
             raise ParamError("structured_outputs", f"model {self.config.model!r} has no tokenizer, which "
@@ -483,29 +483,31 @@ class LLMEngine:
     """How many regexes' token guides (their per-state masks) the engine keeps for the next request with one."""
 
     def regex_guide(self, params: SamplingParams) -> TokenGuide | None:
-        """The token guide of structured outputs' `regex` (None without one): per state of the pattern, the tokens
-        whose text keeps a whole match possible, EOS where the text matches. Kept for the latest MAX_GUIDES
-        patterns. Raises ParamError naming `structured_outputs`: no tokenizer, no EOS, a pattern that matches no
-        string, or one no token of the vocabulary can start."""
+        """The token guide of structured outputs' `regex` or `json` (None without one): per state of the pattern
+        (`StructuredOutputsParams.pattern`: a JSON schema is written as one), the tokens whose text keeps a whole
+        match possible, EOS where the text matches. Kept for the latest MAX_GUIDES patterns. Raises ParamError
+        naming `structured_outputs`: no tokenizer, no EOS, a pattern that matches no string, or one no token of the
+        vocabulary can start."""
         so = params.structured_outputs
-        if so is None or so.regex is None:
+        pattern = None if so is None else so.pattern
+        if pattern is None:
             return None
+        what = f"structured_outputs.regex {pattern!r}" if so.regex is not None else "structured_outputs.json's schema"
         with self._guides_lock:  # the server's thread validates requests beside the engine's
-            guide = self._guides.get(so.regex)
+            guide = self._guides.get(pattern)
             if guide is not None:
-                self._guides.move_to_end(so.regex)
+                self._guides.move_to_end(pattern)
                 return guide
-            eos = self._structured_eos("regex")
-            rx = compiled(so.regex)
+            eos = self._structured_eos(so.kind)
+            rx = compiled(pattern)
             if not rx.start:
-                raise ParamError("structured_outputs", f"structured_outputs.regex {so.regex!r} matches no string")
+                raise ParamError("structured_outputs", f"{what} matches no string")
             if self._token_vocab is None:
                 self._token_vocab = TokenVocabulary(token_texts(self.tokenizer, self.model_config.vocab_size))
             guide = TokenGuide(rx, self._token_vocab, eos)
             if not guide.mask(rx.start).any():
-                raise ParamError("structured_outputs", f"structured_outputs.regex {so.regex!r}: no token of the "
-                                                       f"vocabulary can start a match")
-            self._guides[so.regex] = guide
+                raise ParamError("structured_outputs", f"{what}: no token of the vocabulary can start a match")
+            self._guides[pattern] = guide
             while len(self._guides) > self.MAX_GUIDES:
                 self._guides.popitem(last=False)
             return guide

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import json as _json
 import math
 import numbers
 
+from mnemojax.scheduling.json_schema import SchemaError, schema_pattern
 from mnemojax.scheduling.regex import RegexError, compiled
 
 MAX_LOGPROBS = 20
@@ -53,6 +56,12 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+@functools.lru_cache(maxsize=64)
+def _json_pattern(schema_text: str, disable_any_whitespace: bool, whitespace_pattern: str | None) -> str:
+    return schema_pattern(schema_text, disable_any_whitespace=disable_any_whitespace,
+                          whitespace_pattern=whitespace_pattern)
+
+
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputsParams:
     """vLLM's structured outputs (`SamplingParams.structured_outputs`); exactly one kind. mnemojax honours:
@@ -60,40 +69,78 @@ class StructuredOutputsParams:
       of it, without special tokens), then EOS;
     - `regex`: the output text matches the pattern whole (`re.fullmatch`), then EOS: each step allows only the tokens
       whose text keeps a match possible, and EOS once the text matches. The syntax is a subset of Python's `re`
-      (`mnemojax.scheduling.regex`: no back-references, look-arounds or flags; `\\d \\w \\s` are ASCII).
-    The other kinds (`json`, `grammar`, `json_object`, `structural_tag`) are refused, naming `structured_outputs`,
-    never ignored."""
+      (`mnemojax.scheduling.regex`: no back-references, look-arounds or flags; `\\d \\w \\s` are ASCII);
+    - `json`: a JSON schema (a dict or its JSON text); the output is a JSON text the schema accepts, then EOS. The
+      schema is written as a regex (`mnemojax.scheduling.json_schema`, which says what it supports and how it writes
+      JSON) and guided as `regex` is. `disable_any_whitespace` and `whitespace_pattern` say what whitespace may come
+      between its tokens (default: any run of spaces, newlines and tabs); `disable_additional_properties` and
+      `disable_fallback` are accepted and change nothing (properties not in the schema are never generated; there
+      is no other backend to fall back to).
+    The other kinds (`grammar`, `json_object`, `structural_tag`) are refused, naming `structured_outputs`, never
+    ignored."""
 
     json: object = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
     structural_tag: str | None = None
 
     def validate(self) -> None:
-        for name in ("json", "grammar", "json_object", "structural_tag"):
+        for name in ("grammar", "json_object", "structural_tag"):
             value = getattr(self, name)
             if value is not None and value is not False:  # (0 or "" is a value: `in (None, False)` let 0 pass)
-                raise ParamError("structured_outputs", f"structured_outputs.{name} is not supported (only choice "
-                                                       f"and regex)")
+                raise ParamError("structured_outputs", f"structured_outputs.{name} is not supported (only choice, "
+                                                       f"regex and json)")
+        for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParamError("structured_outputs", f"structured_outputs.{name} must be true or false, got "
+                                                       f"{getattr(self, name)!r}")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise ParamError("structured_outputs", f"structured_outputs.whitespace_pattern must be a string, got "
+                                                   f"{self.whitespace_pattern!r}")
         c = self.choice
-        if (c is None) == (self.regex is None):
-            raise ParamError("structured_outputs", "structured_outputs needs exactly one of choice and regex (the "
-                                                   "kinds supported)")
-        if self.regex is not None:
-            if not isinstance(self.regex, str):
-                raise ParamError("structured_outputs", f"structured_outputs.regex must be a string, got "
-                                                       f"{self.regex!r}")
+        if sum(x is not None for x in (c, self.regex, self.json)) != 1:
+            raise ParamError("structured_outputs", "structured_outputs needs exactly one of choice, regex and json "
+                                                   "(the kinds supported)")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ParamError("structured_outputs", f"structured_outputs.regex must be a string, got {self.regex!r}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ParamError("structured_outputs", f"structured_outputs.json must be a JSON schema (a dict or its "
+                                                   f"JSON text), got {self.json!r}")
+        if self.regex is not None or self.json is not None:
             try:
-                compiled(self.regex)
+                compiled(self.pattern)
+            except SchemaError as e:
+                raise ParamError("structured_outputs", f"structured_outputs.json: {e}") from None
             except RegexError as e:
-                raise ParamError("structured_outputs", f"structured_outputs.{e}") from None
+                if self.regex is not None:
+                    raise ParamError("structured_outputs", f"structured_outputs.{e}") from None
+                raise ParamError("structured_outputs", "structured_outputs.json: " + str(e).replace(
+                    f"regex {self.pattern!r}", "the schema's regex")) from None
             return
         if isinstance(c, str) or not isinstance(c, (list, tuple)) or not c \
                 or not all(isinstance(x, str) and x for x in c):
             raise ParamError("structured_outputs", f"structured_outputs.choice must be a non-empty list of non-empty "
                                                    f"strings, got {c!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which kind this is: 'choice', 'regex' or 'json'."""
+        return "choice" if self.choice is not None else "regex" if self.regex is not None else "json"
+
+    @property
+    def pattern(self) -> str | None:
+        """The regex the output must match whole: `regex`'s, or `json`'s schema written as one (None for choice).
+        Raises SchemaError for a schema `mnemojax.scheduling.json_schema` cannot take."""
+        if self.json is None:
+            return self.regex
+        text = self.json if isinstance(self.json, str) else _json.dumps(self.json)  # (keeps the properties' order)
+        return _json_pattern(text, self.disable_any_whitespace, self.whitespace_pattern)
 
 
 @dataclasses.dataclass

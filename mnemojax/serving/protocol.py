@@ -4,14 +4,15 @@ Field names, types and defaults follow the OpenAI API (`logit_bias` included: to
 plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`,
 `return_tokens_as_token_ids`, `return_token_ids`, `add_special_tokens`, `use_beam_search` with
-`length_penalty`, `guided_choice`, `guided_regex` and `structured_outputs` with `choice` or `regex`, and chat's `continue_final_message`,
-`chat_template`, `documents`, `echo`).
+`length_penalty`, `guided_choice`, `guided_regex`, `guided_json` with `guided_whitespace_pattern` and
+`structured_outputs` with `choice`, `regex` or `json`, and chat's `continue_final_message`, `chat_template`,
+`documents`, `echo`); OpenAI's `response_format` takes `text` and `json_schema`.
 Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
-honour (`suffix`, `best_of`, completions' `prompt_logprobs` with `stream`, vLLM's guided JSON and grammar and
+honour (`suffix`, `best_of`, completions' `prompt_logprobs` with `stream`, vLLM's guided grammar and
 the other fields in `_UNHONOURED`, with `use_beam_search` the fields in `_NOT_WITH_BEAMS` that vLLM's beam search
-ignores, `length_penalty` without it, a `response_format` other than text, `tools`, a `tool_choice` other than
+ignores, `length_penalty` without it, a `response_format` of `json_object`, `tools`, a `tool_choice` other than
 none or auto) are accepted in the schema and rejected with a 400 naming them when set, never silently dropped; so
 is `stream_options` without `stream`. Range checks live in
 `SamplingParams` and the engine, so the server and the library share one set of limits and messages.
@@ -64,7 +65,7 @@ def _refuse_unhonoured(body: BaseModel, fields: dict[str, tuple], where: str = "
 
 
 _UNHONOURED = {  # vLLM's request fields mnemojax does not implement, and the values that change nothing
-    "guided_json": (None,), "guided_grammar": (None,), "logits_processors": (None,),
+    "guided_grammar": (None,), "logits_processors": (None,),
 }
 
 _NOT_WITH_BEAMS = {  # what beam search does not honour (vLLM's ignores them), and the values that change nothing
@@ -72,7 +73,8 @@ _NOT_WITH_BEAMS = {  # what beam search does not honour (vLLM's ignores them), a
     "presence_penalty": (None, 0.0, 0), "frequency_penalty": (None, 0.0, 0), "repetition_penalty": (None, 1.0, 1),
     "min_tokens": (None, 0), "stop": (None, []), "stop_token_ids": (None, []), "logit_bias": (None, {}),
     "allowed_token_ids": (None,), "bad_words": ([],), "prompt_logprobs": (None,), "guided_choice": (None,),
-    "guided_regex": (None,), "structured_outputs": (None,),
+    "guided_regex": (None,), "guided_json": (None,), "structured_outputs": (None,),
+    "response_format": (None, {"type": "text"}),
 }
 
 _STRUCTURED_KEYS = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
@@ -110,8 +112,10 @@ class _SamplingRequest(_Strict):
     user: Text | None = None
     prompt_logprobs: int | None = Field(default=None, description=f"vLLM's: top log-probs per prompt token, "
                                                                   f"0..{MAX_LOGPROBS}; not with stream")
-    response_format: dict | None = Field(default=None, description='only {"type": "text"} (no JSON output; '
-                                                                  'see guided_regex)')
+    response_format: dict | None = Field(default=None, description='OpenAI\'s: {"type": "text"} or {"type": '
+                                                                  '"json_schema", "json_schema": {"name": ..., '
+                                                                  '"schema": {...}}} (as guided_json; not '
+                                                                  '"json_object")')
     truncate_prompt_tokens: int | None = Field(default=None, description="vLLM's: keep only the prompt's last k "
                                                                          "tokens (k >= 1, or -1: max_model_len)")
     allowed_token_ids: list[int] | None = Field(default=None, description="vLLM's: only these token ids may be "
@@ -140,11 +144,17 @@ class _SamplingRequest(_Strict):
     guided_regex: Text | None = Field(default=None, description="vLLM's: the output text matches this regex "
                                                                 "whole, then EOS (a subset of Python's re: see the "
                                                                 "README)")
-    structured_outputs: dict | None = Field(default=None, description="vLLM's: only {\"choice\": [...]} (as "
-                                                                      "guided_choice) or {\"regex\": \"...\"} (as "
-                                                                      "guided_regex)")
+    guided_json: dict | Text | None = Field(default=None, description="vLLM's: the output is a JSON text that this "
+                                                                      "JSON schema accepts, then EOS (the schemas "
+                                                                      "supported: see the README)")
+    guided_whitespace_pattern: Text | None = Field(default=None, description="vLLM's, with guided_json or a "
+                                                                             "json_schema response_format: the "
+                                                                             "whitespace allowed between JSON's "
+                                                                             "tokens, a regex")
+    structured_outputs: dict | None = Field(default=None, description="vLLM's: {\"choice\": [...]}, {\"regex\": "
+                                                                      "\"...\"} or {\"json\": {...}} (as the "
+                                                                      "guided_ fields), with vLLM's options")
     # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
-    guided_json: Any = None
     guided_grammar: Any = None
     logits_processors: Any = None
 
@@ -156,9 +166,10 @@ class _SamplingRequest(_Strict):
             raise ParamError("prompt_logprobs", "prompt_logprobs is not supported with stream (as in vLLM)")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream: true (as in vLLM)")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+        if self.response_format is not None and self.response_format.get("type", "text") not in ("text",
+                                                                                                 "json_schema"):
             raise ParamError("response_format", f"response_format {self.response_format.get('type')!r} is not "
-                                                f"supported (no JSON output; only 'text')")
+                                                f"supported (only 'text' and 'json_schema')")
         if self.use_beam_search:
             _refuse_unhonoured(self, _NOT_WITH_BEAMS, " with use_beam_search")
         elif self.length_penalty != 1:
@@ -200,29 +211,43 @@ class _SamplingRequest(_Strict):
             bad_words=self.bad_words or None)
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """vLLM's `structured_outputs` (its keys those of `StructuredOutputsParams`; `choice` and `regex` are
-        honoured) or its older `guided_choice` / `guided_regex`; one of them."""
-        so, older = self.structured_outputs, {k: v for k, v in (("guided_choice", self.guided_choice),
-                                                                ("guided_regex", self.guided_regex)) if v is not None}
-        given = [*older] + (["structured_outputs"] if so is not None else [])
-        if len(given) > 1:
+        """vLLM's `structured_outputs` (its keys those of `StructuredOutputsParams`), its older `guided_choice` /
+        `guided_regex` / `guided_json`, or OpenAI's `response_format` of type `json_schema`; one of them. A bad one is
+        a ParamError naming the field given."""
+        rf = self.response_format
+        schema = None
+        if rf is not None and rf.get("type") == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise ParamError("response_format", "response_format json_schema needs json_schema.schema, a JSON "
+                                                    "schema (an object)")
+            schema = js["schema"]
+        sources = {k: v for k, v in (("guided_choice", self.guided_choice), ("guided_regex", self.guided_regex),
+                                     ("guided_json", self.guided_json), ("response_format", schema),
+                                     ("structured_outputs", self.structured_outputs)) if v is not None}
+        if len(sources) > 1:
+            given = [*sources]
             raise ParamError(given[0], f"give {' or '.join(given)}, not {'both' if len(given) == 2 else 'several'}")
-        if older:
-            (name, value), = older.items()
-            params = StructuredOutputsParams(**{name.removeprefix("guided_"): value})
-            try:
-                params.validate()
-            except ParamError as e:
-                raise ParamError(name, str(e).replace(f"structured_outputs.{name.removeprefix('guided_')}", name)) \
-                    from None
-            return params
-        if so is None:
+        ws = self.guided_whitespace_pattern
+        if ws is not None and not sources.keys() & {"guided_json", "response_format"}:
+            raise ParamError("guided_whitespace_pattern", "guided_whitespace_pattern only applies with guided_json or "
+                                                          "a json_schema response_format")
+        if not sources:
             return None
-        unknown = sorted(set(so) - _STRUCTURED_KEYS)
-        if unknown:
-            raise ParamError("structured_outputs", f"structured_outputs.{unknown[0]} is not supported (only choice "
-                                                   f"and regex)")
-        return StructuredOutputsParams(**so)
+        (name, value), = sources.items()
+        if name == "structured_outputs":
+            unknown = sorted(set(value) - _STRUCTURED_KEYS)
+            if unknown:
+                raise ParamError("structured_outputs", f"structured_outputs.{unknown[0]} is not supported (only "
+                                                       f"choice, regex and json, with vLLM's options)")
+            return StructuredOutputsParams(**value)
+        kind = {"guided_choice": "choice", "guided_regex": "regex"}.get(name, "json")
+        params = StructuredOutputsParams(**{kind: value}, whitespace_pattern=ws)
+        try:
+            params.validate()
+        except ParamError as e:
+            raise ParamError(name, str(e).replace(f"structured_outputs.{kind}", name)) from None
+        return params
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's `logit_bias`: token ids (as strings) to biases (`SamplingParams` checks them)."""

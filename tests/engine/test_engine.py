@@ -1,6 +1,7 @@
 """Engine invariances on one device: chunked == one-shot, batched == alone, preempted == not, long contexts
 against HF, sampling by seed, stop conditions, log-prob shapes, bad input, bfloat16."""
 import dataclasses
+import json
 import re
 
 import jax
@@ -1044,8 +1045,8 @@ def test_structured_output_choices_sampled_short_and_refused(llm):
         with pytest.raises(ParamError, match=message) as e:
             SamplingParams(structured_outputs=so, **kw)
         assert e.value.param == "structured_outputs"
-    for so_bad, message in ((StructuredOutputsParams(json={"type": "object"}), "json is not supported"),
-                            (StructuredOutputsParams(json=0, choice=["a"]), "json is not supported"),
+    for so_bad, message in ((StructuredOutputsParams(json_object=True), "json_object is not supported"),
+                            (StructuredOutputsParams(json=0, choice=["a"]), "exactly one of choice, regex and json"),
                             (StructuredOutputsParams(choice=[]), "non-empty list"),
                             (StructuredOutputsParams(choice=["ok", ""]), "non-empty list")):
         with pytest.raises(ParamError, match=message):
@@ -1106,7 +1107,7 @@ def test_structured_output_regex_sampled_batched_and_refused(llm, alone):
     with pytest.raises(ParamError, match=r"missing '\)' at position 0") as e:
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="(ab"))
     assert e.value.param == "structured_outputs"
-    with pytest.raises(ParamError, match="exactly one of choice and regex"):
+    with pytest.raises(ParamError, match="exactly one of choice, regex and json"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["a"]))
     with pytest.raises(ParamError, match=r"regex must be a string, got \['a'\]"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex=["a"]))
@@ -1116,6 +1117,43 @@ def test_structured_output_regex_sampled_batched_and_refused(llm, alone):
         with pytest.raises(ParamError, match=message) as e:  # the byte tokenizer's tokens hold no whole é
             llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(regex=pattern)))
         assert e.value.param == "structured_outputs" and not llm.engine.requests
+
+
+# A JSON schema whose language is finite, its texts written out below without the engine's code (the reference).
+JSON_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                                "n": {"type": "integer", "minimum": 0, "maximum": 20}},
+               "required": ["ok"]}
+JSON_TEXTS = [f'{{"ok": {b}{n}}}' for b in ("true", "false") for n in ["", *(f', "n": {i}' for i in range(21))]]
+
+
+def _json_reference(prefix: list[int]) -> list[int]:
+    text = bytes(prefix).decode()
+    out = {b for b in range(128) if any(w.startswith(text + chr(b)) for w in JSON_TEXTS)}
+    return sorted(out | ({EOS_ID} if text in JSON_TEXTS else set()))
+
+
+def test_structured_output_json_matches_hf_generate_and_the_schema(llm, ckpt):
+    """vLLM's structured outputs with `json` (a JSON schema, here with `disable_any_whitespace`, xgrammar's `, ` and
+    `: `): greedy equals HF's generate with `prefix_allowed_tokens_fn` giving the tokens that keep the text a start
+    of one of the schema's texts; sampled outputs (with a `whitespace_pattern`) all parse and validate (jsonschema)
+    and stop at EOS."""
+    import jsonschema
+
+    hf = load_hf_model(ckpt)
+    so = StructuredOutputsParams(json=JSON_SCHEMA, disable_any_whitespace=True)
+    for prompt in _prompts((7, 30), seed=17):
+        got = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, structured_outputs=so))[0]
+        got = got.outputs[0]
+        assert got.token_ids == _hf_greedy_allowed(hf, prompt, 24, _json_reference)
+        assert got.text in JSON_TEXTS and got.finish_reason == "stop"
+    spaced = StructuredOutputsParams(json=JSON_SCHEMA, whitespace_pattern="[ ]?")  # (outlines' default: the
+    # default's any run of whitespace would let this random model spend all its tokens on it)
+    outs = llm.generate(["JSON:"], SamplingParams(max_tokens=40, temperature=1.0, seed=5, n=8,
+                                                  structured_outputs=spaced))[0].outputs
+    for c in outs:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), JSON_SCHEMA)
+    assert len({c.text for c in outs}) >= 4 and any("  " not in c.text and " " in c.text for c in outs)
 
 
 def test_cumulative_logprob_is_the_sequences_log_likelihood(llm, ckpt):

@@ -279,7 +279,7 @@ def test_bad_chat_input_is_400(client):
 
 
 @pytest.mark.parametrize("endpoint, field, value", [
-    ("completions", "guided_json", {"type": "object"}), ("completions", "guided_grammar", "root ::= 'a'"),
+    ("completions", "guided_grammar", "root ::= 'a'"),
     ("chat", "logits_processors", ["my_module:processor"]),
 ])
 def test_vllm_fields_that_would_change_the_output_are_refused(client, endpoint, field, value):
@@ -313,7 +313,7 @@ def test_guided_choice_and_structured_outputs_choice(client, offline, url):
                                           max_tokens=8, extra_body={"guided_choice": choices})
     assert chat.choices[0].message.content in choices
     for extra, param, message in (
-            ({"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs", "json is not supported"),
+            ({"structured_outputs": {"json_object": True}}, "structured_outputs", "json_object is not supported"),
             ({"structured_outputs": {"choice": choices, "backend": "x"}}, "structured_outputs", "backend is not"),
             ({"guided_choice": []}, "guided_choice", "guided_choice must be a non-empty list"),
             ({"guided_choice": choices, "structured_outputs": {"choice": choices}}, "guided_choice", "not both"),
@@ -362,6 +362,54 @@ def test_guided_regex_and_structured_outputs_regex(client, offline):
             ({"guided_regex": "[^\\s\\S]"}, "structured_outputs", "matches no string"),
             ({"guided_regex": "a+", "use_beam_search": True, "n": 2}, "guided_regex",
              "guided_regex is not supported with use_beam_search")):
+        with pytest.raises(openai.BadRequestError, match=message) as e:
+            client.completions.create(**kw, extra_body=extra)
+        assert e.value.body["param"] == param, extra
+
+
+def test_guided_json_structured_outputs_json_and_response_format_json_schema(client, offline):
+    """vLLM's `guided_json` (with `guided_whitespace_pattern`), `structured_outputs: {"json": ...}` (with its
+    options) and OpenAI's `response_format: {"type": "json_schema"}`: the text is JSON the schema accepts, the same as
+    the library's `StructuredOutputsParams(json=...)`; what cannot be honoured is a 400 naming the field given."""
+    import jsonschema
+
+    from mnemojax import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 9}}, "required": ["ok"]}
+    kw = dict(model="tiny", prompt="The answer is", max_tokens=24, temperature=0)
+    want = offline.generate(["The answer is"], SamplingParams(max_tokens=24, temperature=0, structured_outputs=
+                                                             StructuredOutputsParams(json=schema, whitespace_pattern=
+                                                                                     " ?")))[0].outputs[0]
+    jsonschema.validate(json.loads(want.text), schema)
+    for extra in ({"guided_json": schema, "guided_whitespace_pattern": " ?"},
+                  {"guided_json": json.dumps(schema), "guided_whitespace_pattern": " ?"},
+                  {"structured_outputs": {"json": schema, "whitespace_pattern": " ?"}},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+                   "guided_whitespace_pattern": " ?"}):
+        c = client.completions.create(**kw, extra_body=extra).choices[0]
+        assert (c.text, c.finish_reason) == (want.text, "stop"), extra
+    tight = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "JSON?"}], max_tokens=24, temperature=1.0, seed=3, n=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}},
+        extra_body={"guided_whitespace_pattern": ""})  # no whitespace at all: '{"ok":true}' 
+    for ch in tight.choices:
+        assert ch.finish_reason == "stop" and " " not in ch.message.content
+        jsonschema.validate(json.loads(ch.message.content), schema)
+    for extra, param, message in (
+            ({"guided_json": {"type": "string", "format": "email"}}, "guided_json",
+             "guided_json: at /format: format 'email' is not supported"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array"}}}},
+             "response_format", "response_format: at /: an array without items"),
+            ({"guided_json": schema, "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+             "guided_json", "guided_json or response_format, not both"),
+            ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "only applies with guided_json"),
+            ({"guided_json": schema, "guided_whitespace_pattern": "x"}, "guided_json", "not JSON whitespace"),
+            ({"structured_outputs": {"json": schema, "disable_any_whitespace": "yes"}}, "structured_outputs",
+             "disable_any_whitespace must be true or false"),
+            ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+            ({"guided_json": schema, "use_beam_search": True, "n": 2}, "guided_json",
+             "guided_json is not supported with use_beam_search")):
         with pytest.raises(openai.BadRequestError, match=message) as e:
             client.completions.create(**kw, extra_body=extra)
         assert e.value.body["param"] == param, extra

@@ -1,0 +1,541 @@
+"""Structured outputs' JSON schema (vLLM's `structured_outputs.json`, the server's `guided_json` and
+`response_format: {"type": "json_schema"}`) as a pattern for `mnemojax.scheduling.regex`.
+
+`schema_pattern(schema)` writes a regex whose every whole match is a JSON text that the schema accepts; the engine
+then guides tokens by it as by `structured_outputs.regex`. A schema needs unbounded nesting only through a
+recursive `$ref`, which is refused: everything else is a regular language. The regex may leave valid JSON out, never
+let invalid JSON in:
+- an object's properties come in the order of `properties`, each once; those in `required` always, the others
+  optionally, and no other properties (as xgrammar and outlines generate); a `required` name missing from
+  `properties` is refused;
+- numbers and strings are written one way: integers without a fraction or exponent, no `-0`; a string's characters
+  are themselves or JSON's short escapes (`\\n`, `\\"`, ...), never `\\u` escapes, so the controls without a short
+  escape (U+0000-U+001F but tab, newline, ...) cannot appear;
+- a string with a `pattern` is made of printable ASCII without escapes, where Python's `re`, ECMA-262 and
+  `mnemojax.scheduling.regex` read the pattern alike (JSON Schema's `pattern` matches anywhere unless anchored);
+- numbers with bounds have no exponent, and their bounds must be integers.
+
+Whitespace: between tokens the default is any run of JSON whitespace `[ \\n\\t]*` (xgrammar's default);
+`disable_any_whitespace` writes `, ` and `: ` and nothing else (xgrammar's); `whitespace_pattern` (outlines') puts
+that pattern, which may only match JSON whitespace, in place of the default.
+
+Supported keywords: `type` (a name or a list), `enum`, `const`, `anyOf`, `oneOf` (when its branches are disjoint:
+of different types, or objects that require one property with different `const` / `enum` values), `allOf` with one
+schema, `$ref` within the document (`#`, `#/$defs/...`, `#/definitions/...`), `properties`, `required`,
+`additionalProperties` (never generated), `items`, `minItems`, `maxItems`, `minLength`, `maxLength`, `pattern`,
+`format` (`date`, `time`, `date-time`, `uuid`), `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, and the
+annotations (`title`, `description`, `default`, `examples`, ...). Any other keyword is a `SchemaError` naming its
+path: refused, never ignored. A schema without `type` takes it from its keywords (`properties` makes an object);
+one with none (any JSON value) is refused.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from mnemojax.scheduling.regex import MAX_REPEAT, RegexError, _Parser
+
+ANY_WHITESPACE = r"[ \n\t]*"
+"""The whitespace allowed between tokens by default (xgrammar's)."""
+
+_JSON_WHITESPACE = ((0x09, 0x0A), (0x0D, 0x0D), (0x20, 0x20))
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+                "readOnly", "writeOnly", "$defs", "definitions"}
+_TYPED = {
+    "string": {"minLength", "maxLength", "pattern", "format"},
+    "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+    "object": {"properties", "required", "additionalProperties"},
+    "array": {"items", "minItems", "maxItems"},
+    "boolean": set(), "null": set(),
+}
+_KNOWN = set().union(*_TYPED.values()) | _ANNOTATIONS | {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
+                                                        "uniqueItems"}
+_INFERRED = ("object", "array", "string", "number")  # the type a schema without `type` takes from its keywords
+
+_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])'
+"""One character of a JSON string as written: any but `"`, `\\` and the controls, or a short escape (no `\\u`: every
+character counts once towards `minLength` / `maxLength`, and the pattern stays small)."""
+_SAFE = ((0x20, 0x21), (0x23, 0x5B), (0x5D, 0x7E))
+"""The characters of a string with a `pattern`: printable ASCII but `"` and `\\`."""
+_DIGITS = "[0-9]"
+_ANY_FRACTION, _ZERO_FRACTION, _POSITIVE_FRACTION = r"(?:\.[0-9]+)?", r"(?:\.0+)?", r"\.[0-9]*[1-9][0-9]*"
+_YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
+_TIME = r"(?:(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9]))"
+_FORMATS = {"date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}",
+            "uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"}
+
+
+class SchemaError(ValueError):
+    """A schema this module cannot take: the message names the path of the keyword (`/properties/age/minimum`)."""
+
+
+def literal(text: str) -> str:
+    """`text` as a regex matching exactly it."""
+    return "".join(c if c.isalnum() or not c.isascii() else "\\" + c for c in text)
+
+
+def _group(alternatives: list[str]) -> str:
+    return alternatives[0] if len(alternatives) == 1 else "(?:" + "|".join(alternatives) + ")"
+
+
+def _same_length(a: str, b: str) -> list[str]:
+    """The alternatives matching the decimal strings from a to b, both of the same length, a <= b."""
+    if a == b:
+        return [a]
+    i = next(k for k in range(len(a)) if a[k] != b[k])
+    prefix, a, b, n = a[:i], a[i:], b[i:], len(a) - i - 1
+    tail = f"{_DIGITS}{{{n}}}" if n else ""
+    low_full, high_full = a[1:] == "0" * n, b[1:] == "9" * n
+    out = [] if low_full else [prefix + a[0] + x for x in _same_length(a[1:], "9" * n)]
+    first, last = int(a[0]) + (not low_full), int(b[0]) - (not high_full)
+    if first <= last:
+        out.append(prefix + (str(first) if first == last else f"[{first}-{last}]") + tail)
+    if not high_full:
+        out += [prefix + b[0] + x for x in _same_length("0" * n, b[1:])]
+    return out
+
+
+def natural_range(lo: int, hi: int | None) -> str:
+    """A regex matching the decimal numbers (no leading zeros) from lo to hi (None: no end), 0 <= lo <= hi."""
+    top = len(str(lo)) if hi is None else len(str(hi))
+    out = []
+    for d in range(len(str(lo)), top + 1):
+        a = lo if d == len(str(lo)) else 10 ** (d - 1)
+        b = hi if hi is not None and d == top else 10 ** d - 1
+        out += _same_length(str(a), str(b))
+    if hi is None:
+        out.append(f"[1-9]{_DIGITS}{{{top},}}")
+    return _group(out)
+
+
+def integer_range(lo: int | None, hi: int | None) -> str:
+    """A regex matching the integers from lo to hi (None: no end) as JSON writes them (no `-0`), lo <= hi."""
+    out = []
+    if lo is None or lo < 0:  # negative ones: '-' then the magnitude
+        out.append("-" + natural_range(1 if hi is None or hi >= 0 else -hi, None if lo is None else -lo))
+    if hi is None or hi >= 0:
+        out.append(natural_range(max(lo or 0, 0), hi))
+    return _group(out)
+
+
+def _magnitude(lo: int, lo_in: bool, hi: int | None, hi_in: bool) -> str | None:
+    """A regex for the non-negative decimals n[.f] (no exponent) from lo to hi (None: no end), integers; `lo_in`,
+    `hi_in`: whether each end is included. None when there are none."""
+    if hi is not None and hi <= lo:
+        return literal(str(lo)) + _ZERO_FRACTION if hi == lo and lo_in and hi_in else None
+    out = [str(lo) + (_ANY_FRACTION if lo_in else _POSITIVE_FRACTION)]  # integer part lo
+    if hi is None or hi - lo >= 2:  # integer parts strictly between: any fraction
+        out.append(natural_range(lo + 1, None if hi is None else hi - 1) + _ANY_FRACTION)
+    if hi is not None and hi_in:
+        out.append(str(hi) + _ZERO_FRACTION)
+    return _group(out)
+
+
+def number_range(lo: int | None, lo_in: bool, hi: int | None, hi_in: bool) -> str | None:
+    """A regex for JSON numbers without exponent between integer bounds (None: none; `*_in`: included), no `-0`
+    (0 is written without a sign). None when there are none."""
+    out = []
+    if lo is None or lo < 0:  # negative: '-' then a magnitude u > 0 with -hi <= u <= -lo
+        low, low_in = (0, False) if hi is None or hi >= 0 else (-hi, hi_in)
+        m = _magnitude(low, low_in, None if lo is None else -lo, lo_in)
+        if m is not None:
+            out.append("-" + m)
+    if hi is None or hi >= 0:
+        m = _magnitude(*((0, True) if lo is None or lo < 0 else (lo, lo_in)), hi, hi_in)
+        if m is not None:
+            out.append(m)
+    return _group(out) if out else None
+
+
+def _class(ranges) -> str:
+    if not ranges:
+        return "[^\\x00-" + chr(0x10FFFF) + "]"  # matches nothing
+    return "[" + "".join(_code(a) if a == b else f"{_code(a)}-{_code(b)}" for a, b in ranges) + "]"
+
+
+def _code(c: int) -> str:
+    return f"\\u{c:04x}" if c <= 0xFFFF else chr(c)  # (a character past the BMP is never special)
+
+
+def _intersect(ranges, allowed) -> tuple:
+    out = []
+    for a, b in ranges:
+        for c, d in allowed:
+            if max(a, c) <= min(b, d):
+                out.append((max(a, c), min(b, d)))
+    return tuple(out)
+
+
+def _unparse(node, allowed) -> str:
+    """A regex parsed by `regex._Parser` written back, its character sets cut down to `allowed`."""
+    kind = node[0]
+    if kind == "set":
+        return _class(_intersect(node[1], allowed))
+    if kind == "cat":
+        return "".join(_unparse(n, allowed) for n in node[1])
+    if kind == "alt":
+        return "(?:" + "|".join(_unparse(n, allowed) for n in node[1]) + ")"
+    _, inner, lo, hi = node
+    return f"(?:{_unparse(inner, allowed)}){{{lo},{'' if hi is None else hi}}}"
+
+
+def _top_level_bar(pattern: str) -> bool:
+    depth, i, in_class = 0, 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 1
+        elif in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1:i + 2] == "]":
+                i += 1
+        elif c in "()":
+            depth += 1 if c == "(" else -1
+        elif c == "|" and depth == 0:
+            return True
+        i += 1
+    return False
+
+
+def whitespace_regex(pattern: str) -> str:
+    """`whitespace_pattern` checked: a regex (mnemojax's subset) whose characters are all JSON whitespace."""
+    try:
+        node = _Parser(pattern).parse()
+    except RegexError as e:
+        raise SchemaError(f"whitespace_pattern: {e}") from None
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n[0] == "set":
+            if _intersect(n[1], _JSON_WHITESPACE) != n[1]:
+                raise SchemaError(f"whitespace_pattern {pattern!r} matches characters that are not JSON whitespace "
+                                  f"(space, tab, newline, carriage return)")
+        elif n[0] == "rep":
+            todo.append(n[1])
+        else:
+            todo.extend(n[1])
+    return f"(?:{_unparse(node, _JSON_WHITESPACE)})"
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+class _Writer:
+    def __init__(self, root, ws: str, item_sep: str, key_sep: str):
+        self.root, self.ws, self.item_sep, self.key_sep = root, ws, item_sep, key_sep
+        self.expanding: list[str] = []  # the $refs being written (one met again is recursion)
+
+    def fail(self, path: str, what: str) -> SchemaError:
+        return SchemaError(f"at {path or '/'}: {what}")
+
+    def resolve(self, ref, path: str):
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise self.fail(path, f"$ref {ref!r}: only references within the schema ('#/...') are supported")
+        if ref in self.expanding:
+            raise self.fail(path, f"$ref {ref!r} is recursive (unbounded nesting is not a regular language)")
+        node = self.root
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise self.fail(path, f"$ref {ref!r} points at nothing")
+        return node
+
+    def types(self, schema: dict, path: str) -> list[str]:
+        t = schema.get("type")
+        if t is None:
+            inferred = [name for name in _INFERRED if _TYPED[name] & set(schema)]
+            if not inferred:
+                raise self.fail(path, "a schema without a type (any JSON value) is not supported")
+            return inferred[:1]
+        names = t if isinstance(t, list) else [t]
+        if not names or any(n not in _TYPED for n in names) or len(set(names)) != len(names):
+            raise self.fail(path + "/type", f"type must be one of {sorted(_TYPED)} or a list of them, got {t!r}")
+        return names
+
+    def kinds(self, schema, path: str) -> set[str]:
+        """The JSON types a schema's values can have (integer counted as number), for oneOf's disjointness."""
+        if not isinstance(schema, dict):
+            return set(_TYPED)
+        if "$ref" in schema:
+            ref = schema["$ref"]
+            if ref in self.expanding:
+                return set(_TYPED)
+            self.expanding.append(ref)
+            try:
+                return self.kinds(self.resolve(ref, path), path)
+            finally:
+                self.expanding.pop()
+        if "enum" in schema or "const" in schema:
+            values = schema["enum"] if "enum" in schema else [schema["const"]]
+            return {_json_type(v).replace("integer", "number") for v in values} if isinstance(values, list) \
+                else set(_TYPED)
+        for key in ("anyOf", "oneOf", "allOf"):
+            if key in schema and isinstance(schema[key], list):
+                return set().union(*(self.kinds(s, path) for s in schema[key]))
+        t = schema.get("type")
+        names = (t if isinstance(t, list) else [t]) if t is not None else \
+            [n for n in _INFERRED if _TYPED[n] & set(schema)] or list(_TYPED)
+        return {str(n).replace("integer", "number") for n in names}
+
+    def tags(self, schema) -> dict[str, set[str]]:
+        """An object schema's required properties whose values are `const` / `enum` literals: name -> values."""
+        while isinstance(schema, dict) and "$ref" in schema and schema["$ref"] not in self.expanding:
+            schema = self.resolve(schema["$ref"], "")
+        if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
+            return {}
+        out = {}
+        for name in schema.get("required") or []:
+            prop = schema["properties"].get(name)
+            if isinstance(prop, dict) and ("const" in prop or isinstance(prop.get("enum"), list)):
+                values = prop["enum"] if "enum" in prop else [prop["const"]]
+                out[name] = {json.dumps(v, sort_keys=True) for v in values}
+        return out
+
+    def disjoint(self, a, b, path: str) -> bool:
+        shared = self.kinds(a, path) & self.kinds(b, path)
+        if not shared:
+            return True
+        if shared != {"object"}:
+            return False
+        ta, tb = self.tags(a), self.tags(b)
+        return any(not (ta[name] & tb[name]) for name in ta.keys() & tb.keys())
+
+    def value(self, schema, path: str) -> str:
+        if schema is True or schema == {}:
+            raise self.fail(path, "a schema that takes any JSON value is not supported")
+        if not isinstance(schema, dict):
+            raise self.fail(path, f"a schema must be an object, got {schema!r}")
+        unknown = sorted(set(schema) - _KNOWN)
+        if unknown:
+            raise self.fail(f"{path}/{unknown[0]}", f"the keyword {unknown[0]!r} is not supported")
+        if schema.get("uniqueItems", False) is not False:
+            raise self.fail(f"{path}/uniqueItems", "uniqueItems is not supported")
+        for key in ("$ref", "enum", "const", "anyOf", "oneOf", "allOf"):
+            if key not in schema:
+                continue
+            others = sorted(set(schema) - _ANNOTATIONS - {key, "uniqueItems"} - ({"type"} if key in ("enum", "const")
+                                                                                  else set()))
+            if others:
+                raise self.fail(f"{path}/{others[0]}", f"{others[0]!r} beside {key!r} is not supported")
+            return getattr(self, {"$ref": "ref", "enum": "enum", "const": "enum", "anyOf": "any_of",
+                                  "oneOf": "any_of", "allOf": "all_of"}[key])(schema, key, f"{path}/{key}")
+        return _group([getattr(self, t.replace("integer", "number"))(schema, f"{path}", t)
+                       for t in self.types(schema, path)])
+
+    def ref(self, schema, key, path):
+        ref = schema["$ref"]
+        target = self.resolve(ref, path)
+        self.expanding.append(ref)
+        try:
+            return self.value(target, ref[1:])  # errors inside name the path of the definition
+        finally:
+            self.expanding.pop()
+
+    def enum(self, schema, key, path):
+        values = schema["enum"] if key == "enum" else [schema["const"]]
+        if not isinstance(values, list) or not values:
+            raise self.fail(path, f"enum must be a non-empty list, got {values!r}")
+        types = self.types(schema, path.removesuffix("/" + key)) if "type" in schema else list(_TYPED)
+        out = []
+        for v in values:
+            t = _json_type(v)
+            if t in types or (t == "integer" and "number" in types):
+                try:
+                    text = json.dumps(v, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+                except ValueError:
+                    raise self.fail(path, f"{v!r} is not a JSON value") from None
+                out.append(literal(text))
+        if not out:
+            raise self.fail(path, f"no value of {key} has the schema's type {schema.get('type')!r}")
+        return _group(out)
+
+    def any_of(self, schema, key, path):
+        branches = schema[key]
+        if not isinstance(branches, list) or not branches:
+            raise self.fail(path, f"{key} must be a non-empty list of schemas")
+        if key == "oneOf":
+            for i in range(len(branches)):
+                for j in range(i):
+                    if not self.disjoint(branches[j], branches[i], path):
+                        raise self.fail(f"{path}/{i}", f"oneOf's branches {j} and {i} may both match a value "
+                                                       f"(only disjoint ones are supported: anyOf takes any)")
+        return _group([self.value(s, f"{path}/{i}") for i, s in enumerate(branches)])
+
+    def all_of(self, schema, key, path):
+        if not isinstance(schema[key], list) or len(schema[key]) != 1:
+            raise self.fail(path, "allOf is supported with one schema only")
+        return self.value(schema[key][0], f"{path}/0")
+
+    def count(self, schema, name: str, path: str, default: int | None) -> int | None:
+        v = schema.get(name, default)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 0):
+            raise self.fail(f"{path}/{name}", f"{name} must be a non-negative integer, got {v!r}")
+        if v is not None and v > MAX_REPEAT:
+            raise self.fail(f"{path}/{name}", f"{name} above {MAX_REPEAT} is not supported")
+        return None if v is None else int(v)
+
+    def string(self, schema, path, t):
+        lo, hi = self.count(schema, "minLength", path, 0), self.count(schema, "maxLength", path, None)
+        if hi is not None and hi < lo:
+            raise self.fail(f"{path}/maxLength", f"maxLength {hi} is below minLength {lo}")
+        fmt, pattern = schema.get("format"), schema.get("pattern")
+        if fmt is not None and pattern is not None:
+            raise self.fail(f"{path}/pattern", "pattern beside format is not supported")
+        if fmt is not None:
+            if fmt not in _FORMATS:
+                raise self.fail(f"{path}/format", f"format {fmt!r} is not supported (only {sorted(_FORMATS)})")
+            if "minLength" in schema or "maxLength" in schema:
+                raise self.fail(f"{path}/format", "minLength or maxLength beside format is not supported")
+            return f'"{_FORMATS[fmt]}"'
+        if pattern is not None:
+            if "minLength" in schema or "maxLength" in schema:
+                raise self.fail(f"{path}/pattern", "minLength or maxLength beside pattern is not supported")
+            return f'"{self.pattern(pattern, f"{path}/pattern")}"'
+        return f'"{_CHAR}{{{lo},{"" if hi is None else hi}}}"'
+
+    def pattern(self, pattern, path) -> str:
+        if not isinstance(pattern, str):
+            raise self.fail(path, f"pattern must be a string, got {pattern!r}")
+        try:
+            node = _Parser(pattern).parse()
+        except RegexError as e:
+            raise self.fail(path, str(e)) from None
+        start = pattern.startswith("^")
+        escapes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))  # backslashes before the last character
+        end = pattern.endswith("$") and escapes % 2 == 0
+        if (start or end) and _top_level_bar(pattern):
+            raise self.fail(path, "an anchored pattern with a '|' outside groups is not supported (group it)")
+        anywhere = _class(_SAFE) + "*"
+        return ("" if start else anywhere) + _unparse(node, _SAFE) + ("" if end else anywhere)
+
+    def number(self, schema, path, t):
+        bounds = {}
+        for name in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            v = schema.get(name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise self.fail(f"{path}/{name}", f"{name} must be a finite number, got {v!r}")
+            if t == "number" and v != int(v):
+                raise self.fail(f"{path}/{name}", f"a number's {name} must be an integer here, got {v!r}")
+            bounds[name] = v
+        if t == "integer":
+            los = [math.ceil(bounds["minimum"])] if "minimum" in bounds else []
+            los += [math.floor(bounds["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in bounds else []
+            his = [math.floor(bounds["maximum"])] if "maximum" in bounds else []
+            his += [math.ceil(bounds["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in bounds else []
+            lo, hi = max(los, default=None), min(his, default=None)
+            if lo is not None and hi is not None and lo > hi:
+                raise self.fail(path, f"no integer is within the bounds {bounds}")
+            return integer_range(lo, hi) if bounds else "-?(?:0|[1-9][0-9]*)"
+        if not bounds:
+            return r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+        lo = hi = None
+        lo_in = hi_in = True
+        for name, v in bounds.items():
+            v, inclusive = int(v), not name.startswith("exclusive")
+            if name.endswith("inimum") and (lo is None or v > lo or (v == lo and not inclusive)):
+                lo, lo_in = v, inclusive
+            if name.endswith("aximum") and (hi is None or v < hi or (v == hi and not inclusive)):
+                hi, hi_in = v, inclusive
+        out = number_range(lo, lo_in, hi, hi_in)
+        if out is None:
+            raise self.fail(path, f"no number is within the bounds {bounds}")
+        return out
+
+    def boolean(self, schema, path, t):
+        return "(?:true|false)"
+
+    def null(self, schema, path, t):
+        return "null"
+
+    def object(self, schema, path, t):
+        props = schema.get("properties", {})
+        required = schema.get("required", [])
+        if not isinstance(props, dict):
+            raise self.fail(f"{path}/properties", "properties must be an object")
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise self.fail(f"{path}/required", "required must be a list of names")
+        missing = [r for r in required if r not in props]
+        if missing:
+            raise self.fail(f"{path}/required", f"required property {missing[0]!r} is not in properties (other "
+                                                f"properties are never generated)")
+        items = [(self.key(name) + self.key_sep + self.value(s, f"{path}/properties/{name}"), name in required)
+                 for name, s in props.items()]
+
+        def rest(i: int, after: bool) -> str:
+            """The properties from the i-th on; `after`: one was written before (the next needs a separator)."""
+            if i == len(items):
+                return ""
+            kv, req = items[i]
+            this = (self.item_sep if after else "") + kv
+            if req:
+                return this + rest(i + 1, True)
+            if after:
+                return f"(?:{this})?" + rest(i + 1, True)
+            return f"(?:{this}{rest(i + 1, True)}|{rest(i + 1, False)})"
+
+        return r"\{" + self.ws + rest(0, False) + self.ws + r"\}"
+
+    def key(self, name: str) -> str:
+        return literal(json.dumps(name, ensure_ascii=False))
+
+    def array(self, schema, path, t):
+        lo, hi = self.count(schema, "minItems", path, 0), self.count(schema, "maxItems", path, None)
+        if hi is not None and hi < lo:
+            raise self.fail(f"{path}/maxItems", f"maxItems {hi} is below minItems {lo}")
+        if hi == 0:
+            return r"\[" + self.ws + r"\]"
+        if "items" not in schema:
+            raise self.fail(path, "an array without items (any JSON values) is not supported")
+        if isinstance(schema["items"], list):
+            raise self.fail(f"{path}/items", "items as a list (a tuple) is not supported")
+        item = self.value(schema["items"], f"{path}/items")
+        more = f"(?:{self.item_sep}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
+        body = item + more
+        return r"\[" + self.ws + (body if lo else f"(?:{body})?") + self.ws + r"\]"
+
+
+def schema_pattern(schema, *, disable_any_whitespace: bool = False, whitespace_pattern: str | None = None) -> str:
+    """A regex (`mnemojax.scheduling.regex`'s subset) whose whole matches are JSON texts valid under `schema` (a
+    dict, or its JSON text); whitespace as the module says. Raises SchemaError naming the path of what it cannot
+    take."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise SchemaError(f"not a JSON schema: {e}") from None
+    if not isinstance(schema, dict):
+        raise SchemaError(f"a JSON schema must be an object, got {schema!r}")
+    if whitespace_pattern is not None:
+        if disable_any_whitespace:
+            raise SchemaError("whitespace_pattern and disable_any_whitespace contradict each other")
+        ws = whitespace_regex(whitespace_pattern)
+        writer = _Writer(schema, ws, f"{ws},{ws}", f"{ws}:{ws}")
+    elif disable_any_whitespace:
+        writer = _Writer(schema, "", ", ", ": ")
+    else:
+        ws = ANY_WHITESPACE
+        writer = _Writer(schema, ws, f"{ws},{ws}", f"{ws}:{ws}")
+    return writer.ws + writer.value(schema, "")

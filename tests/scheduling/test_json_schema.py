@@ -1,0 +1,337 @@
+"""Structured outputs' JSON schema written as a regex: every string the regex takes is JSON that an independent
+validator (`jsonschema`, pydantic, `datetime`) accepts under the schema; valid instances written the way the regex
+writes them are taken; the integer and number bounds against exact arithmetic; what cannot be honoured is refused
+with its path."""
+import datetime
+import itertools
+import json
+import random
+import re
+import uuid
+from fractions import Fraction
+
+import jsonschema
+import pytest
+
+from mnemojax.scheduling.json_schema import SchemaError, integer_range, number_range, schema_pattern
+from mnemojax.scheduling.regex import Regex
+from mnemojax.scheduling.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+
+ALPHABET = ("".join(map(chr, range(0x20, 0x7F))) + "\n\t\r\x01\x7f" + "é€😀\u00a0") * 1
+"""The characters the random walks try: printable ASCII, JSON's whitespace, controls and some past ASCII."""
+
+NAMED = {"$defs": {"Color": {"enum": ["red", "green", "blue"], "type": "string", "title": "Color"},
+                   "Point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                             "required": ["x", "y"]}}}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                                      "ok": {"type": "boolean"}}, "required": ["name", "age"]},
+    {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 4},
+    {"type": "array", "items": {"type": "string", "minLength": 2, "maxLength": 3}, "maxItems": 3},
+    {"type": ["string", "null"], "maxLength": 4},
+    {"type": "number", "minimum": -3, "exclusiveMaximum": 2},
+    {"type": "number", "exclusiveMinimum": 0},
+    {"type": "integer", "exclusiveMinimum": -5.5, "maximum": 1e3},
+    {"anyOf": [{"type": "integer", "minimum": 10}, {"type": "integer", "maximum": 0}, {"const": "x"}]},
+    {"oneOf": [{"type": "string", "maxLength": 2}, {"type": "integer"}, {"type": "null"}]},
+    {"oneOf": [{"type": "object", "properties": {"kind": {"const": "a"}, "v": {"type": "integer"}},
+                "required": ["kind", "v"]},
+               {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}, "w": {"type": "boolean"}},
+                "required": ["kind"]}]},
+    {**NAMED, "type": "object", "properties": {"c": {"$ref": "#/$defs/Color"},
+                                               "p": {"allOf": [{"$ref": "#/$defs/Point"}]},
+                                               "ps": {"type": "array", "items": {"$ref": "#/$defs/Point"},
+                                                      "maxItems": 2}}, "required": ["c"]},
+    {"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "boolean"}, "c": {"enum": [1, 2.5]}}},
+    {"type": "object", "properties": {}, "additionalProperties": False},
+    {"enum": ["a\"b", "c\\d", "é", None, True, [1, {"k": "v"}], {"x": []}]},
+    {"type": "string", "pattern": "^[a-c]+-[0-9]{2}$"},
+    {"type": "string", "pattern": "x[yz]"},
+    {"type": "string", "pattern": r"^\w\S\.\D$"},
+    {"type": "string", "format": "uuid"},
+    {"type": "string", "format": "date"},
+    {"properties": {"n": {"type": "integer", "maximum": -7}}, "required": ["n"]},
+]
+ALPHABETS = {15: 'xyz a!"'}
+"""Smaller alphabets where a walk over ALPHABET would rarely reach a match."""
+DISTINCT = {12: 1}
+"""How many different values the walks find at least, where it is not 3 (the empty object has one)."""
+STYLES = [{}, {"disable_any_whitespace": True}, {"whitespace_pattern": r"[ ]?"}, {"whitespace_pattern": r"\n?"}]
+
+
+def _walks(rx: Regex, seed: int, count: int, limit: int = 120, alphabet: str = ALPHABET) -> list[str]:
+    """Up to `count` whole matches of `rx` found by random walks over `alphabet` (each step a character that keeps a
+    match possible; a walk may stop where the text matches)."""
+    rng, out = random.Random(seed), []
+    for _ in range(count * 4):
+        state, text = rx.start, ""
+        while len(text) < limit:
+            if rx.accepts(state) and rng.random() < 0.25:
+                out.append(text)
+                break
+            nexts = [(c, s) for c in alphabet if (s := rx.step(state, c))]
+            if not nexts:
+                assert rx.accepts(state), text  # a live state either continues or matches
+                out.append(text)
+                break
+            c, state = rng.choice(nexts)
+            text += c
+        if len(out) == count:
+            break
+    return out
+
+
+def _validator(schema):
+    return jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_every_string_the_regex_takes_is_json_the_schema_accepts(i):
+    """Random whole matches (in every whitespace style): `json.loads` parses them and jsonschema validates them; the
+    walks find several different values."""
+    schema = SCHEMAS[i]
+    validator = _validator(schema)
+    for k, style in enumerate(STYLES):
+        rx = Regex(schema_pattern(schema, **style))
+        texts = _walks(rx, seed=100 * i + k, count=40, alphabet=ALPHABETS.get(i, ALPHABET))
+        values = set()
+        for text in texts:
+            value = json.loads(text)
+            validator.validate(value)
+            values.add(json.dumps(value, sort_keys=True))
+            if style.get("disable_any_whitespace"):  # outside strings, only the spaces of ", " and ": "
+                bare = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+                assert not re.search(r"[\n\t\r]|(?<![,:]) ", bare), text
+        assert len(texts) >= 20 and len(values) >= DISTINCT.get(i, 3), (schema, style, texts)
+
+
+def _written(value, item_sep=", ", key_sep=": ") -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(item_sep, key_sep))
+
+
+VALID = [  # (schema index, instances written the regex's way, instances it must not take)
+    (0, [{"name": "", "age": 0}, {"name": "bob", "age": 130, "ok": False}, {"name": "a\nb\"é😀", "age": 7}],
+     [{"name": "bob"}, {"name": "x", "age": 131}, {"name": "123456789", "age": 1},
+      {"name": "x", "age": -1}, {"name": "x", "age": 1.5}]),
+    (1, [[0], [-1.5, 2e10, 0.25, 7]], [[], [1, 2, 3, 4, 5], ["1"]]),
+    (3, ["abcd", None, ""], ["abcde", 1]),
+    (4, [-3, -2.999, 0, 1.999, 1, -0.5], [2, 2.0, -3.0001, -4, 5]),
+    (5, [0.001, 1, 12345.5], [0, -0.5]),
+    (6, [-5, 0, 1000], [-6, 1001, 2.5]),
+    (7, [10, 99, 0, -4, "x"], [5, 1, "y"]),
+    (9, [{"kind": "a", "v": 3}, {"kind": "c"}, {"kind": "b", "w": True}], [{"kind": "a"}, {"kind": "d"}]),
+    (10, [{"c": "red"}, {"c": "blue", "p": {"x": 1, "y": -2}, "ps": [{"x": 0, "y": 0}]}],
+     [{"c": "pink"}, {"c": "red", "p": {"x": 1}}]),
+    (11, [{}, {"a": None, "c": 2.5}, {"b": True}, {"a": None, "b": False, "c": 1}], [{"c": 3}, {"b": 1}]),
+    (12, [{}], [{"a": 1}]),
+    (14, ["abc-12", "a-00"], ["abd-12", "a-123", "-12"]),
+    (15, ["xy", "axzb", " x z xy!"], ["x", "yz"]),
+    (17, [str(uuid.UUID(int=0x1234567890abcdef1234567890abcdef))], ["1234"]),
+    (18, ["2024-02-29", "0001-01-01", "9999-12-31"], ["2023-02-29", "2024-13-01", "0000-01-01", "2024-4-01"]),
+]
+
+
+@pytest.mark.parametrize("i, good, bad", VALID)
+def test_instances_are_taken_or_refused_as_the_schema_says(i, good, bad):
+    """Valid instances written compactly, with `, ` / `: ` and with pretty-printing whitespace are taken (in the
+    style that allows that whitespace); invalid ones never."""
+    schema = SCHEMAS[i]
+    validator = _validator(schema)
+    default, tight = Regex(schema_pattern(schema)), Regex(schema_pattern(schema, disable_any_whitespace=True))
+    for value in good:
+        assert validator.is_valid(value), value  # (the test's own cases are right)
+        assert tight.fullmatch(_written(value)), value
+        assert default.fullmatch(_written(value, ",", ":")) and default.fullmatch(" " + _written(value))
+        assert default.fullmatch(json.dumps(value, ensure_ascii=False, indent=2)), value
+    for value in bad:
+        assert not validator.is_valid(value), value
+        for text in (_written(value), _written(value, ",", ":")):
+            assert not default.fullmatch(text) and not tight.fullmatch(text), value
+
+
+def test_optional_properties_in_every_combination_and_only_in_order():
+    schema = {"type": "object", "properties": {k: {"type": "integer", "maximum": 9} for k in "abc"},
+              "required": ["b"]}
+    rx = Regex(schema_pattern(schema, disable_any_whitespace=True))
+    for keys in itertools.chain.from_iterable(itertools.permutations("abc", n) for n in range(4)):
+        text = _written({k: 1 for k in keys})
+        assert rx.fullmatch(text) == ("b" in keys and list(keys) == sorted(keys)), text
+
+
+@pytest.mark.parametrize("lo, hi", [(None, None), (0, None), (None, 0), (-1, None), (None, -1), (7, 7), (-7, -7),
+                                    (0, 0), (-15, 123), (10, 99), (3, 1000), (-999, -10), (19, 200), (1, 9),
+                                    (None, 45), (-100, None), (101, None), (99, 100)])
+def test_integer_ranges_against_python_ints(lo, hi):
+    rx = Regex(integer_range(lo, hi))
+    for n in range(-1300, 1300):
+        assert rx.fullmatch(str(n)) == ((lo is None or n >= lo) and (hi is None or n <= hi)), n
+    for n in (10 ** 7, -10 ** 7, 123456789):
+        assert rx.fullmatch(str(n)) == ((lo is None or n >= lo) and (hi is None or n <= hi)), n
+    for text in ("-0", "007", "+1", "1.0", "", "-"):
+        assert not rx.fullmatch(text)
+
+
+NUMBERS = [f"{sign}{n}{frac}" for sign in ("", "-") for n in range(0, 14)
+           for frac in ("", ".0", ".00", ".5", ".05", ".999", ".10")]
+
+
+@pytest.mark.parametrize("lo, lo_in, hi, hi_in", [
+    (None, True, None, True), (0, True, 1, True), (0, False, 1, False), (-3, True, 2, False), (-3, False, -1, True),
+    (5, True, None, True), (5, False, None, True), (None, True, -2, True), (None, True, -2, False), (2, True, 2, True),
+    (-12, False, 12, False), (0, True, None, True), (None, True, 0, False), (1, True, 12, True)])
+def test_number_ranges_against_exact_arithmetic(lo, lo_in, hi, hi_in):
+    """Decimals with and without fractions: taken exactly when within the bounds, never as `-0` (0 has no sign)."""
+    rx = Regex(number_range(lo, lo_in, hi, hi_in))
+    for text in NUMBERS:
+        v = Fraction(text)
+        within = (lo is None or v > lo or (lo_in and v == lo)) and (hi is None or v < hi or (hi_in and v == hi))
+        assert rx.fullmatch(text) == (within and not (text.startswith("-") and v == 0)), text
+    for text in ("01", "1.", ".5", "+1", "1e3", "--1"):
+        assert not rx.fullmatch(text)
+
+
+def test_dates_are_exactly_the_calendars():
+    """Every day number 00..32 of every month 00..13 of common and leap years (and the edges of the years): taken
+    exactly when Python's `date.fromisoformat` takes it."""
+    rx = Regex(schema_pattern({"type": "string", "format": "date"}))
+    for year in ("0000", "0001", "0004", "1900", "2000", "2023", "2024", "2100", "2400", "9999", "0400"):
+        for month, day in itertools.product(range(14), range(33)):
+            text = f"{year}-{month:02d}-{day:02d}"
+            try:
+                datetime.date.fromisoformat(text)
+                ok = True
+            except ValueError:
+                ok = False
+            assert rx.fullmatch(json.dumps(text)) == ok, text
+
+
+def test_times_date_times_and_uuids():
+    times = Regex(schema_pattern({"type": "string", "format": "time"}))
+    stamps = Regex(schema_pattern({"type": "string", "format": "date-time"}))
+    uuids = Regex(schema_pattern({"type": "string", "format": "uuid"}))
+    for text in ("00:00:00Z", "23:59:59.125+05:30", "12:30:00-00:00"):
+        assert times.fullmatch(f'"{text}"') and datetime.time.fromisoformat(text.replace("Z", "+00:00"))
+    for text in ("24:00:00Z", "12:60:00Z", "12:00:00", "1:00:00Z", "12:00:00+5:00"):
+        assert not times.fullmatch(f'"{text}"'), text
+    assert stamps.fullmatch('"2024-02-29T23:59:59.5Z"') and not stamps.fullmatch('"2023-02-29T00:00:00Z"')
+    for _ in range(20):
+        u = str(uuid.uuid4())
+        assert uuids.fullmatch(f'"{u}"') and uuids.fullmatch(f'"{u.upper()}"')
+    assert not uuids.fullmatch(f'"{uuid.uuid4().hex}"')
+
+
+def test_an_unanchored_pattern_matches_anywhere_and_only_printable_ascii_is_generated():
+    """JSON Schema's `pattern` is a search unless anchored: Python's `re.search` agrees with every walk, and the
+    walks' strings are printable ASCII without escapes."""
+    for pattern in ("x[yz]", "^ab", r"\d$", r"^(a|b)c$", r"[^a]\W"):
+        rx = Regex(schema_pattern({"type": "string", "pattern": pattern}))
+        for text in _walks(rx, seed=len(pattern), count=30, alphabet='xyzabc9 .-"\\\n'):
+            s = json.loads(text)
+            assert re.search(pattern, s) and text.strip() == f'"{s}"' and all(" " <= c <= "~" for c in s), (pattern, s)
+
+
+def test_pydantic_models_schemas_give_json_the_model_validates():
+    pydantic = pytest.importorskip("pydantic")
+    from enum import Enum
+    from typing import Literal, Optional
+
+    class Size(str, Enum):
+        small = "small"
+        large = "large"
+
+    class Item(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=6)
+        size: Size
+        count: int = pydantic.Field(ge=1, le=50)
+
+    class Order(pydantic.BaseModel):
+        kind: Literal["order"]
+        items: list[Item] = pydantic.Field(max_length=2)
+        note: Optional[str] = pydantic.Field(default=None, max_length=5)
+        paid: bool
+
+    rx = Regex(schema_pattern(Order.model_json_schema()))
+    texts = _walks(rx, seed=7, count=25, limit=300)
+    assert len(texts) >= 15
+    for text in texts:
+        Order.model_validate_json(text)
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({}, "at /: a schema that takes any JSON value"),
+    ({"type": "array"}, "array without items"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}},
+     "at /properties/a/multipleOf: the keyword 'multipleOf' is not supported"),
+    ({"type": "string", "format": "email"}, "format 'email' is not supported"),
+    ({"type": "object", "required": ["a"]}, "required property 'a' is not in properties"),
+    ({"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}}, "$ref": "#/$defs/N"},
+     "is recursive"),
+    ({"$ref": "https://example.com/s.json"}, "only references within the schema"),
+    ({"$ref": "#/$defs/missing"}, "points at nothing"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf's branches 0 and 1 may both match"),
+    ({"oneOf": [{"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},
+                {"type": "object", "properties": {"k": {"enum": [2, 1]}}, "required": ["k"]}]}, "may both match"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 1}]}, "allOf is supported with one schema only"),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer is within"),
+    ({"type": "number", "minimum": 0.5}, "must be an integer here"),
+    ({"type": "string", "maxLength": 2, "minLength": 3}, "maxLength 2 is below minLength 3"),
+    ({"type": "string", "maxLength": 5000}, "maxLength above 1000"),
+    ({"type": "string", "pattern": "^a|b$"}, "anchored pattern with a '|'"),
+    ({"type": "string", "pattern": "(?=a)"}, "look-arounds"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems is not supported"),
+    ({"type": "date"}, "type must be one of"),
+    ({"enum": [1, 2], "type": "string"}, "no value of enum has the schema's type"),
+    ({"enum": [], "type": "string"}, "enum must be a non-empty list"),
+    ({"enum": [float("nan")]}, "is not a JSON value"),
+    ({"anyOf": [{"type": "integer"}], "minimum": 3}, "'minimum' beside 'anyOf'"),
+    ({"type": "array", "items": [{"type": "integer"}]}, "items as a list"),
+    ("{not json", "not a JSON schema"), ([], "must be an object"),
+])
+def test_what_cannot_be_honoured_is_refused_with_its_path(schema, message):
+    with pytest.raises(SchemaError, match=re.escape(message)):
+        schema_pattern(schema)
+
+
+def test_whitespace_options():
+    """`disable_any_whitespace` writes `, ` and `: ` only; a `whitespace_pattern` is used between tokens and may only
+    match JSON whitespace; giving both is refused."""
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["a"]}
+    tight = Regex(schema_pattern(schema, disable_any_whitespace=True))
+    assert tight.fullmatch('{"a": [1, 2]}') and not tight.fullmatch('{"a":[1,2]}')
+    assert not tight.fullmatch('{ "a": [1, 2]}')
+    tabs = Regex(schema_pattern(schema, whitespace_pattern="\t*"))
+    assert tabs.fullmatch('\t{\t"a"\t:[1\t,\t\t2]}') and not tabs.fullmatch('{"a": [1]}')
+    default = Regex(schema_pattern(schema))
+    assert default.fullmatch('\n{\n  "a" :\t[ 1,2 ]\n}') and not default.fullmatch('{"a": [1]}\n\r')
+    for ws, message in (("x?", "not JSON whitespace"), (r"\s*", "not JSON whitespace"), ("(", "missing")):
+        with pytest.raises(SchemaError, match=message):
+            schema_pattern(schema, whitespace_pattern=ws)
+    with pytest.raises(SchemaError, match="contradict"):
+        schema_pattern(schema, whitespace_pattern=" ", disable_any_whitespace=True)
+
+
+def test_structured_outputs_params_take_json_and_refuse_with_the_field():
+    """`StructuredOutputsParams(json=...)`: a dict or its JSON text, the same pattern; bad schemas and options are
+    ParamErrors naming structured_outputs, the schema's path in the message; a schema too large for a regex too."""
+    schema = SCHEMAS[0]
+    a = StructuredOutputsParams(json=schema)
+    b = StructuredOutputsParams(json=json.dumps(schema))
+    SamplingParams(structured_outputs=a)
+    assert a.kind == "json" and a.pattern == b.pattern == schema_pattern(schema)
+    assert StructuredOutputsParams(json=schema, disable_any_whitespace=True).pattern == \
+        schema_pattern(schema, disable_any_whitespace=True)
+    for so, message in (
+            (StructuredOutputsParams(json={"type": "string", "format": "ipv9"}), "json: at /format: format 'ipv9'"),
+            (StructuredOutputsParams(json=3), "json must be a JSON schema"),
+            (StructuredOutputsParams(json=schema, regex="a"), "exactly one of choice, regex and json"),
+            (StructuredOutputsParams(json=schema, disable_any_whitespace=1), "disable_any_whitespace must be true"),
+            (StructuredOutputsParams(json=schema, whitespace_pattern=" ", disable_any_whitespace=True),
+             "contradict"),
+            (StructuredOutputsParams(json={"type": "array", "items": {"type": "string", "maxLength": 1000},
+                                           "maxItems": 100}), "json: the schema's regex is too large"),
+            (StructuredOutputsParams(json_object=True), "json_object is not supported")):
+        with pytest.raises(ParamError, match=re.escape(message)) as e:
+            SamplingParams(structured_outputs=so)
+        assert e.value.param == "structured_outputs"
