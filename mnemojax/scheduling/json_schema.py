@@ -237,6 +237,23 @@ def _json_type(value) -> str:
     return "array" if isinstance(value, list) else "object"
 
 
+def _canonical(value) -> str:
+    """`value` as JSON with its keys sorted and integral floats written as integers: equal JSON values (by JSON
+    Schema's equality, where 1.0 == 1 and true != 1) give equal strings."""
+    def norm(v):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        return v
+    try:
+        return json.dumps(norm(value), sort_keys=True)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 class _Writer:
     def __init__(self, root, ws: str, item_sep: str, key_sep: str):
         self.root, self.ws, self.item_sep, self.key_sep = root, ws, item_sep, key_sep
@@ -298,21 +315,45 @@ class _Writer:
             [n for n in _INFERRED if _TYPED[n] & set(schema)] or list(_TYPED)
         return {str(n).replace("integer", "number") for n in names}
 
+    def deref(self, schema):
+        """`schema` with its `$ref`s followed (None where they loop or point at nothing: value() says why)."""
+        seen = set()
+        while isinstance(schema, dict) and "$ref" in schema:
+            if schema["$ref"] in seen:
+                return None
+            seen.add(schema["$ref"])
+            try:
+                schema = self.resolve(schema["$ref"], "")
+            except SchemaError:
+                return None
+        return schema
+
+    def literals(self, schema) -> set[str] | None:
+        """The values a `const` / `enum` schema allows, each as canonical JSON (1.0 is 1, as JSON Schema compares
+        numbers by value); None for any other schema."""
+        schema = self.deref(schema)
+        if isinstance(schema, dict) and ("const" in schema or isinstance(schema.get("enum"), list)):
+            return {_canonical(v) for v in (schema["enum"] if "enum" in schema else [schema["const"]])}
+        return None
+
     def tags(self, schema) -> dict[str, set[str]]:
         """An object schema's required properties whose values are `const` / `enum` literals: name -> values."""
-        while isinstance(schema, dict) and "$ref" in schema and schema["$ref"] not in self.expanding:
-            schema = self.resolve(schema["$ref"], "")
-        if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
+        schema = self.deref(schema)
+        if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict) \
+                or not isinstance(schema.get("required"), list):
             return {}
         out = {}
-        for name in schema.get("required") or []:
-            prop = schema["properties"].get(name)
-            if isinstance(prop, dict) and ("const" in prop or isinstance(prop.get("enum"), list)):
-                values = prop["enum"] if "enum" in prop else [prop["const"]]
-                out[name] = {json.dumps(v, sort_keys=True) for v in values}
+        for name in schema["required"]:
+            values = self.literals(schema["properties"].get(name)) if isinstance(name, str) else None
+            if values is not None:
+                out[name] = values
         return out
 
     def disjoint(self, a, b, path: str) -> bool:
+        """Whether no value can match both schemas (as far as this can tell: False when unsure)."""
+        la, lb = self.literals(a), self.literals(b)
+        if la is not None and lb is not None:
+            return not (la & lb)
         shared = self.kinds(a, path) & self.kinds(b, path)
         if not shared:
             return True

@@ -52,6 +52,7 @@ SCHEMAS = [
     {"type": "string", "format": "uuid"},
     {"type": "string", "format": "date"},
     {"properties": {"n": {"type": "integer", "maximum": -7}}, "required": ["n"]},
+    {"oneOf": [{"const": "a"}, {"enum": ["b", 2, 2.5]}]},
 ]
 ALPHABETS = {15: 'xyz a!"'}
 """Smaller alphabets where a walk over ALPHABET would rarely reach a match."""
@@ -272,6 +273,10 @@ def test_pydantic_models_schemas_give_json_the_model_validates():
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf's branches 0 and 1 may both match"),
     ({"oneOf": [{"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},
                 {"type": "object", "properties": {"k": {"enum": [2, 1]}}, "required": ["k"]}]}, "may both match"),
+    ({"oneOf": [{"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},
+                {"type": "object", "properties": {"k": {"enum": [1.0]}}, "required": ["k"]}]}, "may both match"),
+    ({"oneOf": [{"const": 1}, {"enum": [2, 1.0]}]}, "may both match"),  # (JSON Schema: 1.0 == 1)
+    ({"$ref": "#"}, "is recursive"),
     ({"allOf": [{"type": "integer"}, {"minimum": 1}]}, "allOf is supported with one schema only"),
     ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer is within"),
     ({"type": "number", "minimum": 0.5}, "must be an integer here"),
