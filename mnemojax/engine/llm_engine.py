@@ -436,7 +436,7 @@ class LLMEngine:
                                     f"more than max_logit_bias ({limit}, an engine setting)")
 
     def _structured_eos(self, kind: str) -> tuple[int, ...]:
-        """The EOS tokens that end structured outputs of `kind` ("choice", "regex" or "json"); ParamError naming
+        """The EOS tokens that end structured outputs of `kind` (`StructuredOutputsParams.kind`); ParamError naming
         `structured_outputs` when the model has no tokenizer (the kind needs token texts) or no EOS."""
         if self.tokenizer is None:
             raise ParamError("structured_outputs", f"model {self.config.model!r} has no tokenizer, which "
@@ -483,8 +483,8 @@ class LLMEngine:
     """How many regexes' token guides (their per-state masks) the engine keeps for the next request with one."""
 
     def regex_guide(self, params: SamplingParams) -> TokenGuide | None:
-        """The token guide of structured outputs' `regex` or `json` (None without one): per state of the pattern
-        (`StructuredOutputsParams.pattern`: a JSON schema is written as one), the tokens whose text keeps a whole
+        """The token guide of structured outputs' `regex`, `json` or `json_object` (None without one): per state of
+        the pattern (`StructuredOutputsParams.pattern`: a JSON schema is written as one), the tokens whose text keeps a whole
         match possible, EOS where the text matches. Kept for the latest MAX_GUIDES patterns. Raises ParamError
         naming `structured_outputs`: no tokenizer, no EOS, a pattern that matches no string, or one no token of the
         vocabulary can start."""
@@ -492,7 +492,7 @@ class LLMEngine:
         pattern = None if so is None else so.pattern
         if pattern is None:
             return None
-        what = f"structured_outputs.regex {pattern!r}" if so.regex is not None else "structured_outputs.json's schema"
+        what = f"structured_outputs.regex {pattern!r}" if so.regex is not None else f"structured_outputs.{so.kind}"
         with self._guides_lock:  # the server's thread validates requests beside the engine's
             guide = self._guides.get(pattern)
             if guide is not None:

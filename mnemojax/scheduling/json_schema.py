@@ -37,6 +37,9 @@ from mnemojax.scheduling.regex import MAX_REPEAT, RegexError, _Parser
 
 ANY_WHITESPACE = r"[ \n\t]*"
 """The whitespace allowed between tokens by default (xgrammar's)."""
+JSON_OBJECT_DEPTH = 4
+"""How deep `json_object`'s objects and arrays nest at most (any nesting is not a regular language; the regex of a
+depth grows about 4x a level: 4 is ~20,000 NFA states, 5 would pass MAX_NFA_STATES)."""
 
 _JSON_WHITESPACE = ((0x09, 0x0A), (0x0D, 0x0D), (0x20, 0x20))
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -59,6 +62,8 @@ character counts once towards `minLength` / `maxLength`, and the pattern stays s
 _SAFE = ((0x20, 0x21), (0x23, 0x5B), (0x5D, 0x7E))
 """The characters of a string with a `pattern`: printable ASCII but `"` and `\\`."""
 _DIGITS = "[0-9]"
+_NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+_SCALAR = f'(?:"{_CHAR}*"|{_NUMBER}|true|false|null)'
 _ANY_FRACTION, _ZERO_FRACTION, _POSITIVE_FRACTION = r"(?:\.[0-9]+)?", r"(?:\.0+)?", r"\.[0-9]*[1-9][0-9]*"
 _YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
@@ -491,7 +496,7 @@ class _Writer:
                 raise self.fail(path, f"no integer is within the bounds {bounds}")
             return integer_range(lo, hi) if bounds else "-?(?:0|[1-9][0-9]*)"
         if not bounds:
-            return r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+            return _NUMBER
         lo = hi = None
         lo_in = hi_in = True
         for name, v in bounds.items():
@@ -539,6 +544,20 @@ class _Writer:
 
         return r"\{" + self.ws + rest(0, False) + self.ws + r"\}"
 
+    def any_value(self, depth: int) -> str:
+        """Any JSON value whose objects and arrays nest at most `depth` deep."""
+        if depth == 0:
+            return _SCALAR
+        inner = self.any_value(depth - 1)
+        return f"(?:{_SCALAR}|{self.any_object(inner)}|{self.any_array(inner)})"
+
+    def any_object(self, inner: str) -> str:
+        kv = f'"{_CHAR}*"{self.key_sep}{inner}'
+        return r"\{" + self.ws + f"(?:{kv}(?:{self.item_sep}{kv})*)?" + self.ws + r"\}"
+
+    def any_array(self, inner: str) -> str:
+        return r"\[" + self.ws + f"(?:{inner}(?:{self.item_sep}{inner})*)?" + self.ws + r"\]"
+
     def key(self, name: str) -> str:
         return literal(json.dumps(name, ensure_ascii=False))
 
@@ -558,6 +577,18 @@ class _Writer:
         return r"\[" + self.ws + (body if lo else f"(?:{body})?") + self.ws + r"\]"
 
 
+def _writer(schema, disable_any_whitespace: bool, whitespace_pattern: str | None) -> _Writer:
+    if whitespace_pattern is not None:
+        if disable_any_whitespace:
+            raise SchemaError("whitespace_pattern and disable_any_whitespace contradict each other")
+        ws = whitespace_regex(whitespace_pattern)
+    elif disable_any_whitespace:
+        return _Writer(schema, "", ", ", ": ")
+    else:
+        ws = ANY_WHITESPACE
+    return _Writer(schema, ws, f"{ws},{ws}", f"{ws}:{ws}")
+
+
 def schema_pattern(schema, *, disable_any_whitespace: bool = False, whitespace_pattern: str | None = None) -> str:
     """A regex (`mnemojax.scheduling.regex`'s subset) whose whole matches are JSON texts valid under `schema` (a
     dict, or its JSON text); whitespace as the module says. Raises SchemaError naming the path of what it cannot
@@ -569,14 +600,12 @@ def schema_pattern(schema, *, disable_any_whitespace: bool = False, whitespace_p
             raise SchemaError(f"not a JSON schema: {e}") from None
     if not isinstance(schema, dict):
         raise SchemaError(f"a JSON schema must be an object, got {schema!r}")
-    if whitespace_pattern is not None:
-        if disable_any_whitespace:
-            raise SchemaError("whitespace_pattern and disable_any_whitespace contradict each other")
-        ws = whitespace_regex(whitespace_pattern)
-        writer = _Writer(schema, ws, f"{ws},{ws}", f"{ws}:{ws}")
-    elif disable_any_whitespace:
-        writer = _Writer(schema, "", ", ", ": ")
-    else:
-        ws = ANY_WHITESPACE
-        writer = _Writer(schema, ws, f"{ws},{ws}", f"{ws}:{ws}")
+    writer = _writer(schema, disable_any_whitespace, whitespace_pattern)
     return writer.ws + writer.value(schema, "")
+
+
+def object_pattern(*, disable_any_whitespace: bool = False, whitespace_pattern: str | None = None) -> str:
+    """vLLM's `json_object`: a regex whose whole matches are the JSON objects nested at most JSON_OBJECT_DEPTH deep
+    (the object itself counts: `{"a": [{}]}` is 3 deep), whitespace as the module says."""
+    writer = _writer(None, disable_any_whitespace, whitespace_pattern)
+    return writer.ws + writer.any_object(writer.any_value(JSON_OBJECT_DEPTH - 1))

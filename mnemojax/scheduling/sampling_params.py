@@ -12,7 +12,7 @@ import json as _json
 import math
 import numbers
 
-from mnemojax.scheduling.json_schema import SchemaError, schema_pattern
+from mnemojax.scheduling.json_schema import SchemaError, object_pattern, schema_pattern
 from mnemojax.scheduling.regex import RegexError, compiled
 
 MAX_LOGPROBS = 20
@@ -57,7 +57,10 @@ def _is_real(x) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _json_pattern(schema_text: str, disable_any_whitespace: bool, whitespace_pattern: str | None) -> str:
+def _json_pattern(schema_text: str | None, disable_any_whitespace: bool, whitespace_pattern: str | None) -> str:
+    """The regex of a JSON schema (its JSON text), or of `json_object` (None)."""
+    if schema_text is None:
+        return object_pattern(disable_any_whitespace=disable_any_whitespace, whitespace_pattern=whitespace_pattern)
     return schema_pattern(schema_text, disable_any_whitespace=disable_any_whitespace,
                           whitespace_pattern=whitespace_pattern)
 
@@ -75,9 +78,10 @@ class StructuredOutputsParams:
       JSON) and guided as `regex` is. `disable_any_whitespace` and `whitespace_pattern` say what whitespace may come
       between its tokens (default: any run of spaces, newlines and tabs); `disable_additional_properties` and
       `disable_fallback` are accepted and change nothing (properties not in the schema are never generated; there
-      is no other backend to fall back to).
-    The other kinds (`grammar`, `json_object`, `structural_tag`) are refused, naming `structured_outputs`, never
-    ignored."""
+      is no other backend to fall back to);
+    - `json_object=True`: the output is a JSON object, then EOS, its objects and arrays nested at most 4 deep
+      (`json_schema.JSON_OBJECT_DEPTH`: a bound makes it a regular language), whitespace as for `json`.
+    The other kinds (`grammar`, `structural_tag`) are refused, naming `structured_outputs`, never ignored."""
 
     json: object = None
     regex: str | None = None
@@ -91,11 +95,14 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
 
     def validate(self) -> None:
-        for name in ("grammar", "json_object", "structural_tag"):
+        for name in ("grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and value is not False:  # (0 or "" is a value: `in (None, False)` let 0 pass)
                 raise ParamError("structured_outputs", f"structured_outputs.{name} is not supported (only choice, "
-                                                       f"regex and json)")
+                                                       f"regex, json and json_object)")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ParamError("structured_outputs", f"structured_outputs.json_object must be true or false, got "
+                                                   f"{self.json_object!r}")
         for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise ParamError("structured_outputs", f"structured_outputs.{name} must be true or false, got "
@@ -104,23 +111,23 @@ class StructuredOutputsParams:
             raise ParamError("structured_outputs", f"structured_outputs.whitespace_pattern must be a string, got "
                                                    f"{self.whitespace_pattern!r}")
         c = self.choice
-        if sum(x is not None for x in (c, self.regex, self.json)) != 1:
-            raise ParamError("structured_outputs", "structured_outputs needs exactly one of choice, regex and json "
-                                                   "(the kinds supported)")
+        if sum(x is not None for x in (c, self.regex, self.json)) + bool(self.json_object) != 1:
+            raise ParamError("structured_outputs", "structured_outputs needs exactly one of choice, regex, json and "
+                                                   "json_object (the kinds supported)")
         if self.regex is not None and not isinstance(self.regex, str):
             raise ParamError("structured_outputs", f"structured_outputs.regex must be a string, got {self.regex!r}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ParamError("structured_outputs", f"structured_outputs.json must be a JSON schema (a dict or its "
                                                    f"JSON text), got {self.json!r}")
-        if self.regex is not None or self.json is not None:
+        if self.kind != "choice":
             try:
                 compiled(self.pattern)
             except SchemaError as e:
-                raise ParamError("structured_outputs", f"structured_outputs.json: {e}") from None
+                raise ParamError("structured_outputs", f"structured_outputs.{self.kind}: {e}") from None
             except RegexError as e:
                 if self.regex is not None:
                     raise ParamError("structured_outputs", f"structured_outputs.{e}") from None
-                raise ParamError("structured_outputs", "structured_outputs.json: " + str(e).replace(
+                raise ParamError("structured_outputs", f"structured_outputs.{self.kind}: " + str(e).replace(
                     f"regex {self.pattern!r}", "the schema's regex")) from None
             return
         if isinstance(c, str) or not isinstance(c, (list, tuple)) or not c \
@@ -130,17 +137,19 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which kind this is: 'choice', 'regex' or 'json'."""
-        return "choice" if self.choice is not None else "regex" if self.regex is not None else "json"
+        """Which kind this is: 'choice', 'regex', 'json' or 'json_object'."""
+        return ("choice" if self.choice is not None else "regex" if self.regex is not None else "json"
+                if self.json is not None else "json_object")
 
     @property
     def pattern(self) -> str | None:
-        """The regex the output must match whole: `regex`'s, or `json`'s schema written as one (None for choice).
-        Raises SchemaError for a schema `mnemojax.scheduling.json_schema` cannot take."""
-        if self.json is None:
+        """The regex the output must match whole: `regex`'s, `json`'s schema written as one, or `json_object`'s
+        (None for choice). Raises SchemaError for a schema `mnemojax.scheduling.json_schema` cannot take."""
+        if self.json is None and not self.json_object:
             return self.regex
-        text = self.json if isinstance(self.json, str) else _json.dumps(self.json)  # (keeps the properties' order)
-        return _json_pattern(text, self.disable_any_whitespace, self.whitespace_pattern)
+        text = None if self.json is None else self.json if isinstance(self.json, str) else _json.dumps(self.json)
+        return _json_pattern(text, self.disable_any_whitespace, self.whitespace_pattern)  # (dumps keeps the order
+        # of the properties)
 
 
 @dataclasses.dataclass

@@ -5,14 +5,14 @@ plus vLLM's extensions (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `i
 `skip_special_tokens`, `include_stop_str_in_output`, `truncate_prompt_tokens`, `allowed_token_ids`,
 `return_tokens_as_token_ids`, `return_token_ids`, `add_special_tokens`, `use_beam_search` with
 `length_penalty`, `guided_choice`, `guided_regex`, `guided_json` with `guided_whitespace_pattern` and
-`structured_outputs` with `choice`, `regex` or `json`, and chat's `continue_final_message`, `chat_template`,
-`documents`, `echo`); OpenAI's `response_format` takes `text` and `json_schema`.
+`structured_outputs` with `choice`, `regex`, `json` or `json_object`, and chat's `continue_final_message`,
+`chat_template`, `documents`, `echo`); OpenAI's `response_format` takes `text`, `json_schema` and `json_object`.
 Types are strict: a wrong type is a 400 naming the field, never coerced ("2" is not
 2, true is not 1; an int is a valid float). Strings must be Unicode (JSON's `\\ud800` escapes can spell a lone
 surrogate, which no tokenizer takes). Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot
 honour (`suffix`, `best_of`, completions' `prompt_logprobs` with `stream`, vLLM's guided grammar and
 the other fields in `_UNHONOURED`, with `use_beam_search` the fields in `_NOT_WITH_BEAMS` that vLLM's beam search
-ignores, `length_penalty` without it, a `response_format` of `json_object`, `tools`, a `tool_choice` other than
+ignores, `length_penalty` without it, `tools`, a `tool_choice` other than
 none or auto) are accepted in the schema and rejected with a 400 naming them when set, never silently dropped; so
 is `stream_options` without `stream`. Range checks live in
 `SamplingParams` and the engine, so the server and the library share one set of limits and messages.
@@ -112,10 +112,10 @@ class _SamplingRequest(_Strict):
     user: Text | None = None
     prompt_logprobs: int | None = Field(default=None, description=f"vLLM's: top log-probs per prompt token, "
                                                                   f"0..{MAX_LOGPROBS}; not with stream")
-    response_format: dict | None = Field(default=None, description='OpenAI\'s: {"type": "text"} or {"type": '
+    response_format: dict | None = Field(default=None, description='OpenAI\'s: {"type": "text"}, {"type": '
                                                                   '"json_schema", "json_schema": {"name": ..., '
-                                                                  '"schema": {...}}} (as guided_json; not '
-                                                                  '"json_object")')
+                                                                  '"schema": {...}}} (as guided_json) or {"type": '
+                                                                  '"json_object"} (nested at most 4 deep)')
     truncate_prompt_tokens: int | None = Field(default=None, description="vLLM's: keep only the prompt's last k "
                                                                          "tokens (k >= 1, or -1: max_model_len)")
     allowed_token_ids: list[int] | None = Field(default=None, description="vLLM's: only these token ids may be "
@@ -147,8 +147,8 @@ class _SamplingRequest(_Strict):
     guided_json: dict | Text | None = Field(default=None, description="vLLM's: the output is a JSON text that this "
                                                                       "JSON schema accepts, then EOS (the schemas "
                                                                       "supported: see the README)")
-    guided_whitespace_pattern: Text | None = Field(default=None, description="vLLM's, with guided_json or a "
-                                                                             "json_schema response_format: the "
+    guided_whitespace_pattern: Text | None = Field(default=None, description="vLLM's, with guided_json or a JSON "
+                                                                             "response_format: the "
                                                                              "whitespace allowed between JSON's "
                                                                              "tokens, a regex")
     structured_outputs: dict | None = Field(default=None, description="vLLM's: {\"choice\": [...]}, {\"regex\": "
@@ -166,10 +166,10 @@ class _SamplingRequest(_Strict):
             raise ParamError("prompt_logprobs", "prompt_logprobs is not supported with stream (as in vLLM)")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream: true (as in vLLM)")
-        if self.response_format is not None and self.response_format.get("type", "text") not in ("text",
-                                                                                                 "json_schema"):
+        if self.response_format is not None and self.response_format.get("type", "text") not in (
+                "text", "json_schema", "json_object"):
             raise ParamError("response_format", f"response_format {self.response_format.get('type')!r} is not "
-                                                f"supported (only 'text' and 'json_schema')")
+                                                f"supported (only 'text', 'json_schema' and 'json_object')")
         if self.use_beam_search:
             _refuse_unhonoured(self, _NOT_WITH_BEAMS, " with use_beam_search")
         elif self.length_penalty != 1:
@@ -212,10 +212,11 @@ class _SamplingRequest(_Strict):
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """vLLM's `structured_outputs` (its keys those of `StructuredOutputsParams`), its older `guided_choice` /
-        `guided_regex` / `guided_json`, or OpenAI's `response_format` of type `json_schema`; one of them. A bad one is
+        `guided_regex` / `guided_json`, or OpenAI's `response_format` of type `json_schema` or `json_object`; one of
+        them. A bad one is
         a ParamError naming the field given."""
         rf = self.response_format
-        schema = None
+        schema = True if rf is not None and rf.get("type") == "json_object" else None
         if rf is not None and rf.get("type") == "json_schema":
             js = rf.get("json_schema")
             if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
@@ -231,7 +232,7 @@ class _SamplingRequest(_Strict):
         ws = self.guided_whitespace_pattern
         if ws is not None and not sources.keys() & {"guided_json", "response_format"}:
             raise ParamError("guided_whitespace_pattern", "guided_whitespace_pattern only applies with guided_json or "
-                                                          "a json_schema response_format")
+                                                          "a json_schema or json_object response_format")
         if not sources:
             return None
         (name, value), = sources.items()
@@ -242,6 +243,8 @@ class _SamplingRequest(_Strict):
                                                        f"choice, regex and json, with vLLM's options)")
             return StructuredOutputsParams(**value)
         kind = {"guided_choice": "choice", "guided_regex": "regex"}.get(name, "json")
+        if value is True:  # response_format json_object
+            kind = "json_object"
         params = StructuredOutputsParams(**{kind: value}, whitespace_pattern=ws)
         try:
             params.validate()

@@ -1045,8 +1045,8 @@ def test_structured_output_choices_sampled_short_and_refused(llm):
         with pytest.raises(ParamError, match=message) as e:
             SamplingParams(structured_outputs=so, **kw)
         assert e.value.param == "structured_outputs"
-    for so_bad, message in ((StructuredOutputsParams(json_object=True), "json_object is not supported"),
-                            (StructuredOutputsParams(json=0, choice=["a"]), "exactly one of choice, regex and json"),
+    for so_bad, message in ((StructuredOutputsParams(grammar="root ::= 'a'"), "grammar is not supported"),
+                            (StructuredOutputsParams(json=0, choice=["a"]), "exactly one of choice, regex, json"),
                             (StructuredOutputsParams(choice=[]), "non-empty list"),
                             (StructuredOutputsParams(choice=["ok", ""]), "non-empty list")):
         with pytest.raises(ParamError, match=message):
@@ -1107,7 +1107,7 @@ def test_structured_output_regex_sampled_batched_and_refused(llm, alone):
     with pytest.raises(ParamError, match=r"missing '\)' at position 0") as e:
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="(ab"))
     assert e.value.param == "structured_outputs"
-    with pytest.raises(ParamError, match="exactly one of choice, regex and json"):
+    with pytest.raises(ParamError, match="exactly one of choice, regex, json and json_object"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["a"]))
     with pytest.raises(ParamError, match=r"regex must be a string, got \['a'\]"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex=["a"]))

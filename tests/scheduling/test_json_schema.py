@@ -13,7 +13,8 @@ from fractions import Fraction
 import jsonschema
 import pytest
 
-from mnemojax.scheduling.json_schema import SchemaError, integer_range, number_range, schema_pattern
+from mnemojax.scheduling.json_schema import (JSON_OBJECT_DEPTH, SchemaError, integer_range, number_range,
+                                              object_pattern, schema_pattern)
 from mnemojax.scheduling.regex import Regex
 from mnemojax.scheduling.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
@@ -330,13 +331,46 @@ def test_structured_outputs_params_take_json_and_refuse_with_the_field():
     for so, message in (
             (StructuredOutputsParams(json={"type": "string", "format": "ipv9"}), "json: at /format: format 'ipv9'"),
             (StructuredOutputsParams(json=3), "json must be a JSON schema"),
-            (StructuredOutputsParams(json=schema, regex="a"), "exactly one of choice, regex and json"),
+            (StructuredOutputsParams(json=schema, regex="a"), "exactly one of choice, regex, json and json_object"),
             (StructuredOutputsParams(json=schema, disable_any_whitespace=1), "disable_any_whitespace must be true"),
             (StructuredOutputsParams(json=schema, whitespace_pattern=" ", disable_any_whitespace=True),
              "contradict"),
             (StructuredOutputsParams(json={"type": "array", "items": {"type": "string", "maxLength": 1000},
                                            "maxItems": 100}), "json: the schema's regex is too large"),
-            (StructuredOutputsParams(json_object=True), "json_object is not supported")):
+            (StructuredOutputsParams(json_object="yes"), "json_object must be true or false"),
+            (StructuredOutputsParams(json_object=True, json=schema), "exactly one of"),
+            (StructuredOutputsParams(grammar="root ::= 'a'"), "grammar is not supported")):
         with pytest.raises(ParamError, match=re.escape(message)) as e:
             SamplingParams(structured_outputs=so)
         assert e.value.param == "structured_outputs"
+
+
+def _depth(value) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def test_json_object_is_any_object_nested_up_to_its_depth():
+    """`json_object`: walks give objects (json.loads) nested at most JSON_OBJECT_DEPTH deep, of every whitespace
+    style; hand-written objects are taken up to that depth and not past it, and nothing but an object is."""
+    assert JSON_OBJECT_DEPTH == 4
+    for k, style in enumerate(STYLES):
+        rx = Regex(object_pattern(**style))
+        texts = _walks(rx, seed=k, count=30, limit=200, alphabet='{}[]",:ab1-.e \n\tnul')
+        assert len(texts) >= 20
+        for text in texts:
+            value = json.loads(text)
+            assert isinstance(value, dict) and _depth(value) <= JSON_OBJECT_DEPTH, text
+        assert max(_depth(json.loads(t)) for t in texts) >= 2
+    rx = Regex(object_pattern())
+    four = {"a": [{"b": {"c": 1, "d": [1.5, "x", None, True]}}], "e": "\u00e9\n"}
+    for value, ok in ((four, False), ({"a": [{"b": {"c": 1}}]}, True), ({"a": [{"b": {"c": []}}]}, False),
+                      ({}, True), ({"k": [[[]]]}, True), ({"k": [[[[]]]]}, False)):
+        assert _depth(value) == (4 if ok else 5) or value in ({}, ), value
+        for text in (json.dumps(value), json.dumps(value, indent=1, ensure_ascii=False)):
+            assert rx.fullmatch(text) == ok, text
+    for text in ("[]", '"a"', "1", "null", '{"a" 1}', '{"a": 1,}', "{'a': 1}"):
+        assert not rx.fullmatch(text), text

@@ -313,7 +313,7 @@ def test_guided_choice_and_structured_outputs_choice(client, offline, url):
                                           max_tokens=8, extra_body={"guided_choice": choices})
     assert chat.choices[0].message.content in choices
     for extra, param, message in (
-            ({"structured_outputs": {"json_object": True}}, "structured_outputs", "json_object is not supported"),
+            ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "grammar is not supported"),
             ({"structured_outputs": {"choice": choices, "backend": "x"}}, "structured_outputs", "backend is not"),
             ({"guided_choice": []}, "guided_choice", "guided_choice must be a non-empty list"),
             ({"guided_choice": choices, "structured_outputs": {"choice": choices}}, "guided_choice", "not both"),
@@ -370,7 +370,8 @@ def test_guided_regex_and_structured_outputs_regex(client, offline):
 def test_guided_json_structured_outputs_json_and_response_format_json_schema(client, offline):
     """vLLM's `guided_json` (with `guided_whitespace_pattern`), `structured_outputs: {"json": ...}` (with its
     options) and OpenAI's `response_format: {"type": "json_schema"}`: the text is JSON the schema accepts, the same as
-    the library's `StructuredOutputsParams(json=...)`; what cannot be honoured is a 400 naming the field given."""
+    the library's `StructuredOutputsParams(json=...)`; `{"type": "json_object"}` is the library's `json_object`; what
+    cannot be honoured is a 400 naming the field given."""
     import jsonschema
 
     from mnemojax import StructuredOutputsParams
@@ -396,6 +397,13 @@ def test_guided_json_structured_outputs_json_and_response_format_json_schema(cli
     for ch in tight.choices:
         assert ch.finish_reason == "stop" and " " not in ch.message.content
         jsonschema.validate(json.loads(ch.message.content), schema)
+    anything = offline.generate(["The answer is"], SamplingParams(max_tokens=24, temperature=0, structured_outputs=
+                                                                 StructuredOutputsParams(json_object=True,
+                                                                                         whitespace_pattern="")))
+    c = client.completions.create(**kw, extra_body={"response_format": {"type": "json_object"},  # (vLLM's, for
+                                                    "guided_whitespace_pattern": ""}).choices[0]  # completions too)
+    assert (c.text, c.finish_reason) == (anything[0].outputs[0].text, anything[0].outputs[0].finish_reason)
+    assert c.text.startswith("{")
     for extra, param, message in (
             ({"guided_json": {"type": "string", "format": "email"}}, "guided_json",
              "guided_json: at /format: format 'email' is not supported"),
@@ -407,7 +415,8 @@ def test_guided_json_structured_outputs_json_and_response_format_json_schema(cli
             ({"guided_json": schema, "guided_whitespace_pattern": "x"}, "guided_json", "not JSON whitespace"),
             ({"structured_outputs": {"json": schema, "disable_any_whitespace": "yes"}}, "structured_outputs",
              "disable_any_whitespace must be true or false"),
-            ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+            ({"response_format": {"type": "structural_tag"}}, "response_format", "'structural_tag' is not "
+                                                                                  "supported"),
             ({"guided_json": schema, "use_beam_search": True, "n": 2}, "guided_json",
              "guided_json is not supported with use_beam_search")):
         with pytest.raises(openai.BadRequestError, match=message) as e:

@@ -145,7 +145,7 @@ def test_a_full_queue_is_429_naming_max_queue(served):
 
 @pytest.mark.parametrize("path, extra, param", [
     # fields the server cannot honour: refused by name, not ignored (a 200 with unconstrained text, no tool call)
-    (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
+    (COMPLETIONS, {"response_format": {"type": "structural_tag"}}, "response_format"),
     (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
      "response_format"),  # a schema that takes any JSON value
