@@ -12,7 +12,8 @@ let invalid JSON in:
   are themselves or JSON's short escapes (`\\n`, `\\"`, ...), never `\\u` escapes, so the controls without a short
   escape (U+0000-U+001F but tab, newline, ...) cannot appear;
 - a string with a `pattern` is made of printable ASCII without escapes, where Python's `re`, ECMA-262 and
-  `mnemojax.scheduling.regex` read the pattern alike (JSON Schema's `pattern` matches anywhere unless anchored);
+  `mnemojax.scheduling.regex` read the pattern alike (JSON Schema's `pattern` matches anywhere unless anchored); a
+  pattern that ECMA-262 reads otherwise (`\\a`, `{,n}`, `]` first in a class, `(?P<`) is refused;
 - numbers with bounds have no exponent, and their bounds must be integers.
 
 Whitespace: between tokens the default is any run of JSON whitespace `[ \\n\\t]*` (xgrammar's default);
@@ -20,23 +21,30 @@ Whitespace: between tokens the default is any run of JSON whitespace `[ \\n\\t]*
 that pattern, which may only match JSON whitespace, in place of the default.
 
 Supported keywords: `type` (a name or a list), `enum`, `const`, `anyOf`, `oneOf` (when its branches are disjoint:
-of different types, or objects that require one property with different `const` / `enum` values), `allOf` with one
-schema, `$ref` within the document (`#`, `#/$defs/...`, `#/definitions/...`), `properties`, `required`,
+of different types, different `const` / `enum` values, or objects that require one property with different
+`const` / `enum` values), `allOf` with one schema, `$ref` within the document (`#`, `#/$defs/...`,
+`#/definitions/...`, with JSON Pointer's and a URI's escapes; not recursive, and not through an `$id` below the
+root, which would change what the references inside mean), `properties`, `required`,
 `additionalProperties` (never generated), `items`, `minItems`, `maxItems`, `minLength`, `maxLength`, `pattern`,
 `format` (`date`, `time`, `date-time`, `uuid`), `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, and the
 annotations (`title`, `description`, `default`, `examples`, ...). Any other keyword is a `SchemaError` naming its
 path: refused, never ignored. A schema without `type` takes it from its keywords (`properties` makes an object);
-one with none (any JSON value) is refused.
+one with none (any JSON value) is refused. So is a schema whose regex would pass MAX_PATTERN_CHARS (checked as it is
+written: `$ref`s used twice a level double it each level).
 """
 from __future__ import annotations
 
 import json
 import math
+import re
+import urllib.parse
 
 from mnemojax.scheduling.regex import MAX_REPEAT, RegexError, _Parser
 
 ANY_WHITESPACE = r"[ \n\t]*"
 """The whitespace allowed between tokens by default (xgrammar's)."""
+MAX_PATTERN_CHARS = 500_000
+"""The longest regex a schema may be written as (far past what MAX_NFA_STATES lets compile)."""
 JSON_OBJECT_DEPTH = 4
 """How deep `json_object`'s objects and arrays nest at most (any nesting is not a regular language; the regex of a
 depth grows about 4x a level: 4 is ~20,000 NFA states, 5 would pass MAX_NFA_STATES)."""
@@ -208,12 +216,40 @@ def _top_level_bar(pattern: str) -> bool:
     return False
 
 
+def _ecma_differs(pattern: str) -> str | None:
+    """What in `pattern` ECMA-262 reads otherwise than Python's `re` (among what `regex._Parser` takes), if anything:
+    `\\a` (the letter a in ECMA), `{,n}` (literal text in ECMA), `]` first in a class (`[]` is an empty class in
+    ECMA), `(?P<...>` (not ECMA syntax)."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            if pattern[i + 1:i + 2] == "a":
+                return "'\\a'"
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            if pattern[i + 1:i + 2] == "]" or pattern[i + 1:i + 3] == "^]":
+                return "']' first in a class"
+            in_class = True
+        elif c == "{" and re.match(r"\{,[0-9]+\}", pattern[i:]):
+            return "'{,n}'"
+        elif pattern.startswith("(?P", i):
+            return "'(?P'"
+        i += 1
+    return None
+
+
 def whitespace_regex(pattern: str) -> str:
     """`whitespace_pattern` checked: a regex (mnemojax's subset) whose characters are all JSON whitespace."""
+    if not isinstance(pattern, str):
+        raise SchemaError(f"whitespace_pattern must be a string, got {pattern!r}")
     try:
         node = _Parser(pattern).parse()
-    except RegexError as e:
-        raise SchemaError(f"whitespace_pattern: {e}") from None
+    except (RegexError, RecursionError) as e:
+        raise SchemaError(f"whitespace_pattern: {e or 'nested too deeply'}") from None
     todo = [node]
     while todo:
         n = todo.pop()
@@ -226,6 +262,10 @@ def whitespace_regex(pattern: str) -> str:
         else:
             todo.extend(n[1])
     return f"(?:{_unparse(node, _JSON_WHITESPACE)})"
+
+
+def _finite(v) -> bool:
+    return isinstance(v, int) or math.isfinite(v)  # (math.isfinite overflows on an int past a float's range)
 
 
 def _json_type(value) -> str:
@@ -274,13 +314,16 @@ class _Writer:
             raise self.fail(path, f"$ref {ref!r} is recursive (unbounded nesting is not a regular language)")
         node = self.root
         for part in ref[2:].split("/") if ref != "#" else []:
-            part = part.replace("~1", "/").replace("~0", "~")
+            part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")  # (a URI fragment's escapes)
             if isinstance(node, dict) and part in node:
                 node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            elif isinstance(node, list) and re.fullmatch("0|[1-9][0-9]*", part) and int(part) < len(node):
                 node = node[int(part)]
             else:
                 raise self.fail(path, f"$ref {ref!r} points at nothing")
+            if isinstance(node, dict) and "$id" in node:
+                raise self.fail(path, f"$ref {ref!r} goes through an $id, which would change what references "
+                                      f"inside mean (only the root's $id is supported)")
         return node
 
     def types(self, schema: dict, path: str) -> list[str]:
@@ -291,7 +334,7 @@ class _Writer:
                 raise self.fail(path, "a schema without a type (any JSON value) is not supported")
             return inferred[:1]
         names = t if isinstance(t, list) else [t]
-        if not names or any(n not in _TYPED for n in names) or len(set(names)) != len(names):
+        if not names or not all(isinstance(n, str) and n in _TYPED for n in names) or len(set(names)) != len(names):
             raise self.fail(path + "/type", f"type must be one of {sorted(_TYPED)} or a list of them, got {t!r}")
         return names
 
@@ -303,9 +346,10 @@ class _Writer:
             ref = schema["$ref"]
             if ref in self.expanding:
                 return set(_TYPED)
+            target = self.resolve(ref, path)
             self.expanding.append(ref)
             try:
-                return self.kinds(self.resolve(ref, path), path)
+                return self.kinds(target, path)
             finally:
                 self.expanding.pop()
         if "enum" in schema or "const" in schema:
@@ -315,9 +359,8 @@ class _Writer:
         for key in ("anyOf", "oneOf", "allOf"):
             if key in schema and isinstance(schema[key], list):
                 return set().union(*(self.kinds(s, path) for s in schema[key]))
-        t = schema.get("type")
-        names = (t if isinstance(t, list) else [t]) if t is not None else \
-            [n for n in _INFERRED if _TYPED[n] & set(schema)] or list(_TYPED)
+        t = schema.get("type")  # (without one, a schema takes every type: what value() infers is what it generates)
+        names = (t if isinstance(t, list) else [t]) if t is not None else list(_TYPED)
         return {str(n).replace("integer", "number") for n in names}
 
     def deref(self, schema):
@@ -368,10 +411,23 @@ class _Writer:
         return any(not (ta[name] & tb[name]) for name in ta.keys() & tb.keys())
 
     def value(self, schema, path: str) -> str:
+        return self.sized(self.written(schema, path), path)
+
+    def sized(self, pattern: str, path: str) -> str:
+        """`pattern`, or a SchemaError if it is past MAX_PATTERN_CHARS (checked as it is built: a schema whose $refs
+        are used twice a level doubles each level, and would take minutes and gigabytes before the NFA's cap)."""
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise self.fail(path, f"the schema's regex is too large (more than {MAX_PATTERN_CHARS} characters)")
+        return pattern
+
+    def written(self, schema, path: str) -> str:
         if schema is True or schema == {}:
             raise self.fail(path, "a schema that takes any JSON value is not supported")
         if not isinstance(schema, dict):
             raise self.fail(path, f"a schema must be an object, got {schema!r}")
+        if "$id" in schema and schema is not self.root:
+            raise self.fail(f"{path}/$id", "$id below the root is not supported (it changes what references inside "
+                                           "mean)")
         unknown = sorted(set(schema) - _KNOWN)
         if unknown:
             raise self.fail(f"{path}/{unknown[0]}", f"the keyword {unknown[0]!r} is not supported")
@@ -435,7 +491,8 @@ class _Writer:
 
     def count(self, schema, name: str, path: str, default: int | None) -> int | None:
         v = schema.get(name, default)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 0):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v)
+                              or v != int(v) or v < 0):
             raise self.fail(f"{path}/{name}", f"{name} must be a non-negative integer, got {v!r}")
         if v is not None and v > MAX_REPEAT:
             raise self.fail(f"{path}/{name}", f"{name} above {MAX_REPEAT} is not supported")
@@ -449,7 +506,7 @@ class _Writer:
         if fmt is not None and pattern is not None:
             raise self.fail(f"{path}/pattern", "pattern beside format is not supported")
         if fmt is not None:
-            if fmt not in _FORMATS:
+            if not isinstance(fmt, str) or fmt not in _FORMATS:
                 raise self.fail(f"{path}/format", f"format {fmt!r} is not supported (only {sorted(_FORMATS)})")
             if "minLength" in schema or "maxLength" in schema:
                 raise self.fail(f"{path}/format", "minLength or maxLength beside format is not supported")
@@ -465,8 +522,13 @@ class _Writer:
             raise self.fail(path, f"pattern must be a string, got {pattern!r}")
         try:
             node = _Parser(pattern).parse()
-        except RegexError as e:
+            re.compile(pattern)
+        except (RegexError, re.error) as e:
             raise self.fail(path, str(e)) from None
+        differs = _ecma_differs(pattern)
+        if differs:
+            raise self.fail(path, f"pattern {pattern!r}: {differs}, which ECMA-262 (JSON Schema's regex) reads "
+                                  f"differently from Python's re")
         start = pattern.startswith("^")
         escapes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))  # backslashes before the last character
         end = pattern.endswith("$") and escapes % 2 == 0
@@ -481,7 +543,7 @@ class _Writer:
             v = schema.get(name)
             if v is None:
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
                 raise self.fail(f"{path}/{name}", f"{name} must be a finite number, got {v!r}")
             if t == "number" and v != int(v):
                 raise self.fail(f"{path}/{name}", f"a number's {name} must be an integer here, got {v!r}")
@@ -530,19 +592,15 @@ class _Writer:
         items = [(self.key(name) + self.key_sep + self.value(s, f"{path}/properties/{name}"), name in required)
                  for name, s in props.items()]
 
-        def rest(i: int, after: bool) -> str:
-            """The properties from the i-th on; `after`: one was written before (the next needs a separator)."""
-            if i == len(items):
-                return ""
+        # From the last property back: after[i], the properties from the i-th on when one was written before them
+        # (each needs a separator); first[i], when none was (the first one written has none).
+        after, first = [""] * (len(items) + 1), [""] * (len(items) + 1)
+        for i in reversed(range(len(items))):
             kv, req = items[i]
-            this = (self.item_sep if after else "") + kv
-            if req:
-                return this + rest(i + 1, True)
-            if after:
-                return f"(?:{this})?" + rest(i + 1, True)
-            return f"(?:{this}{rest(i + 1, True)}|{rest(i + 1, False)})"
-
-        return r"\{" + self.ws + rest(0, False) + self.ws + r"\}"
+            sep_kv = self.item_sep + kv
+            after[i] = self.sized(sep_kv + after[i + 1] if req else f"(?:{sep_kv})?" + after[i + 1], path)
+            first[i] = self.sized(kv + after[i + 1] if req else f"(?:{kv}{after[i + 1]}|{first[i + 1]})", path)
+        return r"\{" + self.ws + first[0] + self.ws + r"\}"
 
     def any_value(self, depth: int) -> str:
         """Any JSON value whose objects and arrays nest at most `depth` deep."""
@@ -601,7 +659,10 @@ def schema_pattern(schema, *, disable_any_whitespace: bool = False, whitespace_p
     if not isinstance(schema, dict):
         raise SchemaError(f"a JSON schema must be an object, got {schema!r}")
     writer = _writer(schema, disable_any_whitespace, whitespace_pattern)
-    return writer.ws + writer.value(schema, "")
+    try:
+        return writer.ws + writer.value(schema, "")
+    except RecursionError:
+        raise SchemaError("the schema is nested too deeply") from None
 
 
 def object_pattern(*, disable_any_whitespace: bool = False, whitespace_pattern: str | None = None) -> str:

@@ -101,25 +101,28 @@ class _Parser:
         return items[0] if len(items) == 1 else ("cat", items)
 
     def quantified(self, node):
-        """`node` under the quantifiers that follow it (an atom: one that starts with a quantifier is refused by
-        `atom`, so there is always something to repeat)."""
-        while (c := self.peek()) is not None:
-            if c in "*+?":
-                self.i += 1
-                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
-            elif c == "{":
-                bounds = self.braces()
-                if bounds is None:
-                    return node  # not a quantifier: a literal '{', read as an atom next
-                lo, hi = bounds
-            else:
-                return node
-            if self.peek() == "?":
-                self.i += 1  # lazy: the same strings match the whole pattern
-            elif self.peek() == "+":
-                raise self.error("possessive quantifiers are not supported")
-            node = ("rep", node, lo, hi)
-        return node
+        """`node` under the quantifier that follows it, if one does (an atom: one that starts with a quantifier is
+        refused by `atom`, so there is always something to repeat). A second quantifier is refused, as `re` does
+        ("multiple repeat"); a lazy one's `?` is part of the first."""
+        c = self.peek()
+        if c is not None and c in "*+?":
+            self.i += 1
+            lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+        elif c == "{":
+            bounds = self.braces()
+            if bounds is None:
+                return node  # not a quantifier: a literal '{', read as an atom next
+            lo, hi = bounds
+        else:
+            return node
+        if self.peek() == "?":
+            self.i += 1  # lazy: the same strings match the whole pattern
+        elif self.peek() == "+":
+            raise self.error("possessive quantifiers are not supported")
+        at, c = self.i, self.peek()
+        if c is not None and (c in "*+?" or (c == "{" and self.braces() is not None)):
+            raise self.error("multiple repeat (a quantifier after a quantifier)", at)
+        return ("rep", node, lo, hi)
 
     def braces(self):
         end = self.p.find("}", self.i)
@@ -242,7 +245,10 @@ class Regex:
         self.pattern = pattern
         self._eps: list[list[int]] = []
         self._edges: list[list[tuple[tuple, int]]] = []
-        start, end = self._build(_Parser(pattern).parse())
+        try:
+            start, end = self._build(_Parser(pattern).parse())
+        except RecursionError:  # (the parser and the construction recurse per nested group)
+            raise RegexError(f"regex {pattern!r} is nested too deeply") from None
         self._accept = end
         live = self._co_reachable(end)
         self._edges = [[(r, t) for r, t in e if t in live] for e in self._edges]

@@ -40,7 +40,8 @@ def test_fullmatch_agrees_with_python_re_on_every_short_string(pattern):
     ("a$b", "'\\$' before the pattern's end"), ("[a", "missing '\\]'"), ("a++", "possessive"),
     ("[z-a]", "out of order"), (r"\q", r"the escape \\q"), ("a{2000}", "above 1000"), ("a^", "'\\^' after"),
     ("(?i)a", "look-arounds, flags"), ("[[:alpha:]]", "POSIX"), ("\\", "trailing backslash"),
-    (r"\012", "octal escapes"),
+    (r"\012", "octal escapes"), ("a**", "multiple repeat"), ("a{2}{3}", "multiple repeat"), ("a?*", "multiple"),
+    ("a*??", "multiple repeat"), ("(" * 400 + "a" + ")" * 400, "nested too deeply"),
 ])
 def test_syntax_it_cannot_take_is_refused_with_its_position(pattern, message):
     with pytest.raises(RegexError, match=message):

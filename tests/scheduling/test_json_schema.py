@@ -3,6 +3,7 @@ validator (`jsonschema`, pydantic, `datetime`) accepts under the schema; valid i
 writes them are taken; the integer and number bounds against exact arithmetic; what cannot be honoured is refused
 with its path."""
 import datetime
+import functools
 import itertools
 import json
 import random
@@ -293,10 +294,48 @@ def test_pydantic_models_schemas_give_json_the_model_validates():
     ({"anyOf": [{"type": "integer"}], "minimum": 3}, "'minimum' beside 'anyOf'"),
     ({"type": "array", "items": [{"type": "integer"}]}, "items as a list"),
     ("{not json", "not a JSON schema"), ([], "must be an object"),
+    # (found by a review: each let invalid JSON in, or raised something other than SchemaError)
+    ({"oneOf": [{"minLength": 1}, {"type": "integer"}]}, "may both match"),  # no type: every type
+    ({"$defs": {"A": {"$id": "http://x.example/a", "$defs": {"B": {"type": "string"}}, "type": "object",
+                      "properties": {"p": {"$ref": "#/$defs/B"}}, "required": ["p"]}, "B": {"type": "integer"}},
+      "$ref": "#/$defs/A"}, "goes through an $id"),
+    ({"type": "object", "properties": {"a": {"$id": "x", "type": "string"}}}, "$id below the root"),
+    ({"type": "string", "pattern": "^a**$"}, "multiple repeat"),
+    ({"type": "string", "pattern": "^[^\\a]$"}, "'\\a', which ECMA-262"), ({"type": "string", "pattern": "a{,2}"}, "'{,n}'"),
+    ({"type": "string", "pattern": "^[]a]$"}, "']' first in a class"), ({"type": "string", "pattern": "[^]a]"}, "first"),
+    ({"type": "string", "pattern": "(?P<x>a)"}, "'(?P'"),
+    ({"type": {}}, "type must be one of"), ({"type": ["string", []]}, "type must be one of"),
+    ({"type": "string", "format": ["date"]}, "format ['date'] is not supported"),
+    ({"type": "string", "maxLength": float("inf")}, "must be a non-negative integer, got inf"),
+    ({"type": "string", "minLength": float("nan")}, "got nan"),
+    ({"type": "integer", "minimum": 10 ** 401, "maximum": 10 ** 400}, "no integer is within"),
+    ({"$defs": {"L": [{"type": "integer"}]}, "$ref": "#/$defs/L/\u00b2"}, "points at nothing"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}, "regex is too large"),
+    ({"$defs": {"A0": {"type": "integer"}, **{f"A{n}": {"type": "object", "properties": {
+        "x": {"$ref": f"#/$defs/A{n - 1}"}, "y": {"$ref": f"#/$defs/A{n - 1}"}}, "required": ["x", "y"]}
+        for n in range(1, 40)}}, "$ref": "#/$defs/A39"}, "regex is too large"),
+    (functools.reduce(lambda s, _: {"type": "array", "items": s}, range(3000), {"type": "integer"}),
+     "nested too deeply"),
 ])
 def test_what_cannot_be_honoured_is_refused_with_its_path(schema, message):
     with pytest.raises(SchemaError, match=re.escape(message)):
         schema_pattern(schema)
+
+
+def test_references_by_index_and_escapes_and_one_of_references():
+    """`$ref`s with JSON Pointer's `~1` and a URI's `%20` escapes, an array index, and `oneOf` branches that are
+    references, against jsonschema."""
+    schema = {"$defs": {"a b": {"type": "string", "maxLength": 3}, "a%20b": {"type": "integer"},
+                        "s/t": {"type": "boolean"}, "U": {"anyOf": [{"type": "null"}, {"type": "string"}]}},
+              "type": "object", "properties": {"p": {"$ref": "#/$defs/a%20b"}, "q": {"$ref": "#/$defs/s~1t"},
+                                               "r": {"$ref": "#/$defs/U/anyOf/0"},
+                                               "o": {"oneOf": [{"$ref": "#/$defs/a%20b"}, {"$ref": "#/$defs/U/anyOf/0"}]}},
+              "required": ["p", "q", "r", "o"]}
+    rx, validator = Regex(schema_pattern(schema)), _validator(schema)
+    assert rx.fullmatch('{"p": "ab", "q": true, "r": null, "o": null}')
+    assert not rx.fullmatch('{"p": 1, "q": true, "r": null, "o": null}')
+    for text in _walks(rx, seed=3, count=30, limit=200):
+        validator.validate(json.loads(text))
 
 
 def test_whitespace_options():
