@@ -25,7 +25,8 @@ of different types, different `const` / `enum` values, or objects that require o
 `const` / `enum` values), `allOf` with one schema, `$ref` within the document (`#`, `#/$defs/...`,
 `#/definitions/...`, with JSON Pointer's and a URI's escapes; not recursive, and not through an `$id` below the
 root, which would change what the references inside mean), `properties`, `required`,
-`additionalProperties` (never generated), `items`, `minItems`, `maxItems`, `minLength`, `maxLength`, `pattern`,
+`additionalProperties` (never generated), `items`, `prefixItems` (no items past them unless `items` gives their
+schema), `minItems`, `maxItems`, `minLength`, `maxLength`, `pattern`,
 `format` (`date`, `time`, `date-time`, `uuid`), `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, and the
 annotations (`title`, `description`, `default`, `examples`, ...). Any other keyword is a `SchemaError` naming its
 path: refused, never ignored. A schema without `type` takes it from its keywords (`properties` makes an object);
@@ -57,7 +58,7 @@ _TYPED = {
     "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
     "object": {"properties", "required", "additionalProperties"},
-    "array": {"items", "minItems", "maxItems"},
+    "array": {"items", "prefixItems", "minItems", "maxItems"},
     "boolean": set(), "null": set(),
 }
 _KNOWN = set().union(*_TYPED.values()) | _ANNOTATIONS | {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
@@ -623,16 +624,38 @@ class _Writer:
         lo, hi = self.count(schema, "minItems", path, 0), self.count(schema, "maxItems", path, None)
         if hi is not None and hi < lo:
             raise self.fail(f"{path}/maxItems", f"maxItems {hi} is below minItems {lo}")
+        prefix, items = schema.get("prefixItems", []), schema.get("items")
+        if not isinstance(prefix, list):
+            raise self.fail(f"{path}/prefixItems", "prefixItems must be a list of schemas")
+        if isinstance(items, list):
+            raise self.fail(f"{path}/items", "items as a list (draft 7's tuples) is not supported: use prefixItems")
         if hi == 0:
             return r"\[" + self.ws + r"\]"
-        if "items" not in schema:
-            raise self.fail(path, "an array without items (any JSON values) is not supported")
-        if isinstance(schema["items"], list):
-            raise self.fail(f"{path}/items", "items as a list (a tuple) is not supported")
-        item = self.value(schema["items"], f"{path}/items")
-        more = f"(?:{self.item_sep}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
-        body = item + more
-        return r"\[" + self.ws + (body if lo else f"(?:{body})?") + self.ws + r"\]"
+        positions = [self.value(s, f"{path}/prefixItems/{i}") for i, s in enumerate(prefix)]
+        rest = None  # the items past the prefix: None when none are generated
+        if items is False:
+            if lo > len(prefix):
+                raise self.fail(f"{path}/minItems", f"minItems {lo} is above the {len(prefix)} prefixItems and "
+                                                    f"items is false: no array is valid")
+        elif items is None or items is True or items == {}:
+            if lo > len(prefix) or not prefix:
+                raise self.fail(path, "an array whose items may be any JSON values is not supported")
+        else:
+            rest = self.value(items, f"{path}/items")
+
+        def tail(i: int) -> str:
+            """The items from the i-th on, after the ones before (each with its separator)."""
+            if hi is not None and i >= hi:
+                return ""
+            if i >= len(positions):
+                if rest is None:
+                    return ""
+                return f"(?:{self.item_sep}{rest}){{{max(lo - i, 0)},{'' if hi is None else hi - i}}}"
+            piece = self.item_sep + positions[i] + tail(i + 1)
+            return piece if i < lo else f"(?:{piece})?"
+
+        head = (positions[0] if positions else rest) + tail(1)
+        return r"\[" + self.ws + (head if lo else f"(?:{head})?") + self.ws + r"\]"
 
 
 def _writer(schema, disable_any_whitespace: bool, whitespace_pattern: str | None) -> _Writer:

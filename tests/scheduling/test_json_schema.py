@@ -55,6 +55,8 @@ SCHEMAS = [
     {"type": "string", "format": "date"},
     {"properties": {"n": {"type": "integer", "maximum": -7}}, "required": ["n"]},
     {"oneOf": [{"const": "a"}, {"enum": ["b", 2, 2.5]}]},
+    {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 2}], "items": False},
+    {"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "null"}, "minItems": 2, "maxItems": 4},
 ]
 ALPHABETS = {15: 'xyz a!"'}
 """Smaller alphabets where a walk over ALPHABET would rarely reach a match."""
@@ -132,6 +134,8 @@ VALID = [  # (schema index, instances written the regex's way, instances it must
     (15, ["xy", "axzb", " x z xy!"], ["x", "yz"]),
     (17, [str(uuid.UUID(int=0x1234567890abcdef1234567890abcdef))], ["1234"]),
     (18, ["2024-02-29", "0001-01-01", "9999-12-31"], ["2023-02-29", "2024-13-01", "0000-01-01", "2024-4-01"]),
+    (21, [[], [1], [1, "ab"]], [["ab"], [1, "abc"], [1, "a", 2]]),
+    (22, [[True, None], [False, None, None, None]], [[True], [None, None], [True, None, None, None, None]]),
 ]
 
 
@@ -253,6 +257,7 @@ def test_pydantic_models_schemas_give_json_the_model_validates():
         items: list[Item] = pydantic.Field(max_length=2)
         note: Optional[str] = pydantic.Field(default=None, max_length=5)
         paid: bool
+        pair: tuple[int, str] = pydantic.Field(default=(0, ""))
 
     rx = Regex(schema_pattern(Order.model_json_schema()))
     texts = _walks(rx, seed=7, count=25, limit=300)
@@ -263,7 +268,9 @@ def test_pydantic_models_schemas_give_json_the_model_validates():
 
 @pytest.mark.parametrize("schema, message", [
     ({}, "at /: a schema that takes any JSON value"),
-    ({"type": "array"}, "array without items"),
+    ({"type": "array"}, "items may be any JSON values"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2}, "items may be any JSON values"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "minItems": 2}, "no array is valid"),
     ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}},
      "at /properties/a/multipleOf: the keyword 'multipleOf' is not supported"),
     ({"type": "string", "format": "email"}, "format 'email' is not supported"),
