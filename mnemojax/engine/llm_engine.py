@@ -267,7 +267,8 @@ class LLMEngine:
         self._token_vocab: TokenVocabulary | None = None  # the tokens' texts, for regexes (made when first asked)
         self._guides: collections.OrderedDict[str, TokenGuide] = collections.OrderedDict()  # the latest patterns'
         self._guides_lock = threading.Lock()
-        self._delta_sent: dict[str, tuple[int, int, int]] = {}  # DELTA requests: prompt log-probs, tokens, chars
+        self._delta_sent: dict[str, tuple[int, int, int, float]] = {}  # DELTA requests: prompt log-probs, tokens,
+        # chars sent, and the generated tokens' summed log-probs
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
@@ -794,16 +795,21 @@ class LLMEngine:
 
     def _delta_output(self, req: Request) -> RequestOutput:
         first = req.request_id not in self._delta_sent
-        n_plp, n_tok, n_chr = self._delta_sent.get(req.request_id, (0, 0, 0))
+        n_plp, n_tok, n_chr, running = self._delta_sent.get(req.request_id, (0, 0, 0, 0.0))
         plps = req.prompt_logprobs
-        self._delta_sent[req.request_id] = (len(plps or ()), len(req.output_token_ids), len(req.output_text))
+        if req.logprobs is not None:
+            for d, t in zip(req.logprobs[n_tok:], req.output_token_ids[n_tok:]):
+                running += d[t]  # (token by token: the sum `cumulative_logprob` gives a CUMULATIVE output)
+        self._delta_sent[req.request_id] = (len(plps or ()), len(req.output_token_ids), len(req.output_text),
+                                            running)
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt if first else None,
             prompt_token_ids=list(req.prompt_token_ids) if first else [],
             prompt_logprobs=None if plps is None else plps[n_plp:],
             outputs=[CompletionOutput(0, req.output_text[n_chr:], req.output_token_ids[n_tok:],
                                       None if req.logprobs is None else req.logprobs[n_tok:],
-                                      req.finish_reason, req.stop_reason)],
+                                      req.finish_reason, req.stop_reason,
+                                      None if req.logprobs is None else running)],
             finished=req.is_finished,
             metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                    req.finished_time, req.token_times[n_tok:]),

@@ -33,17 +33,21 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None  # per generated token; always contains the sampled token
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" (failed steps ended it); None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    _running_logprob: float | None = dataclasses.field(default=None, repr=False, compare=False)
+    """A DELTA output's `cumulative_logprob`: the sum over every token the request has generated so far."""
 
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     @property
     def cumulative_logprob(self) -> float | None:
-        """vLLM's: the sum of the generated tokens' log-probs (the raw model's), None without `logprobs`. Over this
-        output's tokens: the whole sequence's for CUMULATIVE and final outputs (vLLM's DELTA outputs carry the
-        running sum; a DELTA output here, the sum of its own tokens)."""
+        """vLLM's: the sum of the generated tokens' log-probs (the raw model's), None without `logprobs`: the whole
+        sequence's so far, in every output kind (a DELTA output's too, as vLLM's: the running sum, not its own
+        tokens')."""
         if self.logprobs is None:
             return None
+        if self._running_logprob is not None:
+            return self._running_logprob
         return sum(d[t] for d, t in zip(self.logprobs, self.token_ids))
 
 
@@ -69,6 +73,7 @@ class RequestOutput:
             mine.logprobs = mine.logprobs if mine.logprobs is not None else []
             mine.logprobs.extend(new.logprobs)
         mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        mine._running_logprob = new._running_logprob
         if later.prompt_logprobs is not None:
             self.prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else []
             self.prompt_logprobs.extend(later.prompt_logprobs)

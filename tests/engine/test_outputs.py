@@ -45,6 +45,12 @@ def test_deltas_add_up_to_the_cumulative_output(engine):
     for (c_outs, d_outs, final) in zip(cumulative.values(), deltas.values(), finals.values()):
         whole = c_outs[-1]
         first, rest = d_outs[0], d_outs[1:]
+        lps = whole.outputs[0].logprobs
+        seen = 0
+        for o in d_outs:  # vLLM's DELTA cumulative_logprob: the running sum over every token so far
+            seen += len(o.outputs[0].token_ids)
+            want = None if lps is None else sum(d[t] for d, t in zip(lps[:seen], whole.outputs[0].token_ids))
+            assert o.outputs[0].cumulative_logprob == want
         assert first.prompt_token_ids == whole.prompt_token_ids
         assert all(o.prompt_token_ids == [] for o in rest)  # the prompt once, not every step
         assert all(len(o.outputs[0].token_ids) <= 1 for o in d_outs)  # a step adds at most one token
@@ -53,7 +59,7 @@ def test_deltas_add_up_to_the_cumulative_output(engine):
         got, ref = first.outputs[0], whole.outputs[0]
         assert (got.text, got.token_ids, got.logprobs, got.finish_reason, got.stop_reason) == \
                (ref.text, ref.token_ids, ref.logprobs, ref.finish_reason, ref.stop_reason)
-        assert first.prompt_logprobs == whole.prompt_logprobs
+        assert first.prompt_logprobs == whole.prompt_logprobs and got.cumulative_logprob == ref.cumulative_logprob
         assert len(first.metrics.token_times) == len(ref.token_ids) and first.finished
         # pop_finished gives the whole output (metrics read it), whatever the kind
         assert final.outputs[0].token_ids == ref.token_ids and len(final.metrics.token_times) == len(ref.token_ids)
