@@ -9,8 +9,8 @@ space, capitalised words, numbers, punctuation runs; Llama-3's own cannot be dow
 
 - per pattern, the ms to compute one new state's mask (mean over the states a walk through `--tokens` tokens of a
   match visits), against a side-by-side run of the same masks the plain way (each token's text walked whole from
-  the state, where `TokenGuide` reads a first character once per group of texts that start with it and skips the
-  group when it dies there), and the ratio between them;
+  the state, where `TokenGuide` steps all live tokens a character at a time through numpy arrays, by character
+  classes of the pattern), and the ratio between them;
 - the ms per token of a request's walk once its states are cached (`RegexState.mask_after`), what every step
   pays per regex row;
 - the mask's bytes per row sent with the step.

@@ -4,17 +4,18 @@ still match the pattern whole (`mnemojax.scheduling.regex.Regex`), then EOS once
 - `token_texts`: the text each token adds to an output, from the tokenizer (after a fixed token, so SentencePiece's
   leading spaces count); special tokens, tokens holding part of a UTF-8 character and ids past the tokenizer are
   None: never allowed.
-- `TokenVocabulary`: those texts grouped by their first character, which every pattern's walk reuses.
+- `TokenVocabulary`: those texts as flat arrays of code points, which every pattern's walk reuses.
 - `TokenGuide`: per pattern, the allowed-token bitmask of each DFA state (cached), the sampler's `masks`.
 - `RegexState`: one request's walk through its guide along its generated tokens.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 
-from mnemojax.scheduling.regex import Regex, RegexError
+from mnemojax.scheduling.regex import MAX_CODE, Regex, RegexError
 from models.tokenizer import special_ids
 
 
@@ -44,25 +45,30 @@ def token_texts(tokenizer, vocab_size: int) -> list[str | None]:
 
 
 class TokenVocabulary:
-    """Token texts (`token_texts`) grouped by their first character, each group's ids and the rest of their texts: a
-    state's walk reads a first character once for the whole group and drops the group when it dies there (most
-    groups, in a narrow state). Built once per engine, shared by every pattern's guide."""
+    """Token texts (`token_texts`) as flat arrays of their characters' code points, which every pattern's guide walks:
+    built once per engine, shared by every guide."""
 
     def __init__(self, texts: Sequence[str | None]):
         self.texts = list(texts)
         self.size = len(self.texts)
-        self.groups: dict[str, tuple[list[int], list[str]]] = {}
-        for t, s in enumerate(self.texts):
-            if s:
-                ids, rests = self.groups.setdefault(s[0], ([], []))
-                ids.append(t)
-                rests.append(s[1:])
+        kept = [(t, s) for t, s in enumerate(self.texts) if s]
+        self.ids = np.array([t for t, _ in kept], np.int64)  # the tokens that have a text
+        self.lengths = np.array([len(s) for _, s in kept], np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64) if kept else \
+            np.zeros(0, np.int64)
+        joined = "".join(s for _, s in kept)
+        self.codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), "<u4").astype(np.int32)
 
 
 class TokenGuide:
     """One pattern over one vocabulary: the bitmask of the tokens allowed in each DFA state (cached), as uint32
     words [ceil(vocab / 32)], token t bit t % 32 of word t // 32: those whose text keeps a match possible, and the
-    EOS tokens where the text so far matches whole."""
+    EOS tokens where the text so far matches whole.
+
+    The walk is vectorized over tokens: the pattern's character sets cut the code points into classes whose
+    characters every set takes or leaves alike (so one character of a class steps the DFA for all of them), each
+    token's characters are read as classes once per guide, and a state's walk steps every live token one character
+    at a time through a table (state, class) -> state filled as the walk meets new pairs."""
 
     def __init__(self, regex: Regex, vocab: TokenVocabulary | Sequence[str | None], eos_ids: Sequence[int]):
         self.regex = regex
@@ -70,27 +76,71 @@ class TokenGuide:
         self.vocab_size = self.vocab.size
         self.eos_ids = tuple(eos_ids)
         self._masks: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()  # the server's thread checks a guide's start beside the engine's walks
+        self._classes: np.ndarray | None = None  # built at the first mask
 
     @property
     def words(self) -> int:
         return -(-self.vocab_size // 32)
 
+    def _build_classes(self) -> None:
+        bounds = {0}
+        for edges in self.regex._edges:
+            for ranges, _ in edges:
+                for lo, hi in ranges:
+                    bounds.update((lo, hi + 1))
+        self._bounds = np.array(sorted(b for b in bounds if b <= MAX_CODE), np.int64)
+        self._reps = [chr(b) for b in self._bounds.tolist()]  # a character of each class
+        n = len(self._bounds)
+        dtype = np.uint8 if n <= 256 else np.int16 if n <= 2 ** 15 else np.int32  # (a byte a character, mostly)
+        self._classes = (np.searchsorted(self._bounds, self.vocab.codes, side="right") - 1).astype(dtype)
+        first = self._classes[self.vocab.starts]  # each token's first class, and the tokens grouped by it
+        self._by_first = np.argsort(first, kind="stable")
+        self._first_at = np.searchsorted(first[self._by_first], np.arange(n + 1))
+        self._table = np.full((64, n), -1, np.int64)
+
+    def _step(self, states: np.ndarray, classes: np.ndarray) -> np.ndarray:
+        """The DFA states after one character of each class from each state (the table filled where it lacks one)."""
+        n = len(self._bounds)
+        top = int(states.max())
+        if top >= self._table.shape[0]:
+            grown = np.full((max(2 * self._table.shape[0], top + 1), n), -1, np.int64)
+            grown[:self._table.shape[0]] = self._table
+            self._table = grown
+        flat = self._table.reshape(-1)
+        keys = states * n + classes
+        out = flat[keys]
+        missing = out < 0
+        if missing.any():
+            for k in np.unique(keys[missing]).tolist():
+                flat[k] = self.regex.step(k // n, self._reps[k % n])
+            out = flat[keys]
+        return out
+
     def allowed(self, state: int) -> np.ndarray:
-        """bool[vocab]: the tokens allowed in `state`: per group of texts with the same first character, the state
-        after it, then each text's rest walked from there (a group whose first character dies is skipped whole).
-        Measured against other walks in docs/benchmarks.md (`scripts/bench_structured.py`)."""
-        rx = self.regex
-        walk, step, nexts = rx.walk, rx.step, rx._next
-        keep: list[int] = []
-        for ch, (ids, rests) in self.vocab.groups.items():
-            after = nexts[state].get(ch)
-            if after is None:
-                after = step(state, ch)
-            if after:
-                keep += [t for t, rest in zip(ids, rests) if not rest or walk(after, rest)]
+        """bool[vocab]: the tokens allowed in `state`: each token's text walked from it, the tokens of a first class
+        that dies skipped whole, then all live tokens a character at a time. Measured against the plain walk (each
+        text on its own) in docs/benchmarks.md (`scripts/bench_structured.py`)."""
         ok = np.zeros(self.vocab_size, bool)
-        ok[keep] = True
-        if rx.accepts(state):
+        with self._lock:
+            if self._classes is None:
+                self._build_classes()
+            v, n = self.vocab, len(self._bounds)
+            row = self._step(np.full(n, state, np.int64), np.arange(n))
+            live = np.flatnonzero(row)
+            act = np.concatenate([self._by_first[self._first_at[c]:self._first_at[c + 1]] for c in live.tolist()]
+                                 + [np.zeros(0, np.int64)])
+            states, done = row[self._classes[v.starts[act]]], 1
+            while act.size:  # every state here is live (a dead one was dropped)
+                ended = v.lengths[act] == done
+                ok[v.ids[act[ended]]] = True
+                act, states = act[~ended], states[~ended]
+                if not act.size:
+                    break
+                states = self._step(states, self._classes[v.starts[act] + done])
+                live = states != 0
+                act, states, done = act[live], states[live], done + 1
+        if self.regex.accepts(state):
             ok[list(self.eos_ids)] = True
         return ok
 
