@@ -552,9 +552,10 @@ MGPU_LOOP = dict(block_k=128, registers=True, pingpong=True, release_k=True, max
                  wait_k_in_pv=True, fenced_softmax=True)
 
 
-# (the tuning options' cases lower in the slow suite: ~12 s of the default suite's ten minutes on 2 cores)
+# (all three lower in the slow suite: ~33 s of the default suite's ten minutes on 2 cores)
 @pytest.mark.parametrize("num_heads,page,options", [
-    pytest.param(32, 16, False, id="8b-page16"),
+    pytest.param(32, 16, False, id="8b-page16", marks=pytest.mark.slow),  # (~21 s; lowering stays in the default
+    # suite through test_every_supported_configuration_lowers)
     pytest.param(32, 16, True, id="8b-page16-options", marks=pytest.mark.slow),
     pytest.param(64, 128, True, id="70b-page128", marks=pytest.mark.slow)])
 def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page, options):
@@ -1172,7 +1173,12 @@ def test_compute_bound_prefill_at_head_dim_64_takes_three_consumers_with_overlap
     assert not ma.Codegen().for_launch(**dict(launch, interpret=True)).overlap  # interpreted: each loop as asked
     for other in ("wait_k_in_pv", "fenced_softmax"):
         assert not ma.Codegen(**{other: True}).for_launch(**launch).overlap
-    # the kernel traced for the GPU (no compile) is the one asked for with consumers=3 and overlap=True
+
+
+@pytest.mark.slow  # (seven GPU kernels traced: ~24 s of the default suite's ten minutes on 2 cores)
+def test_the_traced_three_consumer_kernel_is_the_default_at_head_dim_64():
+    """The kernel traced for the GPU (no compile) at head dim 64 is the one asked for with consumers=3 and
+    overlap=True (`test_compute_bound_prefill_at_head_dim_64_takes_three_consumers_with_overlap` plans it)."""
     step = make_step(np.random.default_rng(38), [(120, 100, 0)], num_heads=4, num_kv_heads=1, head_dim=64, page=16,
                      dtype=jnp.bfloat16)  # one partition (120 keys: one block), so no merge kernel
     assert planned_tiles(step, interpret=False).prefill.lim_rows.shape[1] == 192

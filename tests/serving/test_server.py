@@ -408,7 +408,7 @@ def test_guided_json_structured_outputs_json_and_response_format_json_schema(cli
             ({"guided_json": {"type": "string", "format": "email"}}, "guided_json",
              "guided_json: at /format: format 'email' is not supported"),
             ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array"}}}},
-             "response_format", "response_format: at /: an array without items"),
+             "response_format", "response_format: at /: an array whose items may be any JSON values"),
             ({"guided_json": schema, "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
              "guided_json", "guided_json or response_format, not both"),
             ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "only applies with guided_json"),
