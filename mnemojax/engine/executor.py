@@ -823,17 +823,19 @@ class Executor:
                 shapes += [(T, R, DECODE) for R in Rs]
         return shapes
 
-    def warm_up(self, progress: Callable[[], None] | None = None) -> int:
+    def warm_up(self, progress: Callable[[], None] | None = None, masked: bool = False) -> int:
         """Compiles the step of every shape in `shape_buckets()` by running it on all-padding arrays (every row
-        writes the reserved page 0 and reads nothing), so that serving never compiles; `progress` is called after
-        each. Runs on the followers too (multi-host): every process compiles and runs the same shapes in the same
-        order by itself, so nothing is broadcast (a follower is in its own warm-up, not listening). Returns the
-        number of shapes."""
+        writes the reserved page 0 and reads nothing), so that serving never compiles; with `masked`, each shape's
+        variant with regex rows' masks too (`host_template(..., masked=True)`: no row is masked); `progress` is
+        called after each. Runs on the followers too (multi-host): every process compiles and runs the same shapes
+        in the same order by itself, so nothing is broadcast (a follower is in its own warm-up, not listening).
+        Returns the number of shapes."""
         shapes = self.shape_buckets()
         for T, R, kind in shapes:
-            self._launch(T, self.host_template(T, R), fetch=True, kind=kind, broadcast=False)
-            if progress is not None:
-                progress()
+            for with_masks in (False, True)[:1 + masked]:
+                self._launch(T, self.host_template(T, R, with_masks), fetch=True, kind=kind, broadcast=False)
+                if progress is not None:
+                    progress()
         for U in self.update_buckets():  # the page-table scatters, all dropped
             self.apply_table_updates(self._no_updates(U), broadcast=False)
         for U in self.penalty_update_buckets():  # the penalties' scatters, all dropped, no slot cleared

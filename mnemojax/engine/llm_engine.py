@@ -98,6 +98,11 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
         default_factory=lambda: os.environ.get("MNEMOJAX_PRECOMPILE", "1").strip().lower() not in ("0", "false"))
     """Compile the step of every shape bucket before serving, so no step compiles later (default true;
     MNEMOJAX_PRECOMPILE=0 makes the default false). False: each shape compiles the first time a step needs it."""
+    precompile_structured_outputs: bool = False
+    """With precompile: also compile each shape's variant for steps with structured outputs' rows (regex, json and
+    json_object requests carry token masks, which are their own compiled step), so the first such request compiles
+    nothing either; the precompile takes about twice as long. Without it, each shape's variant compiles the first time
+    a step with such a row needs it."""
     async_scheduling: bool | None = None
     """Overlap the host with the device (vLLM's async scheduling): step N+1 is scheduled and its arrays prepared
     and launched while step N runs, and a token step N samples enters step N+1 on the device; results are the
@@ -122,6 +127,9 @@ class EngineConfig(SchedulerConfig, ParallelConfig):
         ParallelConfig.__post_init__(self)
         if self.dtype not in (AUTO, *DTYPES):
             raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {self.dtype!r}")
+        if self.precompile_structured_outputs and not self.precompile:
+            raise ValueError("precompile_structured_outputs needs precompile (MNEMOJAX_PRECOMPILE=0 makes precompile's "
+                             "default false)")
         if isinstance(self.max_logit_bias, bool) or not isinstance(self.max_logit_bias, int) \
                 or self.max_logit_bias < 0:
             raise ValueError(f"max_logit_bias must be an integer >= 0, got {self.max_logit_bias!r}")
@@ -279,10 +287,12 @@ class LLMEngine:
 
         start = time.perf_counter()
         shapes = self.executor.shape_buckets()
-        with tqdm(total=len(shapes), desc="compiling step shapes", unit="shape", leave=False) as bar:
-            self.executor.warm_up(progress=bar.update)
+        masked = self.config.precompile_structured_outputs
+        with tqdm(total=len(shapes) * (1 + masked), desc="compiling step shapes", unit="shape", leave=False) as bar:
+            self.executor.warm_up(progress=bar.update, masked=masked)
         took = time.perf_counter() - start
-        logger.info("compiled %d step shapes in %.1f s (token rows %s)", len(shapes), took,
+        logger.info("compiled %d step shapes%s in %.1f s (token rows %s)", len(shapes),
+                    " and their structured outputs' variants" if masked else "", took,
                     sorted({T for T, *_ in shapes}))
         return took
 

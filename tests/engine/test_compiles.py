@@ -91,3 +91,31 @@ def test_mixed_workload_after_start_up_compiles_nothing(engine_and_warm_up_event
     assert len(outs[3].prompt_logprobs) == 64
     assert counter.events == []
     assert engine.kv.num_used == 0
+
+
+@pytest.mark.slow  # (two engines precompiled: ~25 s)
+def test_precompile_structured_outputs_compiles_the_masked_variants_too():
+    """Steps with structured outputs' rows (token masks) are their own compiled variant: after a plain precompile a
+    regex request lowers a step; with `precompile_structured_outputs` it lowers and compiles nothing (a json_object
+    request neither)."""
+    from mnemojax.scheduling.sampling_params import StructuredOutputsParams
+
+    counter = CompileCounter.get()
+    kw = dict(model="tiny", precompile=True, page_size=8, chunk_size=16, max_num_batched_tokens=16, max_num_seqs=8,
+              max_model_len=256)
+    params = [SamplingParams(max_tokens=6, temperature=0, structured_outputs=StructuredOutputsParams(
+        regex=r"[a-z]{2,5}")), SamplingParams(max_tokens=6, temperature=0, structured_outputs=StructuredOutputsParams(
+            json_object=True, whitespace_pattern=""))]
+    for structured in (False, True):
+        engine = LLMEngine(EngineConfig(**kw, precompile_structured_outputs=structured))
+        counter.events, counter.active = [], True
+        try:
+            for p in params:
+                engine.add_request("Hello there", p)
+                while engine.has_unfinished():
+                    engine.step()
+        finally:
+            counter.active = False
+        assert bool(counter.events) != structured, (structured, counter.events)
+    with pytest.raises(ValueError, match="precompile_structured_outputs needs precompile"):
+        EngineConfig(model="tiny", precompile=False, precompile_structured_outputs=True)
