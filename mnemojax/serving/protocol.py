@@ -152,8 +152,9 @@ class _SamplingRequest(_Strict):
                                                                              "whitespace allowed between JSON's "
                                                                              "tokens, a regex")
     structured_outputs: dict | None = Field(default=None, description="vLLM's: {\"choice\": [...]}, {\"regex\": "
-                                                                      "\"...\"} or {\"json\": {...}} (as the "
-                                                                      "guided_ fields), with vLLM's options")
+                                                                      "\"...\"}, {\"json\": {...}} (as the "
+                                                                      "guided_ fields) or {\"json_object\": true}, "
+                                                                      "with vLLM's options")
     # vLLM's fields that mnemojax does not implement: refused when set to anything that would change the output
     guided_grammar: Any = None
     logits_processors: Any = None
@@ -213,8 +214,7 @@ class _SamplingRequest(_Strict):
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """vLLM's `structured_outputs` (its keys those of `StructuredOutputsParams`), its older `guided_choice` /
         `guided_regex` / `guided_json`, or OpenAI's `response_format` of type `json_schema` or `json_object`; one of
-        them. A bad one is
-        a ParamError naming the field given."""
+        them. A bad one is a ParamError naming the field given."""
         rf = self.response_format
         schema = True if rf is not None and rf.get("type") == "json_object" else None
         if rf is not None and rf.get("type") == "json_schema":
@@ -240,7 +240,8 @@ class _SamplingRequest(_Strict):
             unknown = sorted(set(value) - _STRUCTURED_KEYS)
             if unknown:
                 raise ParamError("structured_outputs", f"structured_outputs.{unknown[0]} is not supported (only "
-                                                       f"choice, regex and json, with vLLM's options)")
+                                                       f"choice, regex, json and json_object, with vLLM's "
+                                                       f"options)")
             return StructuredOutputsParams(**value)
         kind = {"guided_choice": "choice", "guided_regex": "regex"}.get(name, "json")
         if value is True:  # response_format json_object
