@@ -495,10 +495,10 @@ class LLMEngine:
 
     def regex_guide(self, params: SamplingParams) -> TokenGuide | None:
         """The token guide of structured outputs' `regex`, `json` or `json_object` (None without one): per state of
-        the pattern (`StructuredOutputsParams.pattern`: a JSON schema is written as one), the tokens whose text keeps a whole
-        match possible, EOS where the text matches. Kept for the latest MAX_GUIDES patterns. Raises ParamError
-        naming `structured_outputs`: no tokenizer, no EOS, a pattern that matches no string, or one no token of the
-        vocabulary can start."""
+        the pattern (`StructuredOutputsParams.pattern`: a JSON schema is written as one), the tokens whose text
+        keeps a whole match possible, EOS where the text matches. Kept for the latest MAX_GUIDES patterns. Raises
+        ParamError naming `structured_outputs`: no tokenizer, no EOS, a pattern that matches no string, or one no
+        token of the vocabulary can start."""
         so = params.structured_outputs
         pattern = None if so is None else so.pattern
         if pattern is None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mnemojax.scheduling.regex import MAX_CODE, Regex, RegexError
+from mnemojax.scheduling.regex import Regex, RegexError
 from models.tokenizer import special_ids
 
 
@@ -84,12 +84,7 @@ class TokenGuide:
         return -(-self.vocab_size // 32)
 
     def _build_classes(self) -> None:
-        bounds = {0}
-        for edges in self.regex._edges:
-            for ranges, _ in edges:
-                for lo, hi in ranges:
-                    bounds.update((lo, hi + 1))
-        self._bounds = np.array(sorted(b for b in bounds if b <= MAX_CODE), np.int64)
+        self._bounds = np.array(self.regex.class_starts(), np.int64)
         self._reps = [chr(b) for b in self._bounds.tolist()]  # a character of each class
         n = len(self._bounds)
         dtype = np.uint8 if n <= 256 else np.int16 if n <= 2 ** 15 else np.int32  # (a byte a character, mostly)

@@ -71,7 +71,8 @@ character counts once towards `minLength` / `maxLength`, and the pattern stays s
 _SAFE = ((0x20, 0x21), (0x23, 0x5B), (0x5D, 0x7E))
 """The characters of a string with a `pattern`: printable ASCII but `"` and `\\`."""
 _DIGITS = "[0-9]"
-_NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+_INTEGER = "-?(?:0|[1-9][0-9]*)"
+_NUMBER = _INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 _SCALAR = f'(?:"{_CHAR}*"|{_NUMBER}|true|false|null)'
 _ANY_FRACTION, _ZERO_FRACTION, _POSITIVE_FRACTION = r"(?:\.[0-9]+)?", r"(?:\.0+)?", r"\.[0-9]*[1-9][0-9]*"
 _YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
@@ -197,50 +198,34 @@ def _unparse(node, allowed) -> str:
     return f"(?:{_unparse(inner, allowed)}){{{lo},{'' if hi is None else hi}}}"
 
 
-def _top_level_bar(pattern: str) -> bool:
-    depth, i, in_class = 0, 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 1
-        elif in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            if pattern[i + 1:i + 2] == "]":
-                i += 1
-        elif c in "()":
-            depth += 1 if c == "(" else -1
-        elif c == "|" and depth == 0:
-            return True
-        i += 1
-    return False
-
-
-def _ecma_differs(pattern: str) -> str | None:
-    """What in `pattern` ECMA-262 reads otherwise than Python's `re` (among what `regex._Parser` takes), if anything:
-    `\\a` (the letter a in ECMA), `{,n}` (literal text in ECMA), `]` first in a class (`[]` is an empty class in
-    ECMA), `(?P<...>` (not ECMA syntax)."""
-    i, in_class = 0, False
+def _scan(pattern: str) -> tuple[str | None, bool]:
+    """(What in `pattern` ECMA-262 reads otherwise than Python's `re`, among what `regex._Parser` takes, or None;
+    whether it has a `|` outside groups). ECMA reads `\\a` as the letter a, `{,n}` as literal text, `[]` as an empty
+    class, and has no `(?P<...>`."""
+    depth, i, in_class, bar = 0, 0, False, False
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
             if pattern[i + 1:i + 2] == "a":
-                return "'\\a'"
+                return "'\\a'", bar
             i += 2
             continue
         if in_class:
             in_class = c != "]"
         elif c == "[":
             if pattern[i + 1:i + 2] == "]" or pattern[i + 1:i + 3] == "^]":
-                return "']' first in a class"
+                return "']' first in a class", bar
             in_class = True
         elif c == "{" and re.match(r"\{,[0-9]+\}", pattern[i:]):
-            return "'{,n}'"
+            return "'{,n}'", bar
         elif pattern.startswith("(?P", i):
-            return "'(?P'"
+            return "'(?P'", bar
+        elif c in "()":
+            depth += 1 if c == "(" else -1
+        elif c == "|" and depth == 0:
+            bar = True
         i += 1
-    return None
+    return None, bar
 
 
 def whitespace_regex(pattern: str) -> str:
@@ -526,14 +511,14 @@ class _Writer:
             re.compile(pattern)
         except (RegexError, re.error) as e:
             raise self.fail(path, str(e)) from None
-        differs = _ecma_differs(pattern)
+        differs, bar = _scan(pattern)
         if differs:
             raise self.fail(path, f"pattern {pattern!r}: {differs}, which ECMA-262 (JSON Schema's regex) reads "
                                   f"differently from Python's re")
         start = pattern.startswith("^")
         escapes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))  # backslashes before the last character
         end = pattern.endswith("$") and escapes % 2 == 0
-        if (start or end) and _top_level_bar(pattern):
+        if (start or end) and bar:
             raise self.fail(path, "an anchored pattern with a '|' outside groups is not supported (group it)")
         anywhere = _class(_SAFE) + "*"
         return ("" if start else anywhere) + _unparse(node, _SAFE) + ("" if end else anywhere)
@@ -557,7 +542,7 @@ class _Writer:
             lo, hi = max(los, default=None), min(his, default=None)
             if lo is not None and hi is not None and lo > hi:
                 raise self.fail(path, f"no integer is within the bounds {bounds}")
-            return integer_range(lo, hi) if bounds else "-?(?:0|[1-9][0-9]*)"
+            return integer_range(lo, hi) if bounds else _INTEGER
         if not bounds:
             return _NUMBER
         lo = hi = None

@@ -370,6 +370,16 @@ class Regex:
                 return 0
         return state
 
+    def class_starts(self) -> list[int]:
+        """The first code point of each character class: the sets on the automaton's edges cut the code points into
+        runs that every set takes or leaves alike, so one character of a run steps any state as all of them do."""
+        starts = {0}
+        for edges in self._edges:
+            for ranges, _ in edges:
+                for lo, hi in ranges:
+                    starts.update((lo, hi + 1))
+        return sorted(b for b in starts if b <= MAX_CODE)
+
     def accepts(self, state: int) -> bool:
         return self._accept in self._sets[state]
 

@@ -216,16 +216,17 @@ class _SamplingRequest(_Strict):
         `guided_regex` / `guided_json`, or OpenAI's `response_format` of type `json_schema` or `json_object`; one of
         them. A bad one is a ParamError naming the field given."""
         rf = self.response_format
-        schema = True if rf is not None and rf.get("type") == "json_object" else None
+        response = ("json_object", True) if rf is not None and rf.get("type") == "json_object" else (None, None)
         if rf is not None and rf.get("type") == "json_schema":
             js = rf.get("json_schema")
             if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
                 raise ParamError("response_format", "response_format json_schema needs json_schema.schema, a JSON "
                                                     "schema (an object)")
-            schema = js["schema"]
-        sources = {k: v for k, v in (("guided_choice", self.guided_choice), ("guided_regex", self.guided_regex),
-                                     ("guided_json", self.guided_json), ("response_format", schema),
-                                     ("structured_outputs", self.structured_outputs)) if v is not None}
+            response = ("json", js["schema"])
+        sources = {name: (kind, value) for name, kind, value in (  # field -> (the kind it gives, its value)
+            ("guided_choice", "choice", self.guided_choice), ("guided_regex", "regex", self.guided_regex),
+            ("guided_json", "json", self.guided_json), ("response_format", *response),
+            ("structured_outputs", None, self.structured_outputs)) if value is not None}
         if len(sources) > 1:
             given = [*sources]
             raise ParamError(given[0], f"give {' or '.join(given)}, not {'both' if len(given) == 2 else 'several'}")
@@ -235,7 +236,7 @@ class _SamplingRequest(_Strict):
                                                           "a json_schema or json_object response_format")
         if not sources:
             return None
-        (name, value), = sources.items()
+        (name, (kind, value)), = sources.items()
         if name == "structured_outputs":
             unknown = sorted(set(value) - _STRUCTURED_KEYS)
             if unknown:
@@ -243,9 +244,6 @@ class _SamplingRequest(_Strict):
                                                        f"choice, regex, json and json_object, with vLLM's "
                                                        f"options)")
             return StructuredOutputsParams(**value)
-        kind = {"guided_choice": "choice", "guided_regex": "regex"}.get(name, "json")
-        if value is True:  # response_format json_object
-            kind = "json_object"
         params = StructuredOutputsParams(**{kind: value}, whitespace_pattern=ws)
         try:
             params.validate()
