@@ -413,7 +413,8 @@ def race_detection(monkeypatch):
     pytest.param("decode", dict(overlap=True), marks=pytest.mark.slow, id="decode-overlap"),
     pytest.param("prefill", dict(overlap=True, fma_softmax=True, stages=3), marks=pytest.mark.slow,
                  id="prefill-overlap-fma-stages3"),
-    pytest.param("prefill", dict(consumers=3, pingpong=True), id="prefill-c3-ring"),
+    pytest.param("prefill", dict(consumers=3, pingpong=True), marks=pytest.mark.slow,  # (~17 s: the cold default
+                 id="prefill-c3-ring"),  # suite took 528-598 s in this session's fresh-clone CIs)
     pytest.param("prefill", dict(consumers=3, overlap=True, pingpong=True), marks=pytest.mark.slow,
                  id="prefill-c3-overlap-ring")],
     ids=str)
