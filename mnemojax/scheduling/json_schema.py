@@ -6,15 +6,21 @@ then guides tokens by it as by `structured_outputs.regex`. A schema needs unboun
 recursive `$ref`, which is refused: everything else is a regular language. The regex may leave valid JSON out, never
 let invalid JSON in:
 - an object's properties come in the order of `properties`, each once; those in `required` always, the others
-  optionally, and no other properties (as xgrammar and outlines generate); a `required` name missing from
-  `properties` is refused;
+  optionally (as xgrammar and outlines generate); a `required` name missing from `properties` is refused. Other
+  properties come only from an `additionalProperties` schema (after the listed ones, any number, each named none
+  of the listed names, as any string or as `propertyNames` says) or from `patternProperties` (one pattern and no
+  `properties`: names the pattern matches); `additionalProperties` absent or true generates none (xgrammar's
+  strict mode). A name may be written twice among the other properties (JSON parsers keep the last value, which
+  is valid too), so `minProperties` above 1 is refused there;
 - numbers and strings are written one way: integers without a fraction or exponent, no `-0`; a string's characters
   are themselves or JSON's short escapes (`\\n`, `\\"`, ...), never `\\u` escapes, so the controls without a short
   escape (U+0000-U+001F but tab, newline, ...) cannot appear;
 - a string with a `pattern` is made of printable ASCII without escapes, where Python's `re`, ECMA-262 and
   `mnemojax.scheduling.regex` read the pattern alike (JSON Schema's `pattern` matches anywhere unless anchored); a
   pattern that ECMA-262 reads otherwise (`\\a`, `{,n}`, `]` first in a class, `(?P<`) is refused;
-- numbers with bounds have no exponent, and their bounds must be integers.
+- numbers with bounds have no exponent; the bounds are compared as exact decimals, a float bound as its shortest
+  repr (0.1 is 0.1). A validator that reads numbers as binary floats can disagree with an exclusive bound on a
+  number of more than 16 significant digits (`0.10000000000000000001` rounds to 0.1).
 
 Whitespace: between tokens the default is any run of JSON whitespace `[ \\n\\t]*` (xgrammar's default);
 `disable_any_whitespace` writes `, ` and `: ` and nothing else (xgrammar's); `whitespace_pattern` (outlines') puts
@@ -25,8 +31,9 @@ of different types, different `const` / `enum` values, or objects that require o
 `const` / `enum` values), `allOf` with one schema, `$ref` within the document (`#`, `#/$defs/...`,
 `#/definitions/...`, with JSON Pointer's and a URI's escapes; not recursive, and not through an `$id` below the
 root, which would change what the references inside mean), `properties`, `required`,
-`additionalProperties` (never generated), `items`, `prefixItems` (no items past them unless `items` gives their
-schema), `minItems`, `maxItems`, `minLength`, `maxLength`, `pattern`,
+`additionalProperties`, `propertyNames` and `patternProperties` (as above), `minProperties` / `maxProperties` (for
+objects of other properties only, or where every object of the listed ones meets them), `items`, `prefixItems` (no
+items past them unless `items` gives their schema), `minItems`, `maxItems`, `minLength`, `maxLength`, `pattern`,
 `format` (`date`, `time`, `date-time`, `uuid`), `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, and the
 annotations (`title`, `description`, `default`, `examples`, ...). Any other keyword is a `SchemaError` naming its
 path: refused, never ignored. A schema without `type` takes it from its keywords (`properties` makes an object);
@@ -35,10 +42,12 @@ written: `$ref`s used twice a level double it each level).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
 import urllib.parse
+from decimal import Decimal
 
 from mnemojax.scheduling.regex import MAX_REPEAT, RegexError, _Parser
 
@@ -57,7 +66,8 @@ _TYPED = {
     "string": {"minLength", "maxLength", "pattern", "format"},
     "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
-    "object": {"properties", "required", "additionalProperties"},
+    "object": {"properties", "required", "additionalProperties", "propertyNames", "patternProperties",
+               "minProperties", "maxProperties"},
     "array": {"items", "prefixItems", "minItems", "maxItems"},
     "boolean": set(), "null": set(),
 }
@@ -68,6 +78,8 @@ _INFERRED = ("object", "array", "string", "number")  # the type a schema without
 _CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])'
 """One character of a JSON string as written: any but `"`, `\\` and the controls, or a short escape (no `\\u`: every
 character counts once towards `minLength` / `maxLength`, and the pattern stays small)."""
+_SHORT_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "\b": "b", "\f": "f", "\n": "n", "\r": "r", "\t": "t"}
+"""The characters a JSON string may write as a short escape (`_CHAR`'s), each with its letter."""
 _SAFE = ((0x20, 0x21), (0x23, 0x5B), (0x5D, 0x7E))
 """The characters of a string with a `pattern`: printable ASCII but `"` and `\\`."""
 _DIGITS = "[0-9]"
@@ -137,30 +149,89 @@ def integer_range(lo: int | None, hi: int | None) -> str:
     return _group(out)
 
 
-def _magnitude(lo: int, lo_in: bool, hi: int | None, hi_in: bool) -> str | None:
-    """A regex for the non-negative decimals n[.f] (no exponent) from lo to hi (None: no end), integers; `lo_in`,
-    `hi_in`: whether each end is included. None when there are none."""
-    if hi is not None and hi <= lo:
-        return literal(str(lo)) + _ZERO_FRACTION if hi == lo and lo_in and hi_in else None
-    out = [str(lo) + (_ANY_FRACTION if lo_in else _POSITIVE_FRACTION)]  # integer part lo
-    if hi is None or hi - lo >= 2:  # integer parts strictly between: any fraction
-        out.append(natural_range(lo + 1, None if hi is None else hi - 1) + _ANY_FRACTION)
-    if hi is not None and hi_in:
-        out.append(str(hi) + _ZERO_FRACTION)
-    return _group(out)
+def _digits(a: str | None, a_in: bool, b: str | None, b_in: bool) -> tuple[list[str], bool] | None:
+    """The digit strings t (maybe empty) whose value 0.t is from 0.a to 0.b (a None: from 0 included; b None: below
+    1; `*_in`: whether each end is included): (the regexes of the non-empty ones, whether the empty one is in).
+    None when there are none."""
+    a = None if a is None or (a.rstrip("0") == "" and a_in) else a.rstrip("0")
+    b = None if b is None else b.rstrip("0")
+    if a is not None and b is not None:
+        width = max(len(a), len(b))
+        if a.ljust(width, "0") > b.ljust(width, "0") or (a == b and not (a_in and b_in)):
+            return None
+    if not a and not b:  # each end is None or 0 (a == "": 0 left out)
+        if b is None:
+            return ([f"{_DIGITS}+"], True) if a is None else ([f"{_DIGITS}*[1-9]{_DIGITS}*"], False)
+        return (["0+"], True) if a is None and b_in else None
+    first, last = int(a[0]) if a else 0, int(b[0]) if b is not None else 9
+    tails = []
+    for d in range(first, last + 1):
+        rest = _digits(a[1:] if a is not None and d == first else None, a_in if d == first else True,
+                       b[1:] if b is not None and d == last else None, b_in if d == last else True)
+        if rest is not None:
+            tails.append((d, _optional(*rest)))
+    runs = [list(g) for _, g in itertools.groupby(tails, key=lambda x: x[1])]
+    alts = [(str(r[0][0]) if len(r) == 1 else f"[{r[0][0]}-{r[-1][0]}]") + r[0][1] for r in runs]
+    return (alts, a is None) if alts or a is None else None
 
 
-def number_range(lo: int | None, lo_in: bool, hi: int | None, hi_in: bool) -> str | None:
-    """A regex for JSON numbers without exponent between integer bounds (None: none; `*_in`: included), no `-0`
-    (0 is written without a sign). None when there are none."""
+def _optional(alts: list[str], empty: bool) -> str:
+    """A regex matching any of `alts`, or nothing too when `empty`."""
+    if not alts:
+        return ""
+    body = _group(alts)
+    return f"(?:{body})?" if empty else body
+
+
+def _fraction(a: str | None, a_in: bool, b: str | None, b_in: bool) -> str | None:
+    """A regex for a number's fraction (nothing, or '.' and digits) whose value is from 0.a to 0.b (as
+    `_digits`); None when there is none."""
+    out = _digits(a, a_in, b, b_in)
+    if out is None:
+        return None
+    alts, empty = out
+    return _optional([r"\." + _group(alts)], empty) if alts else ""
+
+
+def _parts(v: Decimal) -> tuple[int, str]:
+    """A non-negative decimal's integer part and its fraction's digits (no trailing zeros)."""
+    whole, _, frac = format(v, "f").partition(".")
+    return int(whole), frac.rstrip("0")
+
+
+def _magnitude(lo: Decimal, lo_in: bool, hi: Decimal | None, hi_in: bool) -> str | None:
+    """A regex for the non-negative decimals n[.f] (no exponent) from lo to hi (None: no end); `lo_in`, `hi_in`:
+    whether each end is included. None when there are none."""
+    if hi is not None and (hi < lo or (hi == lo and not (lo_in and hi_in))):
+        return None
+    (li, lf), (hi_int, hf) = _parts(lo), (None, None) if hi is None else _parts(hi)
+    if hi_int == li:  # one integer part
+        f = _fraction(lf, lo_in, hf, hi_in)
+        return None if f is None else str(li) + f
+    out = []
+    f = _fraction(lf, lo_in, None, True)
+    if f is not None:
+        out.append(str(li) + f)
+    if hi_int is None or hi_int - li >= 2:  # integer parts strictly between: any fraction
+        out.append(natural_range(li + 1, None if hi_int is None else hi_int - 1) + _ANY_FRACTION)
+    f = None if hi is None else _fraction(None, True, hf, hi_in)
+    if f is not None:
+        out.append(str(hi_int) + f)
+    return _group(out) if out else None
+
+
+def number_range(lo, lo_in: bool, hi, hi_in: bool) -> str | None:
+    """A regex for JSON numbers without exponent between the bounds lo and hi (ints or Decimals, exact; None: none;
+    `*_in`: included), no `-0` (0 is written without a sign). None when there are none."""
+    lo, hi = (None if v is None else Decimal(v) for v in (lo, hi))
     out = []
     if lo is None or lo < 0:  # negative: '-' then a magnitude u > 0 with -hi <= u <= -lo
-        low, low_in = (0, False) if hi is None or hi >= 0 else (-hi, hi_in)
+        low, low_in = (Decimal(0), False) if hi is None or hi >= 0 else (-hi, hi_in)
         m = _magnitude(low, low_in, None if lo is None else -lo, lo_in)
         if m is not None:
             out.append("-" + m)
     if hi is None or hi >= 0:
-        m = _magnitude(*((0, True) if lo is None or lo < 0 else (lo, lo_in)), hi, hi_in)
+        m = _magnitude(*((Decimal(0), True) if lo is None or lo < 0 else (lo, lo_in)), hi, hi_in)
         if m is not None:
             out.append(m)
     return _group(out) if out else None
@@ -174,6 +245,43 @@ def _class(ranges) -> str:
 
 def _code(c: int) -> str:
     return f"\\u{c:04x}" if c <= 0xFFFF else chr(c)  # (a character past the BMP is never special)
+
+
+def _char_except(chars: set[str]) -> str:
+    """`_CHAR` but the characters `chars` (as read: both of `/`'s ways, `/` and `\\/`, are left out)."""
+    taken, lo = [], 0x20
+    for c in sorted({ord(c) for c in chars} | {0x22, 0x5C}):
+        if c >= lo:
+            if c > lo:
+                taken.append((lo, c - 1))
+            lo = c + 1
+    taken.append((lo, 0x10FFFF))
+    letters = [letter for c, letter in _SHORT_ESCAPES.items() if c not in chars]
+    return "(?:" + _class(taken) + ("|\\\\" + _class([(ord(x), ord(x)) for x in letters]) if letters else "") + ")"
+
+
+def _ways(c: str) -> list[str]:
+    """The regexes `_CHAR` writes the character `c` with (none for a control without a short escape)."""
+    out = [] if c in '"\\' or ord(c) < 0x20 else [literal(c)]
+    return out + ([literal("\\" + _SHORT_ESCAPES[c])] if c in _SHORT_ESCAPES else [])
+
+
+def _string_except(names) -> str:
+    """A JSON string, quotes included and its characters as `_CHAR` writes them, whose value is none of `names`."""
+    trie: dict = {}
+    for name in names:
+        node = trie
+        for c in name:
+            node = node.setdefault(c, {})
+        node[None] = {}  # a name ends here
+
+    def rest(node: dict) -> str:
+        chars = {c for c in node if c is not None}
+        alts = [_group(_ways(c)) + rest(node[c]) for c in sorted(chars) if _ways(c)]
+        alts.append(_char_except(chars) + _CHAR + "*")  # a character no name has here: any string on
+        return "(?:" + "|".join(alts) + (")" if None in node else ")?")  # ending here is another name
+
+    return '"' + rest(trie) + '"'
 
 
 def _intersect(ranges, allowed) -> tuple:
@@ -531,8 +639,6 @@ class _Writer:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
                 raise self.fail(f"{path}/{name}", f"{name} must be a finite number, got {v!r}")
-            if t == "number" and v != int(v):
-                raise self.fail(f"{path}/{name}", f"a number's {name} must be an integer here, got {v!r}")
             bounds[name] = v
         if t == "integer":
             los = [math.ceil(bounds["minimum"])] if "minimum" in bounds else []
@@ -547,8 +653,8 @@ class _Writer:
             return _NUMBER
         lo = hi = None
         lo_in = hi_in = True
-        for name, v in bounds.items():
-            v, inclusive = int(v), not name.startswith("exclusive")
+        for name, v in bounds.items():  # (a float as the decimal it is written as: 0.1 is 0.1)
+            v, inclusive = Decimal(repr(v)) if isinstance(v, float) else Decimal(v), not name.startswith("exclusive")
             if name.endswith("inimum") and (lo is None or v > lo or (v == lo and not inclusive)):
                 lo, lo_in = v, inclusive
             if name.endswith("aximum") and (hi is None or v < hi or (v == hi and not inclusive)):
@@ -577,16 +683,79 @@ class _Writer:
                                                 f"properties are never generated)")
         items = [(self.key(name) + self.key_sep + self.value(s, f"{path}/properties/{name}"), name in required)
                  for name, s in props.items()]
+        pair = self.other_pair(schema, props, path)  # one more property, or None when none is generated
+        lo, hi = self.count(schema, "minProperties", path, 0), self.count(schema, "maxProperties", path, None)
+        if hi is not None and hi < lo:
+            raise self.fail(f"{path}/maxProperties", f"maxProperties {hi} is below minProperties {lo}")
+        if not props:
+            return r"\{" + self.ws + self.pairs(pair, lo, hi, path) + self.ws + r"\}"
+        if lo > len(required) or (hi is not None and (pair is not None or hi < len(props))):
+            name = "minProperties" if lo > len(required) else "maxProperties"
+            raise self.fail(f"{path}/{name}", f"{name} beside properties is supported only when every object of "
+                                              f"the properties meets it")
 
         # From the last property back: after[i], the properties from the i-th on when one was written before them
-        # (each needs a separator); first[i], when none was (the first one written has none).
+        # (each needs a separator); first[i], when none was (the first one written has none). Past the last one,
+        # the other properties (additionalProperties), if any.
         after, first = [""] * (len(items) + 1), [""] * (len(items) + 1)
+        if pair is not None:
+            after[-1], first[-1] = f"(?:{self.item_sep}{pair})*", self.pairs(pair, 0, None, path)
         for i in reversed(range(len(items))):
             kv, req = items[i]
             sep_kv = self.item_sep + kv
             after[i] = self.sized(sep_kv + after[i + 1] if req else f"(?:{sep_kv})?" + after[i + 1], path)
             first[i] = self.sized(kv + after[i + 1] if req else f"(?:{kv}{after[i + 1]}|{first[i + 1]})", path)
         return r"\{" + self.ws + first[0] + self.ws + r"\}"
+
+    def other_pair(self, schema, props: dict, path: str) -> str | None:
+        """A property past `properties` (`"key": value`), or None when none is generated. From an
+        `additionalProperties` schema: its name is none of `properties`' (a name written twice is read as the last
+        value) and meets `propertyNames`. From `patternProperties` (one pattern, no `properties`): a name its
+        pattern matches (printable ASCII, as a string's `pattern`), its schema's value. `additionalProperties`
+        false, absent or true generates none (as xgrammar's strict mode)."""
+        extra, names = schema.get("additionalProperties"), schema.get("propertyNames", True)
+        patterns = schema.get("patternProperties", {})
+        if extra is not None and not isinstance(extra, (bool, dict)):
+            raise self.fail(f"{path}/additionalProperties", f"additionalProperties must be a schema, got {extra!r}")
+        if not isinstance(patterns, dict):
+            raise self.fail(f"{path}/patternProperties", "patternProperties must be an object")
+        if names is not True and names != {} and (props or patterns):
+            raise self.fail(f"{path}/propertyNames", "propertyNames beside properties or patternProperties is not "
+                                                     "supported")
+        if patterns:
+            if props or len(patterns) > 1 or (isinstance(extra, dict) and extra):
+                raise self.fail(f"{path}/patternProperties", "patternProperties is supported with one pattern, no "
+                                                              "properties and no additionalProperties schema")
+            (pattern, value), = patterns.items()
+            key = '"' + self.pattern(pattern, f"{path}/patternProperties") + '"'
+            return key + self.key_sep + self.value(value, f"{path}/patternProperties/{pattern}")
+        if not isinstance(extra, dict) or not extra or names is False:
+            return None
+        if names is True or names == {}:
+            key = _string_except(props)
+        else:
+            if not isinstance(names, dict):
+                raise self.fail(f"{path}/propertyNames", f"propertyNames must be a schema, got {names!r}")
+            if "type" not in names and not {"$ref", "enum", "const", "anyOf", "oneOf", "allOf"} & set(names):
+                names = {**names, "type": "string"}  # (a name is a string: what it says of others does not apply)
+            if self.kinds(names, f"{path}/propertyNames") != {"string"}:
+                raise self.fail(f"{path}/propertyNames", "propertyNames must take strings only")
+            key = self.value(names, f"{path}/propertyNames")
+        return key + self.key_sep + self.value(extra, f"{path}/additionalProperties")
+
+    def pairs(self, pair: str | None, lo: int, hi: int | None, path: str) -> str:
+        """From lo to hi (None: no end) other properties, an object's only ones (a separator between each two)."""
+        if pair is None or hi == 0:
+            if lo:
+                raise self.fail(f"{path}/minProperties", f"minProperties {lo}, but no property is generated (there "
+                                                         f"are no properties and no additionalProperties schema)")
+            return ""
+        if lo > 1:
+            raise self.fail(f"{path}/minProperties", "minProperties above 1 is not supported for other properties "
+                                                     "than the listed ones: a name may be written twice")
+        more = "*" if hi is None else f"{{0,{hi - 1}}}"
+        out = self.sized(f"{pair}(?:{self.item_sep}{pair}){more}", path)
+        return out if lo else f"(?:{out})?"
 
     def any_value(self, depth: int) -> str:
         """Any JSON value whose objects and arrays nest at most `depth` deep."""

@@ -77,8 +77,8 @@ class StructuredOutputsParams:
       schema is written as a regex (`mnemojax.scheduling.json_schema`, which says what it supports and how it writes
       JSON) and guided as `regex` is. `disable_any_whitespace` and `whitespace_pattern` say what whitespace may come
       between its tokens (default: any run of spaces, newlines and tabs); `disable_additional_properties` and
-      `disable_fallback` are accepted and change nothing (properties not in the schema are never generated; there
-      is no other backend to fall back to);
+      `disable_fallback` are accepted and change nothing (an absent `additionalProperties`, which vLLM's option
+      makes false, generates no other properties here; there is no other backend to fall back to);
     - `json_object=True`: the output is a JSON object, then EOS, its objects and arrays nested at most 4 deep
       (`json_schema.JSON_OBJECT_DEPTH`: a bound makes it a regular language), whitespace as for `json`.
     The other kinds (`grammar`, `structural_tag`) are refused, naming `structured_outputs`, never ignored."""

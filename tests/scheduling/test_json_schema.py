@@ -9,9 +9,11 @@ import json
 import random
 import re
 import uuid
+from decimal import Decimal
 from fractions import Fraction
 
 import jsonschema
+import pydantic  # (fastapi's dependency)
 import pytest
 
 from mnemojax.scheduling.json_schema import (JSON_OBJECT_DEPTH, SchemaError, integer_range, number_range,
@@ -57,8 +59,15 @@ SCHEMAS = [
     {"oneOf": [{"const": "a"}, {"enum": ["b", 2, 2.5]}]},
     {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 2}], "items": False},
     {"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "null"}, "minItems": 2, "maxItems": 4},
+    {"type": "number", "minimum": -0.5, "exclusiveMaximum": 1.25},
+    {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}, "maxProperties": 3},
+    {"type": "object", "properties": {"a": {"type": "string", "maxLength": 2}, "x/y": {"type": "boolean"}},
+     "required": ["x/y"], "additionalProperties": {"type": "null"}},
+    {"type": "object", "propertyNames": {"pattern": "^[a-c]+$"}, "additionalProperties": {"type": "boolean"},
+     "minProperties": 1},
+    {"type": "object", "patternProperties": {"^[a-z]{2}$": {"type": "number", "exclusiveMinimum": 0.05}}},
 ]
-ALPHABETS = {15: 'xyz a!"'}
+ALPHABETS = {15: 'xyz a!"', 25: 'axy/\\"{},:nultrfse ', 27: 'abzq"{},:.0159 '}
 """Smaller alphabets where a walk over ALPHABET would rarely reach a match."""
 DISTINCT = {12: 1}
 """How many different values the walks find at least, where it is not 3 (the empty object has one)."""
@@ -136,6 +145,12 @@ VALID = [  # (schema index, instances written the regex's way, instances it must
     (18, ["2024-02-29", "0001-01-01", "9999-12-31"], ["2023-02-29", "2024-13-01", "0000-01-01", "2024-4-01"]),
     (21, [[], [1], [1, "ab"]], [["ab"], [1, "abc"], [1, "a", 2]]),
     (22, [[True, None], [False, None, None, None]], [[True], [None, None], [True, None, None, None, None]]),
+    (23, [-0.5, -0.49, 0, 1.2499, 1, 0.05], [-0.51, 1.25, 1.3, -1, 2]),
+    (24, [{}, {"k": 0, "": 5, "é\n\"/": 12}], [{"k": -1}, {"a": 1, "b": 2, "c": 3, "d": 4}, {"k": "1"}]),
+    (25, [{"x/y": True}, {"a": "xy", "x/y": False, "b": None, "a/": None}, {"x/y": True, "é": None}],
+     [{"a": "x"}, {"x/y": True, "a": None}, {"x/y": None}, {"x/y": True, "c": 1}]),
+    (26, [{"a": True}, {"abc": False, "b": True}], [{}, {"d": True}, {"a": 1}, {"ad": True}]),
+    (27, [{}, {"ab": 0.06, "zz": 12}], [{"ab": 0.05}, {"ab": -1}, {"ab": "x"}]),
 ]
 
 
@@ -198,6 +213,49 @@ def test_number_ranges_against_exact_arithmetic(lo, lo_in, hi, hi_in):
         assert not rx.fullmatch(text)
 
 
+DECIMAL_BOUNDS = [None, "0", "0.5", "-0.5", "0.05", "1.25", "-1.25", "0.999", "2", "0.001", "1.0501", "10.1"]
+DECIMALS = [f"{sign}{n}{frac}" for sign in ("", "-") for n in (0, 1, 2, 9, 10, 11)
+            for frac in ("", ".0", ".00", ".5", ".05", ".049", ".051", ".0500001", ".999", ".9991", ".25", ".2499",
+                         ".2501", ".001", ".0009", ".1", ".0501", ".05009")]
+
+
+@pytest.mark.parametrize("lo", DECIMAL_BOUNDS)
+def test_decimal_number_ranges_against_exact_arithmetic(lo):
+    """Bounds with fractions (each against every other, included or not): a number is taken exactly when its
+    decimal value is within them (`Fraction`), never as `-0`; where none is, there is no regex."""
+    for hi, lo_in, hi_in in itertools.product(DECIMAL_BOUNDS, (True, False), (True, False)):
+        low, high = (None if v is None else Fraction(v) for v in (lo, hi))
+        wanted = [text for text in DECIMALS if (low is None or (v := Fraction(text)) > low or (lo_in and v == low))
+                  and (high is None or (v := Fraction(text)) < high or (hi_in and v == high))
+                  and not (text.startswith("-") and Fraction(text) == 0)]
+        pattern = number_range(None if lo is None else Decimal(lo), lo_in, None if hi is None else Decimal(hi), hi_in)
+        if pattern is None:  # (then no number is within: none of the texts, nor the bounds themselves)
+            assert not wanted and (low is None or high is None or low > high or (low == high and not (lo_in and hi_in)))
+            continue
+        rx = Regex(pattern)
+        assert [text for text in DECIMALS if rx.fullmatch(text)] == wanted, (lo, lo_in, hi, hi_in)
+
+
+def test_a_float_bound_is_the_decimal_it_is_written_as():
+    """0.1 as a bound is 0.1 (its shortest repr), not the binary float's 0.1000000000000000055...: a text equal to
+    the bound is taken where the bound is included."""
+    rx = Regex(schema_pattern({"type": "number", "minimum": 0.1, "maximum": 0.3}))
+    assert rx.fullmatch("0.1") and rx.fullmatch("0.3") and rx.fullmatch("0.2")
+    assert not rx.fullmatch("0.09999") and not rx.fullmatch("0.30001")
+    rx = Regex(schema_pattern({"type": "number", "exclusiveMinimum": 1e-3, "maximum": 1e2}))
+    assert rx.fullmatch("0.0011") and rx.fullmatch("100") and not rx.fullmatch("0.001") and not rx.fullmatch("100.01")
+
+
+def test_other_properties_never_take_a_listed_name_in_any_writing():
+    """An additionalProperties pair whose name is a listed property's (written plainly or with escapes) is
+    refused: a JSON parser keeps the last value, which would have to meet both schemas."""
+    schema = SCHEMAS[25]
+    rx = Regex(schema_pattern(schema, disable_any_whitespace=True))
+    assert rx.fullmatch('{"x/y": true, "b": null}') and rx.fullmatch('{"x/y": true, "x\\/yz": null}')
+    for name in ('"a"', '"x/y"', '"x\\/y"', '"\\u0061"'):
+        assert not rx.fullmatch('{"x/y": true, ' + name + ': null}'), name
+
+
 def test_dates_are_exactly_the_calendars():
     """Every day number 00..32 of every month 00..13 of common and leap years (and the edges of the years): taken
     exactly when Python's `date.fromisoformat` takes it."""
@@ -239,13 +297,14 @@ def test_an_unanchored_pattern_matches_anywhere_and_only_printable_ascii_is_gene
 
 
 def test_pydantic_models_schemas_give_json_the_model_validates():
-    pydantic = pytest.importorskip("pydantic")
     from enum import Enum
     from typing import Literal, Optional
 
     class Size(str, Enum):
         small = "small"
         large = "large"
+
+    Code = pydantic.constr(pattern="^[a-z]{2}$")
 
     class Item(pydantic.BaseModel):
         name: str = pydantic.Field(max_length=6)
@@ -258,12 +317,23 @@ def test_pydantic_models_schemas_give_json_the_model_validates():
         note: Optional[str] = pydantic.Field(default=None, max_length=5)
         paid: bool
         pair: tuple[int, str] = pydantic.Field(default=(0, ""))
+        price: float = pydantic.Field(gt=0.5, le=99.95)
+        stock: dict[str, int] = pydantic.Field(default_factory=dict, max_length=2)
+        flags: dict[Literal["a", "b"], bool] = {}
+        codes: dict[Code, float] = {}
 
     rx = Regex(schema_pattern(Order.model_json_schema()))
-    texts = _walks(rx, seed=7, count=25, limit=300)
+    texts = _walks(rx, seed=7, count=25, limit=400)
     assert len(texts) >= 15
     for text in texts:
         Order.model_validate_json(text)
+    tight = Regex(schema_pattern(Order.model_json_schema(), disable_any_whitespace=True))
+    order = Order(kind="order", items=[], paid=True, price=99.95, stock={"x": 1, "y": 2}, flags={"b": False},
+                  codes={"ab": 0.5})
+    assert tight.fullmatch(order.model_dump_json().replace(",", ", ").replace(":", ": "))
+    for bad in (order.model_copy(update={"price": 0.5}), order.model_copy(update={"stock": {"x": 1, "y": 2, "z": 3}}),
+                order.model_copy(update={"codes": {"abc": 0.5}})):
+        assert not tight.fullmatch(bad.model_dump_json().replace(",", ", ").replace(":", ": "))
 
 
 @pytest.mark.parametrize("schema, message", [
@@ -288,7 +358,25 @@ def test_pydantic_models_schemas_give_json_the_model_validates():
     ({"$ref": "#"}, "is recursive"),
     ({"allOf": [{"type": "integer"}, {"minimum": 1}]}, "allOf is supported with one schema only"),
     ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer is within"),
-    ({"type": "number", "minimum": 0.5}, "must be an integer here"),
+    ({"type": "number", "minimum": 0.5, "exclusiveMaximum": 0.5}, "no number is within"),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
+     "a name may be written twice"),
+    ({"type": "object", "minProperties": 1}, "no property is generated"),
+    ({"type": "object", "properties": {"a": {"type": "null"}}, "minProperties": 1},
+     "at /minProperties: minProperties beside properties"),
+    ({"type": "object", "properties": {"a": {"type": "null"}}, "required": ["a"], "maxProperties": 1,
+      "additionalProperties": {"type": "null"}}, "at /maxProperties: maxProperties beside properties"),
+    ({"type": "object", "properties": {"a": {"type": "null"}}, "propertyNames": {"maxLength": 1}},
+     "propertyNames beside properties"),
+    ({"type": "object", "propertyNames": {"type": "integer"}, "additionalProperties": {"type": "null"}},
+     "propertyNames must take strings only"),
+    ({"type": "object", "additionalProperties": 3}, "additionalProperties must be a schema"),
+    ({"type": "object", "patternProperties": {"^a": {"type": "null"}, "^b": {"type": "null"}}},
+     "patternProperties is supported with one pattern"),
+    ({"type": "object", "patternProperties": {"^a": {"type": "null"}}, "additionalProperties": {"type": "null"}},
+     "no additionalProperties schema"),
+    ({"type": "object", "patternProperties": {"(?P<x>a)": {"type": "null"}}},
+     "at /patternProperties: pattern '(?P<x>a)'"),
     ({"type": "string", "maxLength": 2, "minLength": 3}, "maxLength 2 is below minLength 3"),
     ({"type": "string", "maxLength": 5000}, "maxLength above 1000"),
     ({"type": "string", "pattern": "^a|b$"}, "anchored pattern with a '|'"),
