@@ -293,7 +293,7 @@ class AsyncLLM:
         """vLLM's `n` on one call: n requests (`<rid>-<j>`, sequence j drawing with seed + j when seeded, so
         sequence 0 is the request with n = 1) whose outputs come as one request's, `rid`: CUMULATIVE ones hold the
         latest output of every sequence that has one (`outputs[k].index` its sequence), DELTA ones what one
-        sequence added (`outputs` that one), FINAL_ONLY one output when all have ended; `finished` once all have.
+        sequence added (`outputs` that one; the prompt in the first output only, as for n = 1), FINAL_ONLY one output when all have ended; `finished` once all have.
         The request id, metrics and cached tokens are those of the sequence the output comes from (CUMULATIVE:
         the first). Each sequence has at most one output waiting here (its own stream merges the rest); the first
         failure of any ends them all, as leaving early does."""
@@ -314,6 +314,7 @@ class AsyncLLM:
         tasks = [asyncio.ensure_future(pump(j)) for j in range(params.n)]
         latest: list[RequestOutput | None] = [None] * params.n
         kind = params.output_kind
+        prompt_sent = False  # DELTA: the prompt (ids, log-probs) comes in the request's first output only
         try:
             while not all(out is not None and out.finished for out in latest):
                 j, out, taken = await arrived.get()
@@ -322,6 +323,10 @@ class AsyncLLM:
                 latest[j] = out
                 done = all(o is not None and o.finished for o in latest)
                 if kind is RequestOutputKind.DELTA:
+                    if prompt_sent:  # (each sequence's own first output holds it)
+                        out = dataclasses.replace(out, prompt=None, prompt_token_ids=[], prompt_logprobs=None
+                                                  if out.prompt_logprobs is None else [])
+                    prompt_sent = True
                     yield dataclasses.replace(out, request_id=rid, finished=done,
                                               outputs=[dataclasses.replace(out.outputs[0], index=j)])
                 elif kind is RequestOutputKind.CUMULATIVE or done:

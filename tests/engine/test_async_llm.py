@@ -255,6 +255,7 @@ def test_n_sequences_come_as_one_request(async_llm, kind):
     if kind is RequestOutputKind.DELTA:
         got = [sum((c.token_ids for o in outs for c in o.outputs if c.index == j), []) for j in range(3)]
         assert all(len(o.outputs) == 1 for o in outs)
+        assert [o.prompt_token_ids for o in outs] == [prompt] + [[]] * (len(outs) - 1)  # (the prompt once, as n=1)
     else:
         got = [c.token_ids for c in sorted(outs[-1].outputs, key=lambda c: c.index)]
         assert [c.index for c in outs[-1].outputs] == [0, 1, 2]
