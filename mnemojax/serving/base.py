@@ -395,6 +395,7 @@ class OpenAIServing:
 
         async def step(request_id: str, tokens: list[int], params: SamplingParams, priority: int):
             state.num_admitted -= 1  # no await between: the engine counts the request waiting from here on
+            state.metrics.beam_steps.add(request_id)  # (not a request of its own in /metrics)
             try:
                 last = None
                 async for out in self.llm.generate(None, params, request_id, prompt_token_ids=tokens,
@@ -403,9 +404,10 @@ class OpenAIServing:
                 return last
             finally:
                 state.num_admitted += 1  # the place is the search's again
+                state.metrics.beam_steps.discard(request_id)
 
         async def search(group: list[Choice]) -> None:
-            first = group[0]
+            first, started = group[0], time.monotonic()
             params = dataclasses.replace(beam, max_tokens=first.params.max_tokens)  # the room `admit` gave it
             s = BeamSearch([first.prompt_ids], params, eos, first.params.logprobs or 0)
             head = None  # the first step's output: the prompt's cached tokens
@@ -416,13 +418,14 @@ class OpenAIServing:
                 head = head or (outs[0] if outs else None)
                 cut = next((o.outputs[0].finish_reason for o in outs if not o.outputs[0].token_ids), None)
                 if cut is not None or not outs:
-                    for c in group:
-                        c.finish(CompletionOutput(0, "", [], None, cut or "abort"),
-                                 0 if head is None else head.num_cached_tokens)
-                    return
+                    wholes = [CompletionOutput(0, "", [], None, cut or "abort") for _ in group]
+                    break
                 s.advance([o.outputs[0] for o in outs])
-            for c, seq in zip(group, s.results()[0].sequences):
-                c.finish(self.beam_output(c, seq, params, eos), head.num_cached_tokens)
+            else:
+                wholes = [self.beam_output(c, seq, params, eos) for c, seq in zip(group, s.results()[0].sequences)]
+            for c, whole in zip(group, wholes):
+                c.finish(whole, 0 if head is None else head.num_cached_tokens)
+            state.metrics.observe_search(len(first.prompt_ids), wholes, time.monotonic() - started)
 
         n = beam.beam_width
         self.state.num_searches += 1

@@ -1,6 +1,7 @@
 """The server's Prometheus metrics (`GET /metrics`), named like vLLM's with a `mnemojax_` prefix.
 
-Latency histograms are observed when a request finishes, from the engine's own timestamps. Gauges (running and
+Latency histograms are observed when a request finishes, from the engine's own timestamps. A beam search counts
+as its choices, each a request finished at the search's end; the engine requests of its steps are not counted. Gauges (running and
 waiting requests, KV pages) and the preemption and step-failure counters are read at scrape time from the engine
 thread's published snapshot (`AsyncLLM.stats()`), so a scrape never touches the engine.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from mnemojax.scheduling.outputs import RequestOutput
+from mnemojax.scheduling.outputs import CompletionOutput, RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -70,8 +71,13 @@ class ServerMetrics:
                                 labels + ["finished_reason"], registry=self.registry)
         self.http_errors = Counter("mnemojax_http_errors", "Error responses by HTTP status.", labels + ["status"],
                                    registry=self.registry)
+        self.beam_steps: set[str] = set()
+        """The engine requests of beam searches' steps in flight (a beam's tokens as the prompt, one token out):
+        not counted as requests; each search's choices are, at its end (`observe_search`)."""
 
     def observe_finished(self, out: RequestOutput) -> None:
+        if out.request_id in self.beam_steps:
+            return
         m, c = out.metrics, out.outputs[0]
         if m.ttft is not None:
             self.ttft.labels(**self._label).observe(m.ttft)
@@ -82,6 +88,16 @@ class ServerMetrics:
         self.prompt_tokens.labels(**self._label).inc(len(out.prompt_token_ids))
         self.generation_tokens.labels(**self._label).inc(len(c.token_ids))
         self.finished.labels(**self._label, finished_reason=str(c.finish_reason)).inc()
+
+    def observe_search(self, prompt_tokens: int, outputs: list[CompletionOutput], seconds: float) -> None:
+        """A beam search's end: each of its choices (`outputs`) a finished request of `prompt_tokens` prompt tokens
+        and its own generated ones, `seconds` long end to end (the search's; no TTFT or TBT: the tokens of a
+        choice are known only at the end)."""
+        for c in outputs:
+            self.e2e.labels(**self._label).observe(seconds)
+            self.prompt_tokens.labels(**self._label).inc(prompt_tokens)
+            self.generation_tokens.labels(**self._label).inc(len(c.token_ids))
+            self.finished.labels(**self._label, finished_reason=str(c.finish_reason)).inc()
 
     def observe_error(self, status: int) -> None:
         self.http_errors.labels(**self._label, status=str(status)).inc()

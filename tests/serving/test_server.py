@@ -547,12 +547,14 @@ def _beam_choices(offline, prompts, params, include_stop=False):
 
 
 @pytest.mark.parametrize("length_penalty, include_stop", [(1.0, False), (0.5, True)])
-def test_beam_search_completions_are_the_librarys_sequences(client, offline, length_penalty, include_stop):
+def test_beam_search_completions_are_the_librarys_sequences(client, offline, url, length_penalty, include_stop):
     """use_beam_search with n = 3 over two prompts: each prompt's 3 choices are the library's 3 best sequences, best
     first (text, tokens, finish and stop reasons, log-probs with their top entries); usage counts the tokens
-    returned. A sequence that ended at EOS shows it among its tokens only with include_stop_str_in_output."""
+    returned. A sequence that ended at EOS shows it among its tokens only with include_stop_str_in_output. /metrics
+    counts the 6 choices as finished requests, not the engine requests of the searches' steps."""
     params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=length_penalty)
     want = _beam_choices(offline, BEAM_PROMPTS, params, include_stop)
+    before = metrics(url)
     got = client.completions.create(model="tiny", prompt=BEAM_PROMPTS, n=3, max_tokens=6, temperature=0, logprobs=2,
                                     extra_body={"use_beam_search": True, "length_penalty": length_penalty,
                                                 "include_stop_str_in_output": include_stop,
@@ -569,6 +571,15 @@ def test_beam_search_completions_are_the_librarys_sequences(client, offline, len
     tok = offline.get_tokenizer()
     assert got.usage.prompt_tokens == sum(len(tok.encode(p)) for p in BEAM_PROMPTS)
     assert got.usage.completion_tokens == sum(len(w[1]) for w in want)
+    after = metrics(url)
+    grew = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith(("mnemojax_request_success_total",
+                                                                            "mnemojax_prompt_tokens_total",
+                                                                            "mnemojax_generation_tokens_total"))}
+    assert {k: v for k, v in grew.items() if v} == {
+        "mnemojax_request_success_total{finished_reason=stop}": 3,
+        "mnemojax_request_success_total{finished_reason=length}": 3,
+        "mnemojax_prompt_tokens_total": 3 * got.usage.prompt_tokens,
+        "mnemojax_generation_tokens_total": got.usage.completion_tokens}
 
 
 def test_one_beam_without_eos_is_greedy(client):
