@@ -33,7 +33,8 @@ of different types, different `const` / `enum` values, or objects that require o
 root, which would change what the references inside mean), `properties`, `required`,
 `additionalProperties`, `propertyNames` and `patternProperties` (as above), `minProperties` / `maxProperties` (for
 objects of other properties only, or where every object of the listed ones meets them), `items`, `prefixItems` (no
-items past them unless `items` gives their schema), `minItems`, `maxItems`, `minLength`, `maxLength`, `pattern`,
+items past them unless `items` gives their schema), `minItems`, `maxItems`, `uniqueItems` (for items of a `const` /
+`enum`: each value at most once, in the enum's order), `minLength`, `maxLength`, `pattern`,
 `format` (`date`, `time`, `date-time`, `uuid`), `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, and the
 annotations (`title`, `description`, `default`, `examples`, ...). Any other keyword is a `SchemaError` naming its
 path: refused, never ignored. A schema without `type` takes it from its keywords (`properties` makes an object);
@@ -525,8 +526,12 @@ class _Writer:
         unknown = sorted(set(schema) - _KNOWN)
         if unknown:
             raise self.fail(f"{path}/{unknown[0]}", f"the keyword {unknown[0]!r} is not supported")
-        if schema.get("uniqueItems", False) is not False:
-            raise self.fail(f"{path}/uniqueItems", "uniqueItems is not supported")
+        unique = schema.get("uniqueItems", False)
+        if not isinstance(unique, bool):
+            raise self.fail(f"{path}/uniqueItems", f"uniqueItems must be a boolean, got {unique!r}")
+        if unique and ({"$ref", "enum", "const", "anyOf", "oneOf", "allOf"} & set(schema)
+                       or "array" not in self.types(schema, path)):
+            raise self.fail(f"{path}/uniqueItems", "uniqueItems is supported only beside an array's items")
         for key in ("$ref", "enum", "const", "anyOf", "oneOf", "allOf"):
             if key not in schema:
                 continue
@@ -549,11 +554,16 @@ class _Writer:
             self.expanding.pop()
 
     def enum(self, schema, key, path):
+        return _group(list(self.enum_values(schema, key, path).values()))
+
+    def enum_values(self, schema, key, path) -> dict[str, str]:
+        """The values of a `const` / `enum` schema of its type, in order, without repeats: canonical JSON (1.0 is 1)
+        -> the regex of the value as written."""
         values = schema["enum"] if key == "enum" else [schema["const"]]
         if not isinstance(values, list) or not values:
             raise self.fail(path, f"enum must be a non-empty list, got {values!r}")
         types = self.types(schema, path.removesuffix("/" + key)) if "type" in schema else list(_TYPED)
-        out = []
+        out = {}
         for v in values:
             t = _json_type(v)
             if t in types or (t == "integer" and "number" in types):
@@ -561,10 +571,10 @@ class _Writer:
                     text = json.dumps(v, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
                 except ValueError:
                     raise self.fail(path, f"{v!r} is not a JSON value") from None
-                out.append(literal(text))
+                out.setdefault(_canonical(v), literal(text))
         if not out:
             raise self.fail(path, f"no value of {key} has the schema's type {schema.get('type')!r}")
-        return _group(out)
+        return out
 
     def any_of(self, schema, key, path):
         branches = schema[key]
@@ -785,6 +795,8 @@ class _Writer:
             raise self.fail(f"{path}/items", "items as a list (draft 7's tuples) is not supported: use prefixItems")
         if hi == 0:
             return r"\[" + self.ws + r"\]"
+        if schema.get("uniqueItems", False):
+            return self.unique_items(items, prefix, lo, hi, path)
         positions = [self.value(s, f"{path}/prefixItems/{i}") for i, s in enumerate(prefix)]
         rest = None  # the items past the prefix: None when none are generated
         if items is False:
@@ -810,6 +822,30 @@ class _Writer:
 
         head = (positions[0] if positions else rest) + tail(1)
         return r"\[" + self.ws + (head if lo else f"(?:{head})?") + self.ws + r"\]"
+
+    def unique_items(self, items, prefix, lo: int, hi: int | None, path: str) -> str:
+        """`uniqueItems`' array, for items of a `const` / `enum` (pydantic's `set[Literal[...]]`, `set[SomeEnum]`):
+        each value at most once, in the enum's order (the others are valid and never generated)."""
+        if items is not None:
+            self.value(items, f"{path}/items")  # (the items' schema checked as any other: it may not be taken)
+        target = self.deref(items)
+        if prefix or not isinstance(target, dict) or not ({"enum", "const"} & set(target)):
+            raise self.fail(f"{path}/uniqueItems", "uniqueItems is supported only for items of a const / enum (a "
+                                                   "finite set of values), without prefixItems")
+        key = "enum" if "enum" in target else "const"
+        values = list(self.enum_values(target, key, f"{path}/items").values())
+        if lo > 1 or (hi is not None and hi < len(values)):
+            name = "minItems" if lo > 1 else "maxItems"
+            raise self.fail(f"{path}/{name}", f"{name} beside uniqueItems is supported only when every subset of "
+                                              f"the {len(values)} values meets it")
+        # As an object's optional properties: after[i], the values from the i-th on when one was written before them;
+        # first[i], when none was (at least one of them).
+        after, first = [""] * (len(values) + 1), [None] * (len(values) + 1)
+        for i in reversed(range(len(values))):
+            after[i] = self.sized(f"(?:{self.item_sep}{values[i]})?" + after[i + 1], path)
+            head = values[i] + after[i + 1]
+            first[i] = self.sized(head if first[i + 1] is None else f"(?:{head}|{first[i + 1]})", path)
+        return r"\[" + self.ws + (first[0] if lo else f"(?:{first[0]})?") + self.ws + r"\]"
 
 
 def _writer(schema, disable_any_whitespace: bool, whitespace_pattern: str | None) -> _Writer:

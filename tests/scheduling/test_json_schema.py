@@ -66,6 +66,8 @@ SCHEMAS = [
     {"type": "object", "propertyNames": {"pattern": "^[a-c]+$"}, "additionalProperties": {"type": "boolean"},
      "minProperties": 1},
     {"type": "object", "patternProperties": {"^[a-z]{2}$": {"type": "number", "exclusiveMinimum": 0.05}}},
+    {"type": "array", "items": {"enum": ["x", 1, 1.0, {"k": [1]}, None, True]}, "uniqueItems": True},
+    {**NAMED, "type": "array", "items": {"$ref": "#/$defs/Color"}, "uniqueItems": True, "minItems": 1},
 ]
 ALPHABETS = {15: 'xyz a!"', 25: 'axy/\\"{},:nultrfse ', 27: 'abzq"{},:.0159 '}
 """Smaller alphabets where a walk over ALPHABET would rarely reach a match."""
@@ -151,6 +153,8 @@ VALID = [  # (schema index, instances written the regex's way, instances it must
      [{"a": "x"}, {"x/y": True, "a": None}, {"x/y": None}, {"x/y": True, "c": 1}]),
     (26, [{"a": True}, {"abc": False, "b": True}], [{}, {"d": True}, {"a": 1}, {"ad": True}]),
     (27, [{}, {"ab": 0.06, "zz": 12}], [{"ab": 0.05}, {"ab": -1}, {"ab": "x"}]),
+    (28, [[], ["x", 1, None, True], [1, None]], [["x", "x"], [1, 1.0], [None, None], [2]]),
+    (29, [["red"], ["green", "blue"], ["red", "green", "blue"]], [[], ["red", "red"], ["pink"]]),
 ]
 
 
@@ -321,6 +325,7 @@ def test_pydantic_models_schemas_give_json_the_model_validates():
         stock: dict[str, int] = pydantic.Field(default_factory=dict, max_length=2)
         flags: dict[Literal["a", "b"], bool] = {}
         codes: dict[Code, float] = {}
+        sizes: set[Size] = pydantic.Field(default_factory=set, min_length=1)
 
     rx = Regex(schema_pattern(Order.model_json_schema()))
     texts = _walks(rx, seed=7, count=25, limit=400)
@@ -329,7 +334,7 @@ def test_pydantic_models_schemas_give_json_the_model_validates():
         Order.model_validate_json(text)
     tight = Regex(schema_pattern(Order.model_json_schema(), disable_any_whitespace=True))
     order = Order(kind="order", items=[], paid=True, price=99.95, stock={"x": 1, "y": 2}, flags={"b": False},
-                  codes={"ab": 0.5})
+                  codes={"ab": 0.5}, sizes={Size.large})  # (one: a set's order varies)
     assert tight.fullmatch(order.model_dump_json().replace(",", ", ").replace(":", ": "))
     for bad in (order.model_copy(update={"price": 0.5}), order.model_copy(update={"stock": {"x": 1, "y": 2, "z": 3}}),
                 order.model_copy(update={"codes": {"abc": 0.5}})):
@@ -381,7 +386,17 @@ def test_pydantic_models_schemas_give_json_the_model_validates():
     ({"type": "string", "maxLength": 5000}, "maxLength above 1000"),
     ({"type": "string", "pattern": "^a|b$"}, "anchored pattern with a '|'"),
     ({"type": "string", "pattern": "(?=a)"}, "look-arounds"),
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems is not supported"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+     "at /uniqueItems: uniqueItems is supported only for items of a const / enum"),
+    ({"type": "array", "prefixItems": [{"const": 1}], "items": {"const": 2}, "uniqueItems": True},
+     "without prefixItems"),
+    ({"type": "array", "items": {"enum": [1, 2, 3]}, "uniqueItems": True, "maxItems": 2},
+     "at /maxItems: maxItems beside uniqueItems is supported only when every subset of the 3 values"),
+    ({"type": "array", "items": {"enum": [1, 2, 3]}, "uniqueItems": True, "minItems": 2}, "at /minItems"),
+    ({"enum": [[1, 1]], "uniqueItems": True}, "uniqueItems is supported only beside an array's items"),
+    ({"type": "string", "uniqueItems": True}, "uniqueItems is supported only beside an array's items"),
+    ({"type": "array", "items": {"enum": [1]}, "uniqueItems": 1}, "uniqueItems must be a boolean"),
+    ({"type": "array", "items": {"$ref": "#/$defs/nothing"}, "uniqueItems": True}, "points at nothing"),
     ({"type": "date"}, "type must be one of"),
     ({"enum": [1, 2], "type": "string"}, "no value of enum has the schema's type"),
     ({"enum": [], "type": "string"}, "enum must be a non-empty list"),
