@@ -26,20 +26,21 @@ Whitespace: between tokens the default is any run of JSON whitespace `[ \\n\\t]*
 `disable_any_whitespace` writes `, ` and `: ` and nothing else (xgrammar's); `whitespace_pattern` (outlines') puts
 that pattern, which may only match JSON whitespace, in place of the default.
 
-Supported keywords: `type` (a name or a list), `enum`, `const`, `anyOf`, `oneOf` (when its branches are disjoint:
-of different types, different `const` / `enum` values, or objects that require one property with different
-`const` / `enum` values), `allOf` with one schema, `$ref` within the document (`#`, `#/$defs/...`,
-`#/definitions/...`, with JSON Pointer's and a URI's escapes; not recursive, and not through an `$id` below the
-root, which would change what the references inside mean), `properties`, `required`,
-`additionalProperties`, `propertyNames` and `patternProperties` (as above), `minProperties` / `maxProperties` (for
-objects of other properties only, or where every object of the listed ones meets them), `items`, `prefixItems` (no
-items past them unless `items` gives their schema), `minItems`, `maxItems`, `uniqueItems` (for items of a `const` /
-`enum`: each value at most once, in the enum's order), `minLength`, `maxLength`, `pattern`,
-`format` (`date`, `time`, `date-time`, `uuid`), `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, and the
-annotations (`title`, `description`, `default`, `examples`, ...). Any other keyword is a `SchemaError` naming its
-path: refused, never ignored. A schema without `type` takes it from its keywords (`properties` makes an object);
-one with none (any JSON value) is refused. So is a schema whose regex would pass MAX_PATTERN_CHARS (checked as it is
-written: `$ref`s used twice a level double it each level).
+Supported keywords: `type` (a name or a list), `enum`, `const`, `anyOf`, `oneOf` (when its branches are disjoint: of
+different types, different `const` / `enum` values, or objects that require one property with different `const` /
+`enum` values), `allOf` with one schema, `$ref` within the document (`#`, `#/$defs/...`, `#/definitions/...`, with
+JSON Pointer's and a URI's escapes; not recursive, and not through an `$id` below the root, which would change what
+the references inside mean), `properties`, `required`, `additionalProperties`, `propertyNames` and
+`patternProperties` (as above), `minProperties` / `maxProperties` (for objects of other properties only, or where
+every object of the listed ones meets them), `items`, `prefixItems` (no items past them unless `items` gives their
+schema), `minItems`, `maxItems`, `uniqueItems` (for items of a `const` / `enum`: each value at most once, in the
+enum's order), `minLength`, `maxLength`, `pattern`, `format` (`date`, `time`, `date-time`, `duration`, `uuid`,
+`ipv4`, `ipv6`, `hostname`, `email`, `uri`: each a subset of its RFC's texts, see `_FORMATS`; `minLength` /
+`maxLength` beside one only where all its texts meet them), `minimum`, `maximum`, `exclusiveMinimum`,
+`exclusiveMaximum`, and the annotations (`title`, `description`, `default`, `examples`, ...). Any other keyword is a
+`SchemaError` naming its path: refused, never ignored. A schema without `type` takes it from its keywords
+(`properties` makes an object); one with none (any JSON value) is refused. So is a schema whose regex would pass
+MAX_PATTERN_CHARS (checked as it is written: `$ref`s used twice a level double it each level).
 """
 from __future__ import annotations
 
@@ -93,8 +94,51 @@ _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|
 _DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
          f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
 _TIME = r"(?:(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9]))"
-_FORMATS = {"date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}",
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_IPV4 = rf"{_OCTET}(?:\.{_OCTET}){{3}}"
+_HEX4 = "[0-9a-fA-F]{1,4}"
+
+
+def _ipv6() -> str:
+    """RFC 4291's text forms: eight groups, or fewer around one `::` (which stands for one or more zero groups),
+    the last two groups possibly an IPv4 address (no zone index)."""
+    out = [f"(?:{_HEX4}:){{7}}{_HEX4}", f"(?:{_HEX4}:){{6}}{_IPV4}"]
+    for groups, tail in ((8, _HEX4), (7, _IPV4)):  # `tail` the last group (an IPv4 address counts as two)
+        for left in range(groups):  # groups before the `::`; right: those after it, the tail among them
+            head = "" if left == 0 else f"(?:{_HEX4}:){{{left - 1}}}{_HEX4}"
+            right = groups - 1 - left  # at most: `::` stands for one group or more
+            if right == 0:
+                if tail == _HEX4:
+                    out.append(f"{head}::")
+                continue
+            out.append(f"{head}::(?:(?:{_HEX4}:){{0,{right - 1}}}{tail})" + ("?" if tail == _HEX4 else ""))
+    return "(?:" + "|".join(dict.fromkeys(out)) + ")"
+
+
+_LABEL = "[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,60}[a-zA-Z0-9])?"  # (up to 62 characters)
+_TOP_LABEL = "[a-zA-Z](?:[a-zA-Z0-9-]{0,60}[a-zA-Z0-9])?"
+_HOSTNAME = rf"(?:{_LABEL}\.){{0,3}}{_TOP_LABEL}"
+"""Up to 4 labels of up to 62 characters (so at most 251, under RFC 1123's 253), the last starting with a letter."""
+_ATEXT = "[a-zA-Z0-9!#$%&'*+/=?^_`{|}~-]"
+_EMAIL = rf"{_ATEXT}{{1,32}}(?:\.{_ATEXT}{{1,31}})?@(?:{_LABEL}\.){{1,3}}{_TOP_LABEL}"
+"""RFC 5321's dot-atom (up to two atoms, 64 characters) at a host name of two labels or more."""
+_PORT = "(?:[1-5]?[0-9]{1,4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"  # (0 to 65535)
+_PCHAR = "(?:[a-zA-Z0-9._~!$&'()*+,;=:@-]|%[0-9a-fA-F]{2})"
+_URI = (rf"[a-zA-Z][a-zA-Z0-9+.-]*://(?:{_HOSTNAME}|{_IPV4}|\[{_ipv6()}\])(?::{_PORT})?"
+        rf"(?:/{_PCHAR}*)*(?:\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?")
+"""RFC 3986's URIs with an authority (`scheme://host[:port]`, no user info, a port up to 65535 as URL parsers
+want), then a path, a query, a fragment."""
+_DIGITS6 = "[0-9]{1,6}"  # (a number of up to 6 digits: 999999 years still fit Python's timedelta)
+_DURATION_TIME = rf"T(?:{_DIGITS6}H(?:{_DIGITS6}M(?:{_DIGITS6}S)?)?|{_DIGITS6}M(?:{_DIGITS6}S)?|{_DIGITS6}S)"
+_DURATION = (rf"P(?:(?:{_DIGITS6}D|{_DIGITS6}M(?:{_DIGITS6}D)?|{_DIGITS6}Y(?:{_DIGITS6}M(?:{_DIGITS6}D)?)?)"
+             rf"(?:{_DURATION_TIME})?|{_DURATION_TIME}|{_DIGITS6}W)")
+"""RFC 3339's duration (Appendix A), numbers of up to 6 digits."""
+_FORMATS = {"date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}", "duration": _DURATION,
+            "ipv4": _IPV4, "ipv6": _ipv6(), "hostname": _HOSTNAME, "email": _EMAIL, "uri": _URI,
             "uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"}
+_FORMAT_LENGTHS = {"date": (10, 10), "time": (9, None), "date-time": (20, None), "duration": (3, 44), "ipv4": (7, 15),
+                   "ipv6": (2, 45), "hostname": (1, 251), "email": (5, 316), "uri": (5, None), "uuid": (36, 36)}
+"""The fewest and most characters of each format's texts as written here (None: no most)."""
 
 
 class SchemaError(ValueError):
@@ -593,27 +637,32 @@ class _Writer:
             raise self.fail(path, "allOf is supported with one schema only")
         return self.value(schema[key][0], f"{path}/0")
 
-    def count(self, schema, name: str, path: str, default: int | None) -> int | None:
+    def count(self, schema, name: str, path: str, default: int | None, capped: bool = True) -> int | None:
+        """A count keyword's value; `capped`: refused above MAX_REPEAT (the counts a regex repeats)."""
         v = schema.get(name, default)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v)
                               or v != int(v) or v < 0):
             raise self.fail(f"{path}/{name}", f"{name} must be a non-negative integer, got {v!r}")
-        if v is not None and v > MAX_REPEAT:
+        if capped and v is not None and v > MAX_REPEAT:
             raise self.fail(f"{path}/{name}", f"{name} above {MAX_REPEAT} is not supported")
         return None if v is None else int(v)
 
     def string(self, schema, path, t):
-        lo, hi = self.count(schema, "minLength", path, 0), self.count(schema, "maxLength", path, None)
+        fmt, pattern = schema.get("format"), schema.get("pattern")
+        capped = fmt is None  # (beside a format, the lengths are compared, not repeated)
+        lo, hi = self.count(schema, "minLength", path, 0, capped), self.count(schema, "maxLength", path, None, capped)
         if hi is not None and hi < lo:
             raise self.fail(f"{path}/maxLength", f"maxLength {hi} is below minLength {lo}")
-        fmt, pattern = schema.get("format"), schema.get("pattern")
         if fmt is not None and pattern is not None:
             raise self.fail(f"{path}/pattern", "pattern beside format is not supported")
         if fmt is not None:
             if not isinstance(fmt, str) or fmt not in _FORMATS:
                 raise self.fail(f"{path}/format", f"format {fmt!r} is not supported (only {sorted(_FORMATS)})")
-            if "minLength" in schema or "maxLength" in schema:
-                raise self.fail(f"{path}/format", "minLength or maxLength beside format is not supported")
+            shortest, longest = _FORMAT_LENGTHS[fmt]
+            if lo > shortest or (hi is not None and (longest is None or hi < longest)):
+                raise self.fail(f"{path}/format", f"minLength or maxLength beside format is supported only where every "
+                                                  f"{fmt} written here meets it (from {shortest} to "
+                                                  f"{longest or 'any number of'} characters)")
             return f'"{_FORMATS[fmt]}"'
         if pattern is not None:
             if "minLength" in schema or "maxLength" in schema:

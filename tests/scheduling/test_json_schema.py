@@ -2,22 +2,26 @@
 validator (`jsonschema`, pydantic, `datetime`) accepts under the schema; valid instances written the way the regex
 writes them are taken; the integer and number bounds against exact arithmetic; what cannot be honoured is refused
 with its path."""
+import collections
 import datetime
 import functools
+import ipaddress
 import itertools
 import json
 import random
 import re
+import string
 import uuid
 from decimal import Decimal
 from fractions import Fraction
 
+import fqdn
 import jsonschema
 import pydantic  # (fastapi's dependency)
 import pytest
 
-from mnemojax.scheduling.json_schema import (JSON_OBJECT_DEPTH, SchemaError, integer_range, number_range,
-                                              object_pattern, schema_pattern)
+from mnemojax.scheduling.json_schema import (_FORMAT_LENGTHS, _FORMATS, JSON_OBJECT_DEPTH, SchemaError, integer_range,
+                                              number_range, object_pattern, schema_pattern)
 from mnemojax.scheduling.regex import Regex
 from mnemojax.scheduling.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
@@ -290,6 +294,142 @@ def test_times_date_times_and_uuids():
     assert not uuids.fullmatch(f'"{uuid.uuid4().hex}"')
 
 
+def _is_email(text: str) -> bool:
+    """RFC 5321's mailbox with a dot-atom local part at a host name of two labels or more (jsonschema's own email
+    check only looks for an '@')."""
+    local, _, domain = text.rpartition("@")
+    atext = set(string.ascii_letters + string.digits + "!#$%&'*+/=?^_`{|}~-")
+    return (0 < len(local) <= 64 and all(part and set(part) <= atext for part in local.split("."))
+            and fqdn.FQDN(domain, min_labels=2).is_valid)
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+        return True
+    except ValueError:
+        return False
+
+
+FORMAT_CASES = {  # format: (the walks' alphabet, an independent check, texts taken, texts refused)
+    "ipv4": ("0123456789.", lambda t: str(ipaddress.IPv4Address(t)) == t,
+             ["0.0.0.0", "255.255.255.255", "10.1.20.199"], ["256.1.1.1", "01.2.3.4", "1.2.3", "1.2.3.4.5", ""]),
+    "ipv6": ("0123456789abcdefABCDEF:.", _is_ipv6,
+             ["::", "::1", "1::", "fe80::1:2", "1:2:3:4:5:6:7:8", "1:2:3:4:5:6:7::", "::ffff:1.2.3.4",
+              "1:2:3:4:5:6:1.2.3.4", "1::2:3:4:5:6:7"],
+             [":::", "1:2:3:4:5:6:7:8:9", "1::2::3", "12345::", "1:2:3:4:5:6:7:1.2.3.4", "fe80::1%eth0", "g::"]),
+    "hostname": ("abcAZ019-.", lambda t: fqdn.FQDN(t, min_labels=1).is_valid,
+                 ["a", "example.com", "a-b.c-d.e1.x", "x" * 62, "1a.b"], ["-a", "a-", "a..b", "a.1", "a_b", "a." ,
+                                                                           "x" * 64]),
+    "email": ("ab19.@-+_%/", _is_email, ["a@b.c", "first.last+tag@mail.example.org", "x/y=z@a1.b2"],
+              ["a@b", ".a@b.c", "a.@b.c", "a..b@c.d", "a@-b.c", "@b.c", "a b@c.d"]),
+    "duration": ("PYMWDTHS0129", lambda t: pydantic.TypeAdapter(datetime.timedelta).validate_python(t) is not None,
+                 ["P1D", "P1W", "PT1S", "P1Y2M3DT4H5M6S", "PT36H", "P0D", "P1M1D", "PT1M1S"],
+                 ["P", "PT", "P1DT", "P1H", "PT1D", "P1Y1W", "P1.5D", "PT1H1S", "P1234567D", "P-1D"]),
+    "uri": ("ahtps:/.19?#%[]:@AF-_~!=", lambda t: pydantic.AnyUrl(t) is not None,
+            ["https://example.com", "http://a.b:8080/p/a%20t/h?q=1&r=/x#frag", "ftp://[::1]/x", "s+v.x-y://1.2.3.4"],
+            ["https://", "http://a b", "1http://x", "http://x/%zz", "mailto:a@b.c", "http://a\\b", "//x"]),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_CASES))
+def test_formats_against_independent_checks(fmt):
+    """Random whole matches pass jsonschema's format check (jsonschema[format-nongpl]: ipaddress, fqdn, isoduration,
+    rfc3987-syntax) and the format's own independent check (ipaddress, fqdn, pydantic's timedelta and AnyUrl, an
+    RFC 5321 mailbox); written examples are taken or refused as they should be."""
+    alphabet, check, good, bad = FORMAT_CASES[fmt]
+    schema = {"type": "string", "format": fmt}
+    validator, rx = _validator(schema), Regex(schema_pattern(schema))
+    texts = _walks(rx, seed=len(fmt), count=150, limit=400, alphabet='"' + alphabet)
+    assert len(set(texts)) >= 100
+    for text in texts:
+        value = json.loads(text)
+        validator.validate(value)
+        assert check(value), value
+    for value in good:
+        assert validator.is_valid(value) and check(value), value  # (the test's own cases are right)
+        assert rx.fullmatch(json.dumps(value)), value
+    for value in bad:
+        assert not rx.fullmatch(json.dumps(value)), value
+
+
+def test_ipv6_texts_are_exactly_pythons():
+    """Every text of up to 17 pieces '1', ':' and one IPv4 address at most (a seeded sample of 40,000) is taken
+    exactly when `ipaddress.IPv6Address` takes it: where `::` may stand, how many groups, the IPv4 tail."""
+    rx, rng = Regex(schema_pattern({"type": "string", "format": "ipv6"})), random.Random(6)
+    for _ in range(40_000):
+        pieces = [rng.choice("1:") for _ in range(rng.randrange(1, 17))]
+        if rng.random() < 0.3:
+            pieces.insert(rng.randrange(len(pieces) + 1), "1.2.3.4")
+        text = "".join(pieces)
+        assert bool(rx.fullmatch(json.dumps(text))) == _is_ipv6(text), text
+
+
+def _match_lengths(rx: Regex) -> tuple[int, int | None]:
+    """The fewest and most characters of a whole match of `rx` over printable ASCII (None: no most), from its whole
+    automaton: the shortest path to a match, and the longest (None when a loop lies on one)."""
+    graph, todo = {}, [rx.start]
+    while todo:
+        state = todo.pop()
+        if state not in graph:
+            graph[state] = [n for c in map(chr, range(0x20, 0x7F)) if (n := rx.step(state, c))]
+            todo += graph[state]
+    dist, queue = {rx.start: 0}, collections.deque([rx.start])
+    while queue:
+        state = queue.popleft()
+        for n in graph[state]:
+            if n not in dist:
+                dist[n] = dist[state] + 1
+                queue.append(n)
+    longest, active = {}, set()
+
+    def most(state) -> int:  # -1: no match from here
+        if state in active:
+            raise OverflowError
+        if state not in longest:
+            active.add(state)
+            longest[state] = max([most(n) + 1 for n in graph[state] if most(n) >= 0] + [0 if rx.accepts(state) else -1])
+            active.discard(state)
+        return longest[state]
+
+    try:
+        top = most(rx.start)
+    except OverflowError:
+        top = None
+    return min(d for state, d in dist.items() if rx.accepts(state)), top
+
+
+def test_format_lengths_are_the_written_texts_and_length_bounds_beside_formats():
+    """minLength / maxLength beside a format are taken where every text the format is written as meets them
+    (pydantic's AnyUrl says minLength 1): the table of each format's fewest and most characters is its automaton's.
+    HttpUrl's maxLength 2083 is refused (a uri's path has no bound here)."""
+    for fmt, (shortest, longest) in _FORMAT_LENGTHS.items():
+        assert _match_lengths(Regex(_FORMATS[fmt])) == (shortest, longest), fmt
+        rx = Regex(schema_pattern({"type": "string", "format": fmt, "minLength": shortest,
+                                   **({} if longest is None else {"maxLength": longest})}))
+        assert rx.fullmatch(json.dumps(FORMAT_CASES[fmt][2][0] if fmt in FORMAT_CASES else "2024-01-01"
+                                       if fmt == "date" else "00:00:00Z" if fmt == "time" else
+                                       "2024-01-01T00:00:00Z" if fmt == "date-time" else str(uuid.UUID(int=5))))
+
+    class Links(pydantic.BaseModel):
+        home: pydantic.AnyUrl
+        when: datetime.timedelta
+        ip: ipaddress.IPv4Address
+        ip6: ipaddress.IPv6Address
+
+    rx = Regex(schema_pattern(Links.model_json_schema()))
+    texts = _walks(rx, seed=3, count=20, limit=400, alphabet='"{}:, ahtps/.19PDTHMSomewni6')
+    assert len(texts) >= 10
+    for text in texts:
+        Links.model_validate_json(text)
+
+    class Site(pydantic.BaseModel):
+        url: pydantic.HttpUrl
+
+    with pytest.raises(SchemaError, match="at /properties/url/format: minLength or maxLength beside format"):
+        schema_pattern(Site.model_json_schema())
+
+
 def test_an_unanchored_pattern_matches_anywhere_and_only_printable_ascii_is_generated():
     """JSON Schema's `pattern` is a search unless anchored: Python's `re.search` agrees with every walk, and the
     walks' strings are printable ASCII without escapes."""
@@ -348,7 +488,10 @@ def test_pydantic_models_schemas_give_json_the_model_validates():
     ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "minItems": 2}, "no array is valid"),
     ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}},
      "at /properties/a/multipleOf: the keyword 'multipleOf' is not supported"),
-    ({"type": "string", "format": "email"}, "format 'email' is not supported"),
+    ({"type": "string", "format": "iri"}, "format 'iri' is not supported"),
+    ({"type": "string", "format": "uri", "maxLength": 2083}, "supported only where every uri written here meets it"),
+    ({"type": "string", "format": "date", "maxLength": 9}, "(from 10 to 10 characters)"),
+    ({"type": "string", "format": "ipv4", "minLength": 8}, "minLength or maxLength beside format"),
     ({"type": "object", "required": ["a"]}, "required property 'a' is not in properties"),
     ({"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}}, "$ref": "#/$defs/N"},
      "is recursive"),
