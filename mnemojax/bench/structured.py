@@ -36,12 +36,19 @@ PERSON = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"enum": ["admin", "staff", "guest"]}, "maxItems": 3}},
     "required": ["name", "age"]}
 """A JSON schema of the kind `structured_outputs.json` takes (written as a regex by `schema_pattern`)."""
+LINK = {"type": "object", "properties": {
+    "url": {"type": "string", "format": "uri"}, "host": {"type": "string", "format": "ipv6"},
+    "ttl": {"type": "string", "format": "duration"}, "headers": {"type": "object",
+                                                               "additionalProperties": {"type": "string"}}},
+    "required": ["url", "host", "ttl"]}
+"""One with formats (pydantic's AnyUrl, IPv6Address, timedelta) and a dict[str, str]."""
 PATTERNS = {
     "phone": r"\(\d{3}\) \d{3}-\d{4}",
     "yes/no + reason": r"(yes|no), because [a-z ]{10,60}\.",
     "sentence": r"[A-Z][a-z]+( [a-z]+){3,12}\.",
     "anything, 80 chars": r"(.|\n){0,80}",
     "json schema: person": schema_pattern(PERSON, whitespace_pattern=" ?"),
+    "json schema: link": schema_pattern(LINK, whitespace_pattern=" ?"),
 }
 
 

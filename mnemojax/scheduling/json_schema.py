@@ -19,8 +19,11 @@ let invalid JSON in:
   `mnemojax.scheduling.regex` read the pattern alike (JSON Schema's `pattern` matches anywhere unless anchored); a
   pattern that ECMA-262 reads otherwise (`\\a`, `{,n}`, `]` first in a class, `(?P<`) is refused;
 - numbers with bounds have no exponent; the bounds are compared as exact decimals, a float bound as its shortest
-  repr (0.1 is 0.1). A validator that reads numbers as binary floats can disagree with an exclusive bound on a
-  number of more than 16 significant digits (`0.10000000000000000001` rounds to 0.1).
+  repr (0.1 is 0.1; an integral one past 2**53 the tighter of its repr and its value). So that a validator that
+  reads a fraction as a float (an integer as an exact int: jsonschema, pydantic) agrees, a bounded number of 10**15
+  or more has no fraction, a fraction that must not be 0 starts with at most 306 zeros, and bounds below the
+  smallest normal float are refused. Such a validator can still disagree with an exclusive bound on a number of
+  more than 16 significant digits (`0.10000000000000000001` reads as 0.1).
 
 Whitespace: between tokens the default is any run of JSON whitespace `[ \\n\\t]*` (xgrammar's default);
 `disable_any_whitespace` writes `, ` and `: ` and nothing else (xgrammar's); `whitespace_pattern` (outlines') puts
@@ -88,7 +91,15 @@ _DIGITS = "[0-9]"
 _INTEGER = "-?(?:0|[1-9][0-9]*)"
 _NUMBER = _INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 _SCALAR = f'(?:"{_CHAR}*"|{_NUMBER}|true|false|null)'
-_ANY_FRACTION, _ZERO_FRACTION, _POSITIVE_FRACTION = r"(?:\.[0-9]+)?", r"(?:\.0+)?", r"\.[0-9]*[1-9][0-9]*"
+_MAX_BOUND = 10 ** 1000
+_MIN_NORMAL = 2.2250738585072014e-308
+_WHOLE = 10 ** 15
+"""A bounded number this large or larger is written without a fraction: past 2**53 not every integer is a float, and
+a validator that reads a fraction as a float (an integer as an exact int) could round it past a bound."""
+_LEADING_ZEROS = 306
+"""The most zeros a fraction that must not be 0 starts with (0.000...1 with more would read as a float as 0, or as a
+subnormal, which rounds past the bound: pydantic's PositiveFloat is `exclusiveMinimum: 0`)."""
+_ANY_FRACTION = r"(?:\.[0-9]+)?"
 _YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
 _DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
@@ -206,7 +217,7 @@ def _digits(a: str | None, a_in: bool, b: str | None, b_in: bool) -> tuple[list[
             return None
     if not a and not b:  # each end is None or 0 (a == "": 0 left out)
         if b is None:
-            return ([f"{_DIGITS}+"], True) if a is None else ([f"{_DIGITS}*[1-9]{_DIGITS}*"], False)
+            return ([f"{_DIGITS}+"], True) if a is None else ([f"0{{0,{_LEADING_ZEROS}}}[1-9]{_DIGITS}*"], False)
         return (["0+"], True) if a is None and b_in else None
     first, last = int(a[0]) if a else 0, int(b[0]) if b is not None else 9
     tails = []
@@ -238,6 +249,16 @@ def _fraction(a: str | None, a_in: bool, b: str | None, b_in: bool) -> str | Non
     return _optional([r"\." + _group(alts)], empty) if alts else ""
 
 
+def _bound(v: int | float, lower: bool) -> Decimal:
+    """A bound as an exact decimal. A float is the decimal it is written as (its shortest repr: 0.1 is 0.1), which
+    a float validator reads alike; an integral float past 2**53, whose repr (1e+23) and value (99999999999999991611392)
+    differ as integers compare, is the tighter of the two (a validator compares an integer with the float's value)."""
+    if not isinstance(v, float):
+        return Decimal(v)
+    written = Decimal(float.__repr__(v))  # (float.__repr__: a float subclass's repr may be another text)
+    return (max if lower else min)(written, Decimal(v)) if v.is_integer() else written
+
+
 def _parts(v: Decimal) -> tuple[int, str]:
     """A non-negative decimal's integer part and its fraction's digits (no trailing zeros)."""
     whole, _, frac = format(v, "f").partition(".")
@@ -245,23 +266,29 @@ def _parts(v: Decimal) -> tuple[int, str]:
 
 
 def _magnitude(lo: Decimal, lo_in: bool, hi: Decimal | None, hi_in: bool) -> str | None:
-    """A regex for the non-negative decimals n[.f] (no exponent) from lo to hi (None: no end); `lo_in`, `hi_in`:
-    whether each end is included. None when there are none."""
+    """A regex for the non-negative decimals n[.f] (no exponent) from lo to hi (None: no end), those from _WHOLE on
+    integers; `lo_in`, `hi_in`: whether each end is included. None when there are none."""
     if hi is not None and (hi < lo or (hi == lo and not (lo_in and hi_in))):
         return None
-    (li, lf), (hi_int, hf) = _parts(lo), (None, None) if hi is None else _parts(hi)
-    if hi_int == li:  # one integer part
-        f = _fraction(lf, lo_in, hf, hi_in)
-        return None if f is None else str(li) + f
     out = []
-    f = _fraction(lf, lo_in, None, True)
-    if f is not None:
-        out.append(str(li) + f)
-    if hi_int is None or hi_int - li >= 2:  # integer parts strictly between: any fraction
-        out.append(natural_range(li + 1, None if hi_int is None else hi_int - 1) + _ANY_FRACTION)
-    f = None if hi is None else _fraction(None, True, hf, hi_in)
-    if f is not None:
-        out.append(str(hi_int) + f)
+    if lo < _WHOLE:
+        top, top_in = (hi, hi_in) if hi is not None and hi < _WHOLE else (Decimal(_WHOLE), False)
+        (li, lf), (hi_int, hf) = _parts(lo), _parts(top)
+        if hi_int == li:  # one integer part
+            f = _fraction(lf, lo_in, hf, top_in)
+            out += [] if f is None else [str(li) + f]
+        else:
+            f = _fraction(lf, lo_in, None, True)
+            out += [] if f is None else [str(li) + f]
+            if hi_int - li >= 2:  # integer parts strictly between: any fraction
+                out.append(natural_range(li + 1, hi_int - 1) + _ANY_FRACTION)
+            f = _fraction(None, True, hf, top_in)
+            out += [] if f is None else [str(hi_int) + f]
+    if hi is None or hi >= _WHOLE:  # integers
+        first = max(math.ceil(lo) if lo_in else math.floor(lo) + 1, _WHOLE)
+        last = None if hi is None else math.floor(hi) if hi_in else math.ceil(hi) - 1
+        if last is None or first <= last:
+            out.append(natural_range(first, last))
     return _group(out) if out else None
 
 
@@ -300,7 +327,8 @@ def _char_except(chars: set[str]) -> str:
             if c > lo:
                 taken.append((lo, c - 1))
             lo = c + 1
-    taken.append((lo, 0x10FFFF))
+    if lo <= 0x10FFFF:
+        taken.append((lo, 0x10FFFF))
     letters = [letter for c, letter in _SHORT_ESCAPES.items() if c not in chars]
     return "(?:" + _class(taken) + ("|\\\\" + _class([(ord(x), ord(x)) for x in letters]) if letters else "") + ")"
 
@@ -640,6 +668,8 @@ class _Writer:
     def count(self, schema, name: str, path: str, default: int | None, capped: bool = True) -> int | None:
         """A count keyword's value; `capped`: refused above MAX_REPEAT (the counts a regex repeats)."""
         v = schema.get(name, default)
+        if name in schema and v is None:
+            raise self.fail(f"{path}/{name}", f"{name} must be a non-negative integer, got None")
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v)
                               or v != int(v) or v < 0):
             raise self.fail(f"{path}/{name}", f"{name} must be a non-negative integer, got {v!r}")
@@ -691,19 +721,24 @@ class _Writer:
         return ("" if start else anywhere) + _unparse(node, _SAFE) + ("" if end else anywhere)
 
     def number(self, schema, path, t):
-        bounds = {}
+        bounds, exact = {}, {}
         for name in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
-            v = schema.get(name)
-            if v is None:
+            if name not in schema:
                 continue
+            v = schema[name]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
                 raise self.fail(f"{path}/{name}", f"{name} must be a finite number, got {v!r}")
-            bounds[name] = v
+            if isinstance(v, int) and abs(v) > _MAX_BOUND:
+                raise self.fail(f"{path}/{name}", f"a {name} of more than 1000 digits is not supported")
+            if isinstance(v, float) and v != 0 and abs(v) < _MIN_NORMAL:
+                raise self.fail(f"{path}/{name}", f"{name} {v!r} is below the smallest normal float (a validator "
+                                                  f"reading numbers as floats rounds there)")
+            bounds[name], exact[name] = v, _bound(v, lower=name.endswith("inimum"))
         if t == "integer":
-            los = [math.ceil(bounds["minimum"])] if "minimum" in bounds else []
-            los += [math.floor(bounds["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in bounds else []
-            his = [math.floor(bounds["maximum"])] if "maximum" in bounds else []
-            his += [math.ceil(bounds["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in bounds else []
+            los = [math.ceil(exact["minimum"])] if "minimum" in bounds else []
+            los += [math.floor(exact["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in bounds else []
+            his = [math.floor(exact["maximum"])] if "maximum" in bounds else []
+            his += [math.ceil(exact["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in bounds else []
             lo, hi = max(los, default=None), min(his, default=None)
             if lo is not None and hi is not None and lo > hi:
                 raise self.fail(path, f"no integer is within the bounds {bounds}")
@@ -712,8 +747,8 @@ class _Writer:
             return _NUMBER
         lo = hi = None
         lo_in = hi_in = True
-        for name, v in bounds.items():  # (a float as the decimal it is written as: 0.1 is 0.1)
-            v, inclusive = Decimal(repr(v)) if isinstance(v, float) else Decimal(v), not name.startswith("exclusive")
+        for name, v in exact.items():
+            inclusive = not name.startswith("exclusive")
             if name.endswith("inimum") and (lo is None or v > lo or (v == lo and not inclusive)):
                 lo, lo_in = v, inclusive
             if name.endswith("aximum") and (hi is None or v < hi or (v == hi and not inclusive)):
@@ -748,8 +783,8 @@ class _Writer:
             raise self.fail(f"{path}/maxProperties", f"maxProperties {hi} is below minProperties {lo}")
         if not props:
             return r"\{" + self.ws + self.pairs(pair, lo, hi, path) + self.ws + r"\}"
-        if lo > len(required) or (hi is not None and (pair is not None or hi < len(props))):
-            name = "minProperties" if lo > len(required) else "maxProperties"
+        if lo > len(set(required)) or (hi is not None and (pair is not None or hi < len(props))):
+            name = "minProperties" if lo > len(set(required)) else "maxProperties"
             raise self.fail(f"{path}/{name}", f"{name} beside properties is supported only when every object of "
                                               f"the properties meets it")
 
@@ -916,7 +951,7 @@ def schema_pattern(schema, *, disable_any_whitespace: bool = False, whitespace_p
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # (a JSONDecodeError, or an integer of more digits than Python converts)
             raise SchemaError(f"not a JSON schema: {e}") from None
     if not isinstance(schema, dict):
         raise SchemaError(f"a JSON schema must be an object, got {schema!r}")
