@@ -9,6 +9,8 @@ from jax._src import dispatch
 from mnemojax.engine.llm_engine import EngineConfig, LLMEngine
 from mnemojax.scheduling.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # (a precompiled engine: ~25 s; the default suite's ten minutes, forty-seventh session)
+
 EVENTS = (dispatch.JAXPR_TO_MLIR_MODULE_EVENT, dispatch.BACKEND_COMPILE_EVENT)
 
 
@@ -93,7 +95,6 @@ def test_mixed_workload_after_start_up_compiles_nothing(engine_and_warm_up_event
     assert engine.kv.num_used == 0
 
 
-@pytest.mark.slow  # (two engines precompiled: ~25 s)
 def test_precompile_structured_outputs_compiles_the_masked_variants_too():
     """Steps with structured outputs' rows (token masks) are their own compiled variant: after a plain precompile a
     regex request lowers a step; with `precompile_structured_outputs` it lowers and compiles nothing (a json_object

@@ -1,6 +1,8 @@
 """Steps by kind (issue 12, item 2): with attention kernels, the executor compiles a step per kind (decode only,
 prefill only, mixed) and runs each step as the kind its micro-batches hold, so a decode-only step launches no
 prefill kernel. Results equal the reference attention's; with the reference there is one kind."""
+import pytest
+
 from mnemojax import LLM, SamplingParams
 from models.kernels import DECODE, MIXED, PREFILL, step_kind
 
@@ -10,6 +12,7 @@ def test_step_kind_of_query_token_counts():
     assert step_kind([]) == MIXED
 
 
+@pytest.mark.slow  # ~20 s (the default suite's ten minutes, forty-seventh session)
 def test_engine_runs_each_kind_and_matches_the_reference():
     kw = dict(model="tiny", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32)
     prompts = [list(range(5, 45)), list(range(100, 103))]

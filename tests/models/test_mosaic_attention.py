@@ -593,7 +593,8 @@ def test_compiled_kernels_lower_to_mosaic_gpu(num_heads, page, options):
 H100_SMEM_PER_SM, H100_SMEM_PER_BLOCK, SMEM_RESERVED_PER_BLOCK = 228 * 1024, 227 * 1024, 1024
 
 
-@pytest.mark.parametrize("head_dim", [pytest.param(64, id="hd64-llama3.2-1b"), pytest.param(128, id="hd128-8b-70b"),
+@pytest.mark.parametrize("head_dim", [pytest.param(64, id="hd64-llama3.2-1b", marks=pytest.mark.slow),  # ~12 s each
+                                      pytest.param(128, id="hd128-8b-70b"),
                                       pytest.param(256, id="hd256", marks=pytest.mark.slow)])
 def test_compiled_kernels_fit_hopper_shared_memory(head_dim):
     """Mosaic GPU's lowering sums the kernel's SMEM and refuses a kernel over the limit. Every output path (split-K
@@ -1135,6 +1136,7 @@ def _layout(seqs, page: int = 16) -> AttentionMetadata:
                              kv_start=jnp.zeros(len(seqs), jnp.int32))
 
 
+@pytest.mark.slow  # ~31 s (the default suite's ten minutes, forty-seventh session)
 def test_compute_bound_prefill_at_head_dim_64_takes_three_consumers_with_overlap():
     """The thirty-eighth session's default (measured on an H100 and an H200, docs/benchmarks.md): at head dim 64 a
     compiled prefill launch that fills its partitions' worth of tiles takes programs of three consumers (192 rows:

@@ -636,6 +636,7 @@ def test_the_step_plans_the_kernels_tiles_once_for_all_layers(impl, dtype):
         assert (one["pallas_call"], three["pallas_call"]) == (2, 6)
 
 
+@pytest.mark.slow  # ~19 s (the default suite's ten minutes, forty-seventh session)
 def test_a_plan_gives_the_same_bits_and_owns_its_options():
     """attention(..., plan=plan_attention(...)) equals attention(...) bit for bit (mixed and decode-only steps,
     the persistent grid too); tiling options or another kind beside a plan, or a plan for the reference, raise;

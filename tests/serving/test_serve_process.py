@@ -24,6 +24,7 @@ def _stream_lines(url, body, lines, first_events: threading.Event):
     first_events.set()
 
 
+@pytest.mark.slow  # ~20 s (the default suite's ten minutes, forty-seventh session)
 def test_sigterm_stops_intake_answers_in_flight_and_exits_0():
     """SIGTERM: new requests are refused; a stream and a beam search in flight (their steps take turns with the
     stream's) outlive the grace and are answered, aborted; the process exits 0."""
