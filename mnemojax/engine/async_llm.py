@@ -293,10 +293,10 @@ class AsyncLLM:
         """vLLM's `n` on one call: n requests (`<rid>-<j>`, sequence j drawing with seed + j when seeded, so
         sequence 0 is the request with n = 1) whose outputs come as one request's, `rid`: CUMULATIVE ones hold the
         latest output of every sequence that has one (`outputs[k].index` its sequence), DELTA ones what one
-        sequence added (`outputs` that one; the prompt in the first output only, as for n = 1), FINAL_ONLY one output when all have ended; `finished` once all have.
-        The request id, metrics and cached tokens are those of the sequence the output comes from (CUMULATIVE:
-        the first). Each sequence has at most one output waiting here (its own stream merges the rest); the first
-        failure of any ends them all, as leaving early does."""
+        sequence added (`outputs` that one; the prompt in the first output only, as for n = 1), FINAL_ONLY one
+        output when all have ended; `finished` once all have. The request id, metrics and cached tokens are those
+        of the sequence the output comes from (CUMULATIVE: the first). Each sequence has at most one output waiting
+        here (its own stream merges the rest); the first failure of any ends them all, as leaving early does."""
         kids = params.sequences()
         self._parents[rid] = [f"{rid}-{j}" for j in range(params.n)]
         arrived: asyncio.Queue = asyncio.Queue()

@@ -51,6 +51,7 @@ import itertools
 import json
 import math
 import re
+import sys
 import urllib.parse
 from decimal import Decimal
 
@@ -78,6 +79,8 @@ _TYPED = {
 }
 _KNOWN = set().union(*_TYPED.values()) | _ANNOTATIONS | {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
                                                         "uniqueItems"}
+_WHOLE_SCHEMA = ("$ref", "enum", "const", "anyOf", "oneOf", "allOf")
+"""The keywords that give a schema's values by themselves (`type` may stand beside `enum` / `const`)."""
 _INFERRED = ("object", "array", "string", "number")  # the type a schema without `type` takes from its keywords
 
 _CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])'
@@ -92,7 +95,6 @@ _INTEGER = "-?(?:0|[1-9][0-9]*)"
 _NUMBER = _INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 _SCALAR = f'(?:"{_CHAR}*"|{_NUMBER}|true|false|null)'
 _MAX_BOUND = 10 ** 1000
-_MIN_NORMAL = 2.2250738585072014e-308
 _WHOLE = 10 ** 15
 """A bounded number this large or larger is written without a fraction: past 2**53 not every integer is a float, and
 a validator that reads a fraction as a float (an integer as an exact int) could round it past a bound."""
@@ -126,6 +128,7 @@ def _ipv6() -> str:
     return "(?:" + "|".join(dict.fromkeys(out)) + ")"
 
 
+_IPV6 = _ipv6()
 _LABEL = "[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,60}[a-zA-Z0-9])?"  # (up to 62 characters)
 _TOP_LABEL = "[a-zA-Z](?:[a-zA-Z0-9-]{0,60}[a-zA-Z0-9])?"
 _HOSTNAME = rf"(?:{_LABEL}\.){{0,3}}{_TOP_LABEL}"
@@ -135,7 +138,7 @@ _EMAIL = rf"{_ATEXT}{{1,32}}(?:\.{_ATEXT}{{1,31}})?@(?:{_LABEL}\.){{1,3}}{_TOP_L
 """RFC 5321's dot-atom (up to two atoms, 64 characters) at a host name of two labels or more."""
 _PORT = "(?:[1-5]?[0-9]{1,4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"  # (0 to 65535)
 _PCHAR = "(?:[a-zA-Z0-9._~!$&'()*+,;=:@-]|%[0-9a-fA-F]{2})"
-_URI = (rf"[a-zA-Z][a-zA-Z0-9+.-]*://(?:{_HOSTNAME}|{_IPV4}|\[{_ipv6()}\])(?::{_PORT})?"
+_URI = (rf"[a-zA-Z][a-zA-Z0-9+.-]*://(?:{_HOSTNAME}|{_IPV4}|\[{_IPV6}\])(?::{_PORT})?"
         rf"(?:/{_PCHAR}*)*(?:\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?")
 """RFC 3986's URIs with an authority (`scheme://host[:port]`, no user info, a port up to 65535 as URL parsers
 want), then a path, a query, a fragment."""
@@ -145,7 +148,7 @@ _DURATION = (rf"P(?:(?:{_DIGITS6}D|{_DIGITS6}M(?:{_DIGITS6}D)?|{_DIGITS6}Y(?:{_D
              rf"(?:{_DURATION_TIME})?|{_DURATION_TIME}|{_DIGITS6}W)")
 """RFC 3339's duration (Appendix A), numbers of up to 6 digits."""
 _FORMATS = {"date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}", "duration": _DURATION,
-            "ipv4": _IPV4, "ipv6": _ipv6(), "hostname": _HOSTNAME, "email": _EMAIL, "uri": _URI,
+            "ipv4": _IPV4, "ipv6": _IPV6, "hostname": _HOSTNAME, "email": _EMAIL, "uri": _URI,
             "uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"}
 _FORMAT_LENGTHS = {"date": (10, 10), "time": (9, None), "date-time": (20, None), "duration": (3, 44), "ipv4": (7, 15),
                    "ipv6": (2, 45), "hostname": (1, 251), "email": (5, 316), "uri": (5, None), "uuid": (36, 36)}
@@ -275,15 +278,12 @@ def _magnitude(lo: Decimal, lo_in: bool, hi: Decimal | None, hi_in: bool) -> str
         top, top_in = (hi, hi_in) if hi is not None and hi < _WHOLE else (Decimal(_WHOLE), False)
         (li, lf), (hi_int, hf) = _parts(lo), _parts(top)
         if hi_int == li:  # one integer part
-            f = _fraction(lf, lo_in, hf, top_in)
-            out += [] if f is None else [str(li) + f]
+            ends = [(li, _fraction(lf, lo_in, hf, top_in))]
         else:
-            f = _fraction(lf, lo_in, None, True)
-            out += [] if f is None else [str(li) + f]
+            ends = [(li, _fraction(lf, lo_in, None, True)), (hi_int, _fraction(None, True, hf, top_in))]
             if hi_int - li >= 2:  # integer parts strictly between: any fraction
                 out.append(natural_range(li + 1, hi_int - 1) + _ANY_FRACTION)
-            f = _fraction(None, True, hf, top_in)
-            out += [] if f is None else [str(hi_int) + f]
+        out += [str(whole) + f for whole, f in ends if f is not None]
     if hi is None or hi >= _WHOLE:  # integers
         first = max(math.ceil(lo) if lo_in else math.floor(lo) + 1, _WHOLE)
         last = None if hi is None else math.floor(hi) if hi_in else math.ceil(hi) - 1
@@ -601,10 +601,10 @@ class _Writer:
         unique = schema.get("uniqueItems", False)
         if not isinstance(unique, bool):
             raise self.fail(f"{path}/uniqueItems", f"uniqueItems must be a boolean, got {unique!r}")
-        if unique and ({"$ref", "enum", "const", "anyOf", "oneOf", "allOf"} & set(schema)
+        if unique and (set(_WHOLE_SCHEMA) & set(schema)
                        or "array" not in self.types(schema, path)):
             raise self.fail(f"{path}/uniqueItems", "uniqueItems is supported only beside an array's items")
-        for key in ("$ref", "enum", "const", "anyOf", "oneOf", "allOf"):
+        for key in _WHOLE_SCHEMA:
             if key not in schema:
                 continue
             others = sorted(set(schema) - _ANNOTATIONS - {key, "uniqueItems"} - ({"type"} if key in ("enum", "const")
@@ -730,7 +730,7 @@ class _Writer:
                 raise self.fail(f"{path}/{name}", f"{name} must be a finite number, got {v!r}")
             if isinstance(v, int) and abs(v) > _MAX_BOUND:
                 raise self.fail(f"{path}/{name}", f"a {name} of more than 1000 digits is not supported")
-            if isinstance(v, float) and v != 0 and abs(v) < _MIN_NORMAL:
+            if isinstance(v, float) and v != 0 and abs(v) < sys.float_info.min:
                 raise self.fail(f"{path}/{name}", f"{name} {v!r} is below the smallest normal float (a validator "
                                                   f"reading numbers as floats rounds there)")
             bounds[name], exact[name] = v, _bound(v, lower=name.endswith("inimum"))
@@ -788,18 +788,22 @@ class _Writer:
             raise self.fail(f"{path}/{name}", f"{name} beside properties is supported only when every object of "
                                               f"the properties meets it")
 
-        # From the last property back: after[i], the properties from the i-th on when one was written before them
-        # (each needs a separator); first[i], when none was (the first one written has none). Past the last one,
-        # the other properties (additionalProperties), if any.
-        after, first = [""] * (len(items) + 1), [""] * (len(items) + 1)
-        if pair is not None:
-            after[-1], first[-1] = f"(?:{self.item_sep}{pair})*", self.pairs(pair, 0, None, path)
-        for i in reversed(range(len(items))):
-            kv, req = items[i]
+        ends = ("", "") if pair is None else (f"(?:{self.item_sep}{pair})*", self.pairs(pair, 0, None, path))
+        return r"\{" + self.ws + self.run(items, *ends, path) + self.ws + r"\}"
+
+    def run(self, items: list[tuple[str, bool]], after_last: str, first_last: str | None, path: str) -> str:
+        """Items (an object's properties, a set's values) in order, each (its regex, whether it is required), a
+        separator between each two written; what may follow them, `after_last` when one was written before and
+        `first_last` when none was (None: one must be). From the last item back: after, the items from the i-th on
+        when one was written before them (each needs a separator); first, when none was (the first one written has
+        none)."""
+        after, first = after_last, first_last
+        for kv, required in reversed(items):
             sep_kv = self.item_sep + kv
-            after[i] = self.sized(sep_kv + after[i + 1] if req else f"(?:{sep_kv})?" + after[i + 1], path)
-            first[i] = self.sized(kv + after[i + 1] if req else f"(?:{kv}{after[i + 1]}|{first[i + 1]})", path)
-        return r"\{" + self.ws + first[0] + self.ws + r"\}"
+            after, first = (
+                self.sized(sep_kv + after if required else f"(?:{sep_kv})?" + after, path),
+                self.sized(kv + after if required or first is None else f"(?:{kv}{after}|{first})", path))
+        return first
 
     def other_pair(self, schema, props: dict, path: str) -> str | None:
         """A property past `properties` (`"key": value`), or None when none is generated. From an
@@ -830,7 +834,7 @@ class _Writer:
         else:
             if not isinstance(names, dict):
                 raise self.fail(f"{path}/propertyNames", f"propertyNames must be a schema, got {names!r}")
-            if "type" not in names and not {"$ref", "enum", "const", "anyOf", "oneOf", "allOf"} & set(names):
+            if "type" not in names and not set(_WHOLE_SCHEMA) & set(names):
                 names = {**names, "type": "string"}  # (a name is a string: what it says of others does not apply)
             if self.kinds(names, f"{path}/propertyNames") != {"string"}:
                 raise self.fail(f"{path}/propertyNames", "propertyNames must take strings only")
@@ -922,14 +926,8 @@ class _Writer:
             name = "minItems" if lo > 1 else "maxItems"
             raise self.fail(f"{path}/{name}", f"{name} beside uniqueItems is supported only when every subset of "
                                               f"the {len(values)} values meets it")
-        # As an object's optional properties: after[i], the values from the i-th on when one was written before them;
-        # first[i], when none was (at least one of them).
-        after, first = [""] * (len(values) + 1), [None] * (len(values) + 1)
-        for i in reversed(range(len(values))):
-            after[i] = self.sized(f"(?:{self.item_sep}{values[i]})?" + after[i + 1], path)
-            head = values[i] + after[i + 1]
-            first[i] = self.sized(head if first[i + 1] is None else f"(?:{head}|{first[i + 1]})", path)
-        return r"\[" + self.ws + (first[0] if lo else f"(?:{first[0]})?") + self.ws + r"\]"
+        body = self.run([(v, False) for v in values], "", "" if lo == 0 else None, path)
+        return r"\[" + self.ws + body + self.ws + r"\]"
 
 
 def _writer(schema, disable_any_whitespace: bool, whitespace_pattern: str | None) -> _Writer:

@@ -1,9 +1,9 @@
 """The server's Prometheus metrics (`GET /metrics`), named like vLLM's with a `mnemojax_` prefix.
 
 Latency histograms are observed when a request finishes, from the engine's own timestamps. A beam search counts
-as its choices, each a request finished at the search's end; the engine requests of its steps are not counted. Gauges (running and
-waiting requests, KV pages) and the preemption and step-failure counters are read at scrape time from the engine
-thread's published snapshot (`AsyncLLM.stats()`), so a scrape never touches the engine.
+as its choices, each a request finished at the search's end; the engine requests of its steps are not counted.
+Gauges (running and waiting requests, KV pages) and the preemption and step-failure counters are read at scrape
+time from the engine thread's published snapshot (`AsyncLLM.stats()`), so a scrape never touches the engine.
 """
 from __future__ import annotations
 
@@ -83,21 +83,22 @@ class ServerMetrics:
             self.ttft.labels(**self._label).observe(m.ttft)
         for gap in m.tbt:
             self.tbt.labels(**self._label).observe(gap)
-        if m.finished_time is not None:
-            self.e2e.labels(**self._label).observe(m.finished_time - m.arrival_time)
-        self.prompt_tokens.labels(**self._label).inc(len(out.prompt_token_ids))
-        self.generation_tokens.labels(**self._label).inc(len(c.token_ids))
-        self.finished.labels(**self._label, finished_reason=str(c.finish_reason)).inc()
+        self._finished(len(out.prompt_token_ids), c, None if m.finished_time is None
+                       else m.finished_time - m.arrival_time)
 
     def observe_search(self, prompt_tokens: int, outputs: list[CompletionOutput], seconds: float) -> None:
         """A beam search's end: each of its choices (`outputs`) a finished request of `prompt_tokens` prompt tokens
         and its own generated ones, `seconds` long end to end (the search's; no TTFT or TBT: the tokens of a
         choice are known only at the end)."""
         for c in outputs:
-            self.e2e.labels(**self._label).observe(seconds)
-            self.prompt_tokens.labels(**self._label).inc(prompt_tokens)
-            self.generation_tokens.labels(**self._label).inc(len(c.token_ids))
-            self.finished.labels(**self._label, finished_reason=str(c.finish_reason)).inc()
+            self._finished(prompt_tokens, c, seconds)
+
+    def _finished(self, prompt_tokens: int, c: CompletionOutput, e2e: float | None) -> None:
+        if e2e is not None:
+            self.e2e.labels(**self._label).observe(e2e)
+        self.prompt_tokens.labels(**self._label).inc(prompt_tokens)
+        self.generation_tokens.labels(**self._label).inc(len(c.token_ids))
+        self.finished.labels(**self._label, finished_reason=str(c.finish_reason)).inc()
 
     def observe_error(self, status: int) -> None:
         self.http_errors.labels(**self._label, status=str(status)).inc()
